@@ -1,0 +1,32 @@
+// Loading and storing float32/float16/bfloat16 tensors element by element, as float32.
+#pragma once
+
+#include <cstdint>
+
+#include "turboquant/format.h"
+#include "turboquant/numerics.h"
+
+namespace turboquant::cpu {
+
+inline float load_float(DType dt, const void* base, int64_t i) {
+  switch (dt) {
+    case DType::kFloat16: return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
+    case DType::kBFloat16: return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+inline void store_float(DType dt, void* base, int64_t i, float v) {
+  switch (dt) {
+    case DType::kFloat16: static_cast<uint16_t*>(base)[i] = f32_to_f16(v); break;
+    case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = f32_to_bf16(v); break;
+    default: static_cast<float*>(base)[i] = v; break;
+  }
+}
+
+// n contiguous elements starting at element `first`.
+inline void load_row(DType dt, const void* base, int64_t first, int n, float* out) {
+  for (int i = 0; i < n; ++i) out[i] = load_float(dt, base, first + i);
+}
+
+}  // namespace turboquant::cpu

@@ -1,0 +1,73 @@
+// Shared helpers of the ONNX Runtime adapter: error messages, attribute reading, dtype mapping and
+// the bridge from the kernels' ParallelFor to ORT's intra-op thread pool.
+#pragma once
+
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "turboquant/cpu_kernels.h"
+
+namespace turboquant::ort {
+
+// An invalid input or attribute. Its message names the op and what was expected; the kernels'
+// ComputeV2 turns it into an ORT_INVALID_ARGUMENT status.
+struct InvalidArgument : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <typename... Args>
+[[noreturn]] void fail(const char* op, Args&&... args) {
+  std::ostringstream os;
+  os << op << ": ";
+  (os << ... << args);
+  throw InvalidArgument(os.str());
+}
+
+std::string shape_str(const std::vector<int64_t>& s);
+
+// Attribute with a default when absent.
+int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t dflt);
+float attr_float(const OrtKernelInfo* info, const char* name, float dflt);
+std::string attr_string(const OrtKernelInfo* info, const char* name, const std::string& dflt);
+
+// The format named by a string attribute; fails with the list of valid names.
+Format attr_format(const char* op, const OrtKernelInfo* info, const char* name, const char* dflt);
+bool attr_bool(const char* op, const OrtKernelInfo* info, const char* name, bool dflt);
+
+DType to_dtype(ONNXTensorElementDataType t);
+const char* dtype_name(ONNXTensorElementDataType t);
+
+// ParallelFor over the session's intra-op thread pool.
+cpu::ParallelFor ort_parallel_for(const OrtKernelContext* ctx);
+
+// Runs fn, converting exceptions into an OrtStatus (nullptr on success).
+template <typename Fn>
+OrtStatusPtr guarded(Fn&& fn) {
+  try {
+    fn();
+    return nullptr;
+  } catch (const InvalidArgument& e) {
+    return Ort::Status(e.what(), ORT_INVALID_ARGUMENT).release();
+  } catch (const Ort::Exception& e) {
+    return Ort::Status(e.what(), e.GetOrtErrorCode()).release();
+  } catch (const std::exception& e) {
+    return Ort::Status(e.what(), ORT_RUNTIME_EXCEPTION).release();
+  }
+}
+
+// The CustomOpBase boilerplate shared by every op: a kernel built from the node's attributes,
+// computed under `guarded`.
+template <typename TOp, typename TKernel>
+struct OpBase : Ort::CustomOpBase<TOp, TKernel, /*WithStatus=*/true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info, void** kernel) const {
+    return guarded([&] { *kernel = new TKernel(info, static_cast<const TOp*>(this)->dtype()); });
+  }
+};
+
+}  // namespace turboquant::ort

@@ -1,0 +1,327 @@
+"""TQAttention in ONNX Runtime (CPU) against the numpy reference."""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto
+
+from turboquant import models
+from turboquant.ort import run
+from turboquant.reference import attention, formats
+from turboquant.reference.numerics import bfloat16
+
+NP = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16), TensorProto.BFLOAT16: bfloat16}
+TOL = {TensorProto.FLOAT: 2e-4, TensorProto.FLOAT16: 4e-3, TensorProto.BFLOAT16: 3e-2}
+KEY_FORMATS = ["mse3", "mse4", "fp8", "raw16"]
+VALUE_FORMATS = ["uint3", "uint4", "raw16", "fp8"]
+
+
+def to_layout(x, layout):
+    """[B, H, S, D] -> the op's layout."""
+    if layout == "bhsd":
+        return x
+    b, h, s, d = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b, s, h * d)
+
+
+@st.composite
+def cases(draw):
+    c = {
+        "b": draw(st.integers(1, 2)),
+        "hkv": draw(st.integers(1, 3)),
+        "group": draw(st.sampled_from([1, 2, 4, 5, 8, 12])),
+        "sq": draw(st.integers(1, 4)),
+        "sp": draw(st.sampled_from([0, 1, 3, 17, 40])),
+        "d": draw(st.sampled_from([16, 64, 80, 96, 128, 256])),
+        "kf": draw(st.sampled_from(KEY_FORMATS)),
+        "vf": draw(st.sampled_from(VALUE_FORMATS)),
+        "dtype": draw(st.sampled_from(list(NP))),
+        "layout": draw(st.sampled_from(["bhsd", "bsd"])),
+        "mask": draw(st.sampled_from([None, "bool", "float", "float16"])),
+        "mask_shape": draw(st.sampled_from(["full", "1hqk", "b1qk", "qk", "k"])),
+        "causal": draw(st.booleans()),
+        "scale": draw(st.sampled_from([None, 0.05])),
+        "offsets": draw(st.booleans()),
+        "nc": draw(st.booleans()),
+        "values": draw(st.sampled_from(["normal", "wide", "constant"])),
+        "seed": draw(st.integers(0, 2**31)),
+    }
+    return c
+
+
+def make_inputs(c, rng):
+    b, hkv, hq, sq, sp, d = c["b"], c["hkv"], c["hkv"] * c["group"], c["sq"], c["sp"], c["d"]
+    dt = NP[c["dtype"]]
+
+    def vals(shape):
+        if c["values"] == "constant":
+            return np.broadcast_to(rng.standard_normal((*shape[:-1], 1)), shape).astype(np.float32)
+        scale = 20.0 if c["values"] == "wide" else 1.0
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    q = vals((b, hq, sq, d)).astype(dt)
+    k = vals((b, hkv, sq, d)).astype(dt)
+    v = vals((b, hkv, sq, d)).astype(dt)
+    koff = voff = None
+    if c["offsets"]:
+        koff = rng.standard_normal((hkv, d)).astype(np.float32)
+        voff = rng.standard_normal((hkv, d)).astype(np.float32)
+    pk = formats.pack(vals((b, hkv, sp, d)), c["kf"], c["nc"])
+    pv = formats.pack(vals((b, hkv, sp, d)), c["vf"])
+    st_ = sp + sq
+    mask = None
+    if c["mask"]:
+        shape = {"full": (b, hq, sq, st_), "1hqk": (1, hq, sq, st_), "b1qk": (b, 1, sq, st_), "qk": (sq, st_), "k": (st_,)}[c["mask_shape"]]
+        if c["mask"] == "bool":
+            mask = rng.random(shape) > 0.3
+        else:
+            mask = rng.standard_normal(shape).astype(np.float32)
+            mask[rng.random(shape) < 0.2] = -np.inf
+            mask = mask.astype(np.float16 if c["mask"] == "float16" else np.float32)
+    return q, k, v, mask, pk, pv, koff, voff
+
+
+def model_for(c, mask):
+    mask_type = None
+    if mask is not None:
+        mask_type = {np.dtype(bool): TensorProto.BOOL, np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}[mask.dtype]
+    attrs = {"is_causal": int(c["causal"]), "norm_correction": int(c["nc"])}
+    if c["scale"]:
+        attrs["scale"] = c["scale"]
+    m = models.attention_model(q_heads=c["hkv"] * c["group"], kv_heads=c["hkv"], head_dim=c["d"], key_format=c["kf"],
+                               value_format=c["vf"], dtype=c["dtype"], layout=c["layout"], mask=mask_type,
+                               offsets=c["offsets"], **attrs)
+    if mask is not None:  # the mask's rank varies: leave its shape open
+        m.graph.input[3].type.tensor_type.ClearField("shape")
+    return m
+
+
+def check_case(ort_session, c, threads=2):
+    rng = np.random.default_rng(c["seed"])
+    q, k, v, mask, pk, pv, koff, voff = make_inputs(c, rng)
+    hq, hkv = c["hkv"] * c["group"], c["hkv"]
+    feeds = {"Q": to_layout(q, c["layout"]), "K": to_layout(k, c["layout"]), "V": to_layout(v, c["layout"]),
+             "past_key": pk, "past_value": pv}
+    if mask is not None:
+        feeds["attn_mask"] = mask
+    if c["offsets"]:
+        feeds["key_offset"], feeds["value_offset"] = koff, voff
+    y, prk, prv = run(ort_session(model_for(c, mask), threads), feeds)
+    wy, wk, wv = attention(feeds["Q"], feeds["K"], feeds["V"], mask, pk, pv, koff, voff, key_format=c["kf"],
+                           value_format=c["vf"], norm_correction=c["nc"], is_causal=c["causal"], scale=c["scale"],
+                           q_num_heads=hq, kv_num_heads=hkv)
+    np.testing.assert_array_equal(prk, wk)
+    np.testing.assert_array_equal(prv, wv)
+    assert y.dtype == wy.dtype and y.shape == wy.shape
+    y32, w32 = y.astype(np.float32), wy.astype(np.float32)
+    assert np.all(np.isfinite(y32))
+    span = max(1.0, float(np.abs(w32).max()))
+    np.testing.assert_allclose(y32, w32, rtol=TOL[c["dtype"]], atol=TOL[c["dtype"]] * span)
+
+
+@settings(max_examples=250, deadline=None)
+@given(c=cases())
+def test_matches_reference(ort_session, c):
+    check_case(ort_session, c)
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("kf, vf", [("mse4", "uint4"), ("mse3", "uint4"), ("mse3", "uint3"), ("fp8", "uint4")])
+def test_presets_every_head_dim(ort_session, d, kf, vf):
+    c = dict(b=1, hkv=2, group=4, sq=1, sp=33, d=d, kf=kf, vf=vf, dtype=TensorProto.FLOAT16, layout="bhsd", mask=None,
+             mask_shape="full", causal=True, scale=None, offsets=False, nc=True, values="normal", seed=d)
+    check_case(ort_session, c)
+
+
+def test_threads_give_the_same_result(ort_session):
+    c = dict(b=2, hkv=4, group=4, sq=3, sp=300, d=128, kf="mse4", vf="uint4", dtype=TensorProto.FLOAT, layout="bhsd",
+             mask=None, mask_shape="full", causal=True, scale=None, offsets=True, nc=True, values="normal", seed=7)
+    check_case(ort_session, c, threads=1)
+    check_case(ort_session, c, threads=2)
+
+
+def test_mqa_long_cache_and_empty_past(ort_session):
+    base = dict(b=1, hkv=1, group=32, sq=1, d=128, kf="mse4", vf="uint4", dtype=TensorProto.FLOAT16, layout="bsd",
+                mask=None, mask_shape="full", causal=True, scale=None, offsets=False, nc=True, values="normal", seed=3)
+    check_case(ort_session, {**base, "sp": 2000})
+    check_case(ort_session, {**base, "sp": 0, "sq": 7})
+
+
+def test_offsets_zero_changes_nothing_and_shift_is_invariant(ort_session, rng):
+    """All-zero offsets give the plain op's outputs exactly; a key offset only moves every score of a
+    query by the same amount, so with exact (new) keys it leaves Y unchanged."""
+    hq, hkv, d = 8, 2, 64
+    plain = ort_session(models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="uint4"))
+    with_off = ort_session(models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="uint4", offsets=True))
+    q = rng.standard_normal((1, hq, 4, d)).astype(np.float32)
+    k, v = (rng.standard_normal((1, hkv, 4, d)).astype(np.float32) for _ in range(2))
+    pk = formats.pack(rng.standard_normal((1, hkv, 9, d)).astype(np.float32), "mse4")
+    pv = formats.pack(rng.standard_normal((1, hkv, 9, d)).astype(np.float32), "uint4")
+    feeds = {"Q": q, "K": k, "V": v, "past_key": pk, "past_value": pv}
+    zeros = {"key_offset": np.zeros((hkv, d), np.float32), "value_offset": np.zeros((hkv, d), np.float32)}
+    for a, b in zip(plain.run(None, feeds), with_off.run(None, {**feeds, **zeros})):
+        np.testing.assert_array_equal(a, b)
+    empty = {"Q": q, "K": k, "V": v, "past_key": pk[:, :, :0], "past_value": pv[:, :, :0]}
+    shift = {"key_offset": rng.standard_normal((hkv, d)).astype(np.float32) * 5, "value_offset": zeros["value_offset"]}
+    np.testing.assert_allclose(with_off.run(None, {**empty, **shift})[0], plain.run(None, empty)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_key_offset_recovers_accuracy_of_biased_keys(ort_session, rng):
+    """Keys with a large common component: encoding k - mean makes the packed cache far closer to
+    exact attention than encoding k itself."""
+    hq, hkv, d, sp = 4, 1, 128, 256
+    bias = rng.standard_normal((hkv, d)).astype(np.float32) * 8
+    keys = rng.standard_normal((1, hkv, sp, d)).astype(np.float32) + bias[None, :, None, :]
+    vals = rng.standard_normal((1, hkv, sp, d)).astype(np.float32)
+    q = rng.standard_normal((1, hq, 1, d)).astype(np.float32)
+    k, v = keys[:, :, -1:], vals[:, :, -1:]
+    exact = attention(q, keys, vals, None, None, None, key_format="raw16", value_format="raw16")[0]
+    errs = {}
+    for name, off in [("plain", None), ("offset", bias)]:
+        m = models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="raw16", offsets=off is not None)
+        sub = bias if off is not None else 0.0
+        pk = formats.pack(keys[:, :, :-1] - sub, "mse4")
+        feeds = {"Q": q, "K": k, "V": v, "past_key": pk, "past_value": formats.pack(vals[:, :, :-1], "raw16")}
+        if off is not None:
+            feeds |= {"key_offset": off, "value_offset": np.zeros((hkv, d), np.float32)}
+        errs[name] = float(np.abs(ort_session(m).run(None, feeds)[0] - exact).mean())
+    assert errs["offset"] < 0.5 * errs["plain"], errs
+
+
+def test_generation_loop_feeds_present_back(ort_session, rng):
+    """Prefill 5 tokens, then 16 decode steps with present fed back as past: each step equals the
+    reference (present byte for byte, Y to float tolerance)."""
+    hq, hkv, d = 8, 2, 64
+    sess = ort_session(models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse3", value_format="uint4",
+                                              dtype=TensorProto.FLOAT16, is_causal=1))
+    pk = np.zeros((1, hkv, 0, formats.packed_size("mse3", d)), np.uint8)
+    pv = np.zeros((1, hkv, 0, formats.packed_size("uint4", d)), np.uint8)
+    for step in range(17):
+        n = 5 if step == 0 else 1
+        q = rng.standard_normal((1, hq, n, d)).astype(np.float16)
+        k, v = (rng.standard_normal((1, hkv, n, d)).astype(np.float16) for _ in range(2))
+        y, nk, nv = sess.run(None, {"Q": q, "K": k, "V": v, "past_key": pk, "past_value": pv})
+        wy, wk, wv = attention(q, k, v, None, pk, pv, key_format="mse3", value_format="uint4", is_causal=True)
+        np.testing.assert_array_equal(nk, wk)
+        np.testing.assert_array_equal(nv, wv)
+        np.testing.assert_allclose(y.astype(np.float32), wy.astype(np.float32), atol=4e-3)
+        pk, pv = nk, nv
+    assert pk.shape[2] == 21
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+ERR = (ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.Fail)
+
+
+def free_model(n_inputs=6, **attrs):
+    """TQAttention whose inputs have no declared shape, so that only the op validates them."""
+    names = ["Q", "K", "V", "attn_mask", "past_key", "past_value", "key_offset", "value_offset"][:n_inputs]
+    types = [TensorProto.FLOAT] * 3 + [TensorProto.BOOL, TensorProto.UINT8, TensorProto.UINT8, TensorProto.FLOAT, TensorProto.FLOAT]
+    attrs.setdefault("key_format", "mse4")
+    attrs.setdefault("value_format", "uint4")
+    return models.node_model("TQAttention", [(n, t, None) for n, t in zip(names, types)],
+                             [("Y", TensorProto.FLOAT, None), ("present_key", TensorProto.UINT8, None), ("present_value", TensorProto.UINT8, None)],
+                             **attrs)
+
+
+def good_feeds(b=1, hq=4, hkv=2, s=1, sp=3, d=64):
+    f = np.zeros
+    return {"Q": f((b, hq, s, d), np.float32), "K": f((b, hkv, s, d), np.float32), "V": f((b, hkv, s, d), np.float32),
+            "attn_mask": np.ones((s, sp + s), bool),
+            "past_key": f((b, hkv, sp, 34), np.uint8), "past_value": f((b, hkv, sp, 36), np.uint8),
+            "key_offset": f((hkv, d), np.float32), "value_offset": f((hkv, d), np.float32)}
+
+
+@pytest.mark.parametrize("change, fragments", [
+    ({"Q": np.zeros((4, 64), np.float32)}, ["input 'Q' must be 4-D", "[4, 64]"]),
+    ({"K": np.zeros((1, 2, 64), np.float32)}, ["input 'K' has rank 3 but 'Q' has rank 4"]),
+    ({"Q": np.zeros((1, 3, 1, 64), np.float32)}, ["query head count 3", "multiple of the kv head count 2"]),
+    ({"Q": np.zeros((1, 4, 1, 60), np.float32), "K": np.zeros((1, 2, 1, 60), np.float32), "V": np.zeros((1, 2, 1, 60), np.float32)},
+     ["input 'Q' has head size 60", "multiple of 8"]),
+    ({"K": np.zeros((1, 2, 1, 32), np.float32)}, ["'Q' and 'K' must have the same head size"]),
+    ({"V": np.zeros((1, 2, 2, 64), np.float32)}, ["'K' and 'V' must have the same sequence length"]),
+    ({"K": np.zeros((2, 2, 1, 64), np.float32)}, ["must share the batch size"]),
+    ({"past_key": np.zeros((1, 2, 3, 33), np.uint8)}, ["input 'past_key' has shape [1, 2, 3, 33]", "34 bytes", "mse4"]),
+    ({"past_value": np.zeros((1, 2, 3, 33), np.uint8)}, ["input 'past_value' has shape", "36 bytes", "uint4"]),
+    ({"past_key": np.zeros((1, 3, 3, 34), np.uint8)}, ["input 'past_key' has shape [1, 3, 3, 34]; expected [1, 2, S_past, 34]"]),
+    ({"past_value": np.zeros((1, 2, 4, 36), np.uint8)}, ["hold 3 and 4 tokens"]),
+    ({"attn_mask": np.ones((2, 4), bool)}, ["input 'attn_mask' of shape [2, 4] does not broadcast", "[1, 4, 1, 4]"]),
+    ({"attn_mask": np.ones((1, 1, 1, 1, 4), bool)}, ["input 'attn_mask' has rank 5"]),
+    ({"key_offset": np.zeros((2, 32), np.float32)}, ["input 'key_offset' must be float32 [2, 64]"]),
+    ({"value_offset": np.zeros((64,), np.float32)}, ["input 'value_offset' must be float32 [2, 64]"]),
+])
+def test_bad_inputs_name_the_input(ort_session, change, fragments):
+    feeds = {**good_feeds(), **change}
+    with pytest.raises(ERR) as e:
+        ort_session(free_model(8)).run(None, feeds)
+    msg = str(e.value)
+    assert "TQAttention" in msg
+    for f in fragments:
+        assert f in msg, msg
+
+
+def test_good_feeds_pass(ort_session):
+    y, pk, pv = ort_session(free_model(8)).run(None, good_feeds())
+    assert y.shape == (1, 4, 1, 64) and pk.shape == (1, 2, 4, 34) and pv.shape == (1, 2, 4, 36)
+
+
+def test_mask_type_must_be_bool_or_float(ort_session):
+    m = free_model(4)
+    m.graph.input[3].type.tensor_type.elem_type = TensorProto.INT64
+    feeds = {k: v for k, v in good_feeds(sp=0).items() if k in ("Q", "K", "V")}
+    with pytest.raises(ERR) as e:
+        ort_session(m).run(None, {**feeds, "attn_mask": np.ones((1, 1), np.int64)})
+    assert "TQAttention: input 'attn_mask' must be bool or float32/float16/bfloat16" in str(e.value)
+
+
+def test_past_key_without_past_value(ort_session):
+    m = free_model(5)
+    feeds = {k: v for k, v in good_feeds().items() if k in ("Q", "K", "V", "attn_mask", "past_key")}
+    with pytest.raises(ERR) as e:
+        ort_session(m).run(None, feeds)
+    assert "'past_key' and 'past_value' must be given together" in str(e.value)
+
+
+def test_3d_needs_head_counts(ort_session):
+    m = free_model(3)
+    feeds = {"Q": np.zeros((1, 1, 256), np.float32), "K": np.zeros((1, 1, 128), np.float32), "V": np.zeros((1, 1, 128), np.float32)}
+    with pytest.raises(ERR) as e:
+        ort_session(m).run(None, feeds)
+    assert "input 'Q' is 3-D [1, 1, 256]" in str(e.value) and "'q_num_heads' must give the head count" in str(e.value)
+    m = free_model(3, q_num_heads=3, kv_num_heads=2)
+    with pytest.raises(ERR) as e:
+        ort_session(m).run(None, feeds)
+    assert "last dimension 256, not a multiple of attribute 'q_num_heads' = 3" in str(e.value)
+
+
+def test_head_count_attribute_must_match(ort_session):
+    with pytest.raises(ERR) as e:
+        ort_session(free_model(8, q_num_heads=8)).run(None, good_feeds())
+    assert "input 'Q' has 4 heads" in str(e.value) and "'q_num_heads' is 8" in str(e.value)
+
+
+@pytest.mark.parametrize("attrs, fragment", [
+    ({"key_format": "mse5"}, "attribute 'key_format' is 'mse5'; expected one of mse3, mse4, fp8, uint3, uint4, raw16"),
+    ({"value_format": "int4"}, "attribute 'value_format' is 'int4'"),
+    ({"is_causal": 2}, "attribute 'is_causal' is 2; expected 0 or 1"),
+    ({"norm_correction": -1}, "attribute 'norm_correction' is -1"),
+    ({"scale": -1.0}, "attribute 'scale' is -1"),
+    ({"head_dim": 100}, "attribute 'head_dim' is 100"),
+    ({"q_num_heads": -2}, "must be >= 0"),
+])
+def test_bad_attributes(ort_session, attrs, fragment):
+    with pytest.raises(Exception) as e:
+        ort_session(free_model(8, **attrs))
+    assert "TQAttention" in str(e.value) and fragment in str(e.value), str(e.value)
+
+
+def test_causal_needs_enough_keys(ort_session):
+    feeds = good_feeds(sp=0)
+    feeds["Q"] = np.zeros((1, 4, 3, 64), np.float32)
+    feeds = {k: v for k, v in feeds.items() if k in ("Q", "K", "V")}
+    with pytest.raises(ERR) as e:
+        ort_session(free_model(3, is_causal=1)).run(None, feeds)
+    assert "is_causal needs at most as many queries as keys" in str(e.value)

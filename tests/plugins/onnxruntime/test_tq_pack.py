@@ -1,0 +1,142 @@
+"""TQPack / TQUnpack in ONNX Runtime (CPU) against the numpy reference."""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto
+
+from turboquant import models
+from turboquant.ort import run
+from turboquant.config import ALL_FORMATS, packed_size
+from turboquant.reference import formats
+from turboquant.reference.numerics import bfloat16
+
+DTYPES = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16), TensorProto.BFLOAT16: bfloat16}
+HEAD_DIMS = [16, 64, 80, 96, 128, 256]
+
+
+@st.composite
+def vectors(draw, d=None):
+    """Float vectors [lead..., D] with NaN-free extremes: constant rows, zeros, huge and tiny scales."""
+    d = d or draw(st.sampled_from(HEAD_DIMS))
+    lead = draw(st.lists(st.integers(0, 3), min_size=0, max_size=3))
+    dtype = draw(st.sampled_from(list(DTYPES)))
+    seed = draw(st.integers(0, 2**32 - 1))
+    kind = draw(st.sampled_from(["normal", "constant", "zeros", "huge", "tiny", "offset"]))
+    rng = np.random.default_rng(seed)
+    shape = (*lead, d)
+    if kind == "normal":
+        x = rng.standard_normal(shape) * draw(st.sampled_from([1e-3, 1.0, 30.0]))
+    elif kind == "constant":
+        x = np.broadcast_to(rng.standard_normal((*lead, 1)) * 10, shape)
+    elif kind == "zeros":
+        x = np.zeros(shape)
+    elif kind == "huge":
+        x = rng.standard_normal(shape) * (6e4 if dtype == TensorProto.FLOAT16 else 1e20)
+    elif kind == "tiny":
+        x = rng.standard_normal(shape) * 1e-6
+    else:
+        x = rng.standard_normal(shape) + 100.0
+    x = x.astype(np.float32)
+    if dtype == TensorProto.FLOAT16:
+        x = np.clip(x, -65504, 65504)
+    return dtype, x.astype(DTYPES[dtype])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=vectors(), fmt=st.sampled_from(ALL_FORMATS), nc=st.booleans())
+def test_pack_matches_reference_byte_for_byte(ort_session, data, fmt, nc):
+    dtype, x = data
+    d = x.shape[-1]
+    sess = ort_session(models.pack_model(fmt, d, dtype, rank=x.ndim, norm_correction=int(nc)))
+    got = run(sess, {"x": x})[0]
+    want = formats.pack(x, fmt, nc)
+    assert got.shape == (*x.shape[:-1], packed_size(fmt, d))
+    np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=vectors(), fmt=st.sampled_from(ALL_FORMATS))
+def test_unpack_matches_reference(ort_session, data, fmt):
+    dtype, x = data
+    d = x.shape[-1]
+    packed = formats.pack(x, fmt)
+    got = run(ort_session(models.unpack_model(fmt, d, dtype, rank=x.ndim)), {"packed": packed})[0]
+    want = formats.unpack(packed, fmt, d).astype(DTYPES[dtype])
+    assert got.dtype == DTYPES[dtype]
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("offset_shape", [[64], [3, 64]])
+def test_offsets(ort_session, rng, offset_shape):
+    x = rng.standard_normal((2, 3, 5, 64)).astype(np.float32) + 4.0
+    off = rng.standard_normal(offset_shape).astype(np.float32) + 4.0
+    ref_off = off if off.ndim == 1 else off[:, None, :]
+    packed = ort_session(models.pack_model("mse4", 64, offset_shape=offset_shape)).run(None, {"x": x, "offset": off})[0]
+    np.testing.assert_array_equal(packed, formats.pack(x, "mse4", True, ref_off))
+    back = ort_session(models.unpack_model("mse4", 64, offset_shape=offset_shape)).run(None, {"packed": packed, "offset": off})[0]
+    np.testing.assert_allclose(back, formats.unpack(packed, "mse4", 64, ref_off), rtol=1e-6)
+
+
+def test_zero_offset_changes_nothing(ort_session, rng):
+    x = rng.standard_normal((1, 2, 7, 128)).astype(np.float16)
+    sess = ort_session(models.pack_model("mse3", 128, TensorProto.FLOAT16, offset_shape=[2, 128]))
+    plain = ort_session(models.pack_model("mse3", 128, TensorProto.FLOAT16)).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(sess.run(None, {"x": x, "offset": np.zeros((2, 128), np.float32)})[0], plain)
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+def run_expecting(ort_session, model, feeds, *fragments):
+    with pytest.raises((ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.Fail)) as e:
+        ort_session(model).run(None, feeds)
+    for f in fragments:
+        assert f in str(e.value), str(e.value)
+
+
+def test_pack_errors(ort_session):
+    free = models.node_model("TQPack", [("x", TensorProto.FLOAT, None)], [("packed", TensorProto.UINT8, None)], format="uint4")
+    run_expecting(ort_session, free, {"x": np.zeros((2, 12), np.float32)}, "TQPack", "'x'", "last dimension 12", "multiple of 8")
+    run_expecting(ort_session, free, {"x": np.zeros((), np.float32)}, "TQPack", "'x'", "rank >= 1")
+    fixed = models.node_model("TQPack", [("x", TensorProto.FLOAT, None)], [("packed", TensorProto.UINT8, None)], format="uint4", head_dim=64)
+    run_expecting(ort_session, fixed, {"x": np.zeros((2, 128), np.float32)}, "TQPack", "last dimension 128", "'head_dim' is 64")
+    with_off = models.node_model("TQPack", [("x", TensorProto.FLOAT, None), ("offset", TensorProto.FLOAT, None)],
+                                 [("packed", TensorProto.UINT8, None)], format="uint4")
+    run_expecting(ort_session, with_off, {"x": np.zeros((1, 2, 3, 64), np.float32), "offset": np.zeros((3, 64), np.float32)},
+                  "TQPack", "'offset'", "[3, 64]")
+
+
+def test_unpack_errors(ort_session):
+    m = models.node_model("TQUnpack", [("packed", TensorProto.UINT8, None)], [("x", TensorProto.FLOAT, None)], format="mse4", head_dim=64)
+    run_expecting(ort_session, m, {"packed": np.zeros((2, 33), np.uint8)}, "TQUnpack", "'packed'", "must be 34", "mse4")
+
+
+@pytest.mark.parametrize("attrs, fragment", [
+    ({"format": "int4"}, "attribute 'format' is 'int4'; expected one of mse3, mse4, fp8, uint3, uint4, raw16"),
+    ({"format": "mse4", "norm_correction": 2}, "attribute 'norm_correction' is 2"),
+    ({"format": "mse4", "head_dim": 100}, "attribute 'head_dim' is 100"),
+])
+def test_bad_attributes_fail_at_session_creation(ort_session, attrs, fragment):
+    m = models.node_model("TQPack", [("x", TensorProto.FLOAT, None)], [("packed", TensorProto.UINT8, None)], **attrs)
+    with pytest.raises(Exception) as e:
+        ort_session(m)
+    assert "TQPack" in str(e.value) and fragment in str(e.value)
+
+
+def test_unpack_dtype_attribute_must_match_output(ort_session):
+    m = models.node_model("TQUnpack", [("packed", TensorProto.UINT8, None)], [("x", TensorProto.FLOAT16, None)],
+                          format="uint4", head_dim=64, dtype=TensorProto.FLOAT)
+    # ORT's own type check catches it, from the type our shape inference gives the output
+    with pytest.raises(Exception) as e:
+        ort_session(m)
+    assert "output arg (x)" in str(e.value) and "tensor(float16)" in str(e.value) and "tensor(float)" in str(e.value)
+
+
+def test_unpack_unknown_dtype(ort_session):
+    m = models.node_model("TQUnpack", [("packed", TensorProto.UINT8, None)], [("x", TensorProto.FLOAT, None)],
+                          format="uint4", head_dim=64, dtype=TensorProto.INT32)
+    with pytest.raises(Exception) as e:
+        ort_session(m)
+    assert "TQUnpack" in str(e.value) and "attribute 'dtype' is 6" in str(e.value)

@@ -1,0 +1,69 @@
+"""The turboquant domain in onnx: schemas (checker, shape inference) and ReferenceEvaluator ops."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+from onnx.reference import ReferenceEvaluator
+
+from turboquant import models, onnx_ops
+from turboquant.reference import attention, formats
+
+
+def test_checker_and_shape_inference_accept_the_ops():
+    m = models.attention_model(q_heads=8, kv_heads=2, head_dim=128, key_format="mse4", value_format="uint4")
+    onnx.checker.check_model(m, full_check=True)
+    # concrete shapes: present = past + new on axis 2, with the format's byte count
+    for vi in m.graph.input:
+        dims = vi.type.tensor_type.shape.dim
+        for d in dims:
+            if d.dim_param in ("B",):
+                d.dim_value = 2
+            elif d.dim_param == "Sq" or d.dim_param == "Sn":
+                d.dim_value = 1
+            elif d.dim_param == "Sp":
+                d.dim_value = 7
+    inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    shapes = {o.name: [d.dim_value or d.dim_param for d in o.type.tensor_type.shape.dim] for o in inferred.graph.output}
+    assert shapes["Y"] == [2, 8, 1, 128]
+    assert shapes["present_key"] == [2, 2, 8, 66]
+    assert shapes["present_value"] == [2, 2, 8, 68]
+
+
+def test_pack_unpack_shape_inference():
+    m = models.pack_model("mse3", 96, TensorProto.FLOAT16, rank=3)
+    onnx.checker.check_model(m, full_check=True)
+    m = models.unpack_model("uint4", 64, TensorProto.BFLOAT16)
+    onnx.checker.check_model(m, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    assert inferred.graph.output[0].type.tensor_type.elem_type == TensorProto.BFLOAT16
+
+
+def test_reference_evaluator_runs_attention(rng):
+    m = models.attention_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse3", value_format="uint3", is_causal=1)
+    feeds = {
+        "Q": rng.standard_normal((1, 4, 2, 64)).astype(np.float32),
+        "K": rng.standard_normal((1, 2, 2, 64)).astype(np.float32),
+        "V": rng.standard_normal((1, 2, 2, 64)).astype(np.float32),
+        "past_key": formats.pack(rng.standard_normal((1, 2, 5, 64)).astype(np.float32), "mse3"),
+        "past_value": formats.pack(rng.standard_normal((1, 2, 5, 64)).astype(np.float32), "uint3"),
+    }
+    got = ReferenceEvaluator(m, new_ops=onnx_ops.REFERENCE_OPS).run(None, feeds)
+    want = attention(*(feeds[k] for k in ("Q", "K", "V")), None, feeds["past_key"], feeds["past_value"],
+                     key_format="mse3", value_format="uint3", is_causal=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16])
+def test_reference_evaluator_pack_unpack(dtype, rng):
+    np_dtype = np.float32 if dtype == TensorProto.FLOAT else np.float16
+    x = rng.standard_normal((2, 3, 4, 64)).astype(np_dtype)
+    off = rng.standard_normal((3, 64)).astype(np.float32)
+    packed = ReferenceEvaluator(models.pack_model("mse4", 64, dtype, offset_shape=[3, 64]), new_ops=onnx_ops.REFERENCE_OPS).run(
+        None, {"x": x, "offset": off})[0]
+    np.testing.assert_array_equal(packed, formats.pack(x, "mse4", True, off[:, None, :]))
+    back = ReferenceEvaluator(models.unpack_model("mse4", 64, dtype, offset_shape=[3, 64]), new_ops=onnx_ops.REFERENCE_OPS).run(
+        None, {"packed": packed, "offset": off})[0]
+    assert back.dtype == np_dtype
+    np.testing.assert_allclose(back.astype(np.float32), x.astype(np.float32), atol=0.5)

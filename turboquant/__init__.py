@@ -1,0 +1,28 @@
+"""TurboQuant KV-cache compression for ONNX Runtime and TensorRT.
+
+- turboquant.config: presets and per-layer formats (TQ_PRESETS, TurboQuantConfig)
+- turboquant.codebook: exact Lloyd-Max codebooks
+- turboquant.reference: numpy reference of the formats and of attention over a packed cache
+- turboquant.onnx_ops: the `turboquant` ONNX domain (schemas, onnx.reference implementations)
+- turboquant.ort: ONNX Runtime sessions with the custom-op library registered
+- turboquant.export: the graph rewrite (python -m turboquant.export)
+"""
+
+from ._libs import LibraryNotBuiltError, ort_library_path, trt_plugin_path
+from .config import FORMAT_VERSION, TQ_PRESETS, LayerInfo, TurboQuantConfig
+
+__version__ = "0.1.0"
+DOMAIN = "turboquant"
+OPSET_VERSION = 1
+
+__all__ = [
+    "DOMAIN",
+    "FORMAT_VERSION",
+    "LayerInfo",
+    "LibraryNotBuiltError",
+    "OPSET_VERSION",
+    "TQ_PRESETS",
+    "TurboQuantConfig",
+    "ort_library_path",
+    "trt_plugin_path",
+]

@@ -1,0 +1,101 @@
+"""Small ONNX models made of one turboquant node: for tests, benchmarks and users' experiments."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+from onnx import TensorProto, helper
+
+from . import DOMAIN, OPSET_VERSION
+
+# onnxruntime 1.31 refuses IR versions above 13; 10 is what opset 21-23 models commonly carry.
+IR_VERSION = 10
+DEFAULT_OPSET = 21
+
+
+def node_model(
+    op_type: str,
+    inputs: Sequence[tuple[str, int, Sequence] | None],
+    outputs: Sequence[tuple[str, int, Sequence]],
+    opset: int = DEFAULT_OPSET,
+    **attributes,
+) -> onnx.ModelProto:
+    """A model with one `turboquant` node. inputs/outputs: (name, TensorProto type, shape); None
+    leaves an optional input out (an empty name in the node). Shapes may hold symbolic names; a
+    shape of None accepts any rank (for tests of the ops' own validation)."""
+    node = helper.make_node(
+        op_type, [i[0] if i else "" for i in inputs], [o[0] for o in outputs], domain=DOMAIN, **attributes
+    )
+    graph = helper.make_graph(
+        [node],
+        f"{op_type.lower()}_graph",
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in (i for i in inputs if i)],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
+    )
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, OPSET_VERSION)],
+        ir_version=IR_VERSION,
+        producer_name="turboquant",
+    )
+
+
+def attention_model(
+    *, q_heads: int, kv_heads: int, head_dim: int, key_format: str, value_format: str,
+    dtype: int = TensorProto.FLOAT, layout: str = "bhsd", mask: int | None = None, past: bool = True,
+    offsets: bool = False, v_head_dim: int | None = None, **attributes,
+) -> onnx.ModelProto:
+    """One TQAttention node with symbolic batch and sequence sizes.
+
+    layout "bhsd" takes 4-D Q/K/V, "bsd" 3-D ones (q_num_heads/kv_num_heads attributes set).
+    mask: None, or the TensorProto type of a 4-D attn_mask input [B or 1, Hq or 1, Sq, S_total].
+    """
+    from .config import packed_size
+
+    dv = v_head_dim or head_dim
+    kb, vb = packed_size(key_format, head_dim), packed_size(value_format, dv)
+    if layout == "bhsd":
+        q_shape, k_shape, v_shape = ["B", q_heads, "Sq", head_dim], ["B", kv_heads, "Sn", head_dim], ["B", kv_heads, "Sn", dv]
+        y_shape = ["B", q_heads, "Sq", dv]
+    elif layout == "bsd":
+        q_shape, k_shape, v_shape = ["B", "Sq", q_heads * head_dim], ["B", "Sn", kv_heads * head_dim], ["B", "Sn", kv_heads * dv]
+        y_shape = ["B", "Sq", q_heads * dv]
+        attributes.setdefault("q_num_heads", q_heads)
+        attributes.setdefault("kv_num_heads", kv_heads)
+    else:
+        raise ValueError(f"layout must be 'bhsd' or 'bsd', got {layout!r}")
+    inputs = [
+        ("Q", dtype, q_shape), ("K", dtype, k_shape), ("V", dtype, v_shape),
+        ("attn_mask", mask, ["MB", "MH", "Sq", "St"]) if mask is not None else None,
+        ("past_key", TensorProto.UINT8, ["B", kv_heads, "Sp", kb]) if past else None,
+        ("past_value", TensorProto.UINT8, ["B", kv_heads, "Sp", vb]) if past else None,
+    ]
+    if offsets:
+        inputs += [("key_offset", TensorProto.FLOAT, [kv_heads, head_dim]), ("value_offset", TensorProto.FLOAT, [kv_heads, dv])]
+    while inputs and inputs[-1] is None:
+        inputs.pop()
+    outputs = [("Y", dtype, y_shape), ("present_key", TensorProto.UINT8, ["B", kv_heads, "St", kb]),
+               ("present_value", TensorProto.UINT8, ["B", kv_heads, "St", vb])]
+    return node_model("TQAttention", inputs, outputs, key_format=key_format, value_format=value_format, **attributes)
+
+
+def pack_model(fmt: str, head_dim: int, dtype: int = TensorProto.FLOAT, rank: int = 4, offset_shape=None, **attributes) -> onnx.ModelProto:
+    from .config import packed_size
+
+    lead = [f"d{i}" for i in range(rank - 1)]
+    inputs = [("x", dtype, [*lead, head_dim])]
+    if offset_shape is not None:
+        inputs.append(("offset", TensorProto.FLOAT, list(offset_shape)))
+    return node_model("TQPack", inputs, [("packed", TensorProto.UINT8, [*lead, packed_size(fmt, head_dim)])],
+                      format=fmt, head_dim=head_dim, **attributes)
+
+
+def unpack_model(fmt: str, head_dim: int, dtype: int = TensorProto.FLOAT, rank: int = 4, offset_shape=None, **attributes) -> onnx.ModelProto:
+    from .config import packed_size
+
+    lead = [f"d{i}" for i in range(rank - 1)]
+    inputs = [("packed", TensorProto.UINT8, [*lead, packed_size(fmt, head_dim)])]
+    if offset_shape is not None:
+        inputs.append(("offset", TensorProto.FLOAT, list(offset_shape)))
+    return node_model("TQUnpack", inputs, [("x", dtype, [*lead, head_dim])], format=fmt, head_dim=head_dim, dtype=dtype, **attributes)

@@ -1,0 +1,221 @@
+"""The `turboquant` ONNX domain (version 1): op schemas for onnx.defs and onnx.reference kernels.
+
+`register_schemas()` (called on import) lets onnx.checker and onnx.shape_inference accept models
+that use TQPack, TQUnpack and TQAttention, with shape inference for their outputs.
+`REFERENCE_OPS` plugs the numpy reference into onnx.reference.ReferenceEvaluator:
+
+    ReferenceEvaluator(model, new_ops=turboquant.onnx_ops.REFERENCE_OPS).run(None, feeds)
+
+The ops are documented once, in docs/ops.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, defs, helper
+from onnx.reference.op_run import OpRun
+
+from . import DOMAIN, OPSET_VERSION
+from .config import ALL_FORMATS, packed_size
+from .reference.attention import attention as reference_attention
+from .reference import formats as ref_formats
+from .reference.numerics import bfloat16
+
+FLOAT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+_NP_OF = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16), TensorProto.BFLOAT16: bfloat16}
+
+_A = defs.OpSchema.Attribute
+_P = defs.OpSchema.FormalParameter
+_OPT = defs.OpSchema.FormalParameterOption.Optional
+_ATTR = defs.OpSchema.AttrType
+
+
+def _attr(ctx, name, default):
+    a = ctx.get_attribute(name)
+    return default if a is None else helper.get_attribute_value(a)
+
+
+def _shape_of(ctx, i):
+    """Dims of input i (ints or symbolic names or None), or None when its shape is unknown."""
+    if not ctx.has_input(i):
+        return None
+    t = ctx.get_input_type(i)
+    if t is None or not t.tensor_type.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.tensor_type.shape.dim]
+
+
+def _set(ctx, i, elem_type, dims):
+    ctx.set_output_type(i, helper.make_tensor_type_proto(elem_type, dims))
+
+
+def _fmt_bytes(fmt, d):
+    try:
+        return packed_size(fmt, d) if isinstance(d, int) and d else None
+    except ValueError:
+        return None
+
+
+def _infer_pack(ctx):
+    shape = _shape_of(ctx, 0)
+    fmt = _attr(ctx, "format", b"").decode() if isinstance(_attr(ctx, "format", b""), bytes) else _attr(ctx, "format", "")
+    _set(ctx, 0, TensorProto.UINT8, None if shape is None else shape[:-1] + [_fmt_bytes(fmt, shape[-1])])
+
+
+def _infer_unpack(ctx):
+    shape = _shape_of(ctx, 0)
+    dtype = _attr(ctx, "dtype", TensorProto.FLOAT)
+    _set(ctx, 0, dtype, None if shape is None else shape[:-1] + [_attr(ctx, "head_dim", None)])
+
+
+def _infer_attention(ctx):
+    q, k, v = _shape_of(ctx, 0), _shape_of(ctx, 1), _shape_of(ctx, 2)
+    qtype = ctx.get_input_type(0).tensor_type.elem_type
+    kf = _attr(ctx, "key_format", b"mse4")
+    vf = _attr(ctx, "value_format", b"uint4")
+    kf, vf = (x.decode() if isinstance(x, bytes) else x for x in (kf, vf))
+    y = present_k = present_v = None
+    if q is not None and v is not None and k is not None and len(q) == len(v) == len(k):
+        hkv = _attr(ctx, "kv_num_heads", 0)
+        if len(q) == 4:
+            y = [q[0], q[1], q[2], v[3]]
+            hkv, sn, d, dv = k[1], k[2], k[3], v[3]
+        else:
+            hq = _attr(ctx, "q_num_heads", 0)
+            y = [q[0], q[1], hq * v[2] // hkv if hq and hkv and isinstance(v[2], int) else None]
+            sn = k[1]
+            d = k[2] // hkv if hkv and isinstance(k[2], int) else None
+            dv = v[2] // hkv if hkv and isinstance(v[2], int) else None
+        past = _shape_of(ctx, 4)
+        total = None
+        if past is not None and isinstance(past[2], int) and isinstance(sn, int):
+            total = past[2] + sn
+        elif not ctx.has_input(4) and isinstance(sn, int):
+            total = sn
+        present_k = [q[0], hkv or None, total, _fmt_bytes(kf, d)]
+        present_v = [q[0], hkv or None, total, _fmt_bytes(vf, dv)]
+    _set(ctx, 0, qtype, y)
+    _set(ctx, 1, TensorProto.UINT8, present_k)
+    _set(ctx, 2, TensorProto.UINT8, present_v)
+
+
+def _schemas() -> list[defs.OpSchema]:
+    fmt_doc = "one of " + ", ".join(ALL_FORMATS)
+    pack = defs.OpSchema(
+        "TQPack", DOMAIN, OPSET_VERSION,
+        "Packs vectors on the last axis into a TurboQuant format (docs/ops.md).",
+        inputs=[_P("x", "T", "float vectors [..., head_dim]"),
+                _P("offset", "tensor(float)", "optional [head_dim] or [H, head_dim], subtracted first", param_option=_OPT)],
+        outputs=[_P("packed", "tensor(uint8)", "[..., packed_size]")],
+        type_constraints=[("T", FLOAT_TYPES, "float types")],
+        attributes=[_A("format", _ATTR.STRING, fmt_doc, required=True),
+                    _A("head_dim", _ATTR.INT, "length of a vector (0: the last dimension of x)", required=False),
+                    _A("norm_correction", _ATTR.INT, "mse formats: store n/||c|| (1, default) or n (0)", required=False)],
+    )
+    unpack = defs.OpSchema(
+        "TQUnpack", DOMAIN, OPSET_VERSION,
+        "Reads packed TurboQuant vectors back as floats (docs/ops.md).",
+        inputs=[_P("packed", "tensor(uint8)", "[..., packed_size]"),
+                _P("offset", "tensor(float)", "optional [head_dim] or [H, head_dim], added back", param_option=_OPT)],
+        outputs=[_P("x", "T", "[..., head_dim]")],
+        type_constraints=[("T", FLOAT_TYPES, "float types")],
+        attributes=[_A("format", _ATTR.STRING, fmt_doc, required=True),
+                    _A("head_dim", _ATTR.INT, "length of a vector", required=True),
+                    _A("dtype", _ATTR.INT, "output TensorProto type: FLOAT (1, default), FLOAT16 (10), BFLOAT16 (16)", required=False)],
+    )
+    attention = defs.OpSchema(
+        "TQAttention", DOMAIN, OPSET_VERSION,
+        "ONNX Attention (opset 23) over a packed uint8 KV cache (docs/ops.md).",
+        inputs=[_P("Q", "T", "[B, Hq, Sq, D] or [B, Sq, Hq*D]"),
+                _P("K", "T", "new keys, [B, Hkv, Sn, D] or [B, Sn, Hkv*D]"),
+                _P("V", "T", "new values, [B, Hkv, Sn, Dv] or [B, Sn, Hkv*Dv]"),
+                _P("attn_mask", "M", "bool or additive, broadcastable to [B, Hq, Sq, S_past+Sn]", param_option=_OPT),
+                _P("past_key", "tensor(uint8)", "[B, Hkv, S_past, key bytes]", param_option=_OPT),
+                _P("past_value", "tensor(uint8)", "[B, Hkv, S_past, value bytes]", param_option=_OPT),
+                _P("key_offset", "tensor(float)", "[Hkv, D], subtracted from every key", param_option=_OPT),
+                _P("value_offset", "tensor(float)", "[Hkv, Dv], subtracted from every stored value", param_option=_OPT)],
+        outputs=[_P("Y", "T", "like Q, with head size Dv"),
+                 _P("present_key", "tensor(uint8)", "[B, Hkv, S_past+Sn, key bytes]"),
+                 _P("present_value", "tensor(uint8)", "[B, Hkv, S_past+Sn, value bytes]")],
+        type_constraints=[("T", FLOAT_TYPES, "float types"),
+                          ("M", ["tensor(bool)", *FLOAT_TYPES], "bool (true: attend) or additive float mask")],
+        attributes=[_A("key_format", _ATTR.STRING, fmt_doc + " (default mse4)", required=False),
+                    _A("value_format", _ATTR.STRING, fmt_doc + " (default uint4)", required=False),
+                    _A("norm_correction", _ATTR.INT, "mse keys: 1 (default) or 0", required=False),
+                    _A("head_dim", _ATTR.INT, "D, checked against Q (0: from Q)", required=False),
+                    _A("is_causal", _ATTR.INT, "1: causal mask aligned to the end of the cache", required=False),
+                    _A("scale", _ATTR.FLOAT, "softmax scale (0 or absent: 1/sqrt(D))", required=False),
+                    _A("q_num_heads", _ATTR.INT, "Hq, required for 3-D inputs", required=False),
+                    _A("kv_num_heads", _ATTR.INT, "Hkv, required for 3-D inputs", required=False)],
+    )
+    pack.set_type_and_shape_inference_function(_infer_pack)
+    unpack.set_type_and_shape_inference_function(_infer_unpack)
+    attention.set_type_and_shape_inference_function(_infer_attention)
+    return [pack, unpack, attention]
+
+
+def register_schemas() -> None:
+    """Registers the domain's schemas with onnx.defs (idempotent)."""
+    for schema in _schemas():
+        try:
+            defs.get_schema(schema.name, OPSET_VERSION, DOMAIN)
+            continue
+        except defs.SchemaError:
+            pass
+        defs.register_schema(schema)
+
+
+# -- onnx.reference kernels -------------------------------------------------------------------------
+
+def _s(x):
+    return x.decode() if isinstance(x, bytes) else x
+
+
+class TQPack(OpRun):
+    op_domain = DOMAIN
+
+    def _run(self, x, offset=None, format=None, head_dim=None, norm_correction=None):  # noqa: A002
+        if head_dim and x.shape[-1] != head_dim:
+            raise ValueError(f"TQPack: input 'x' has last dimension {x.shape[-1]} but attribute 'head_dim' is {head_dim}")
+        off = _offset(offset, x.shape)
+        nc = True if norm_correction is None else bool(norm_correction)
+        return (ref_formats.pack(x, _s(format), nc, off),)
+
+
+class TQUnpack(OpRun):
+    op_domain = DOMAIN
+
+    def _run(self, packed, offset=None, format=None, head_dim=None, dtype=None):  # noqa: A002
+        x = ref_formats.unpack(packed, _s(format), int(head_dim))
+        if offset is not None:
+            x = x + _offset(offset, x.shape)
+        return (x.astype(_NP_OF[dtype or TensorProto.FLOAT]),)
+
+
+def _offset(offset, shape):
+    """[D] applies to every vector; [H, D] to the vectors of axis -3."""
+    if offset is None:
+        return None
+    offset = np.asarray(offset, np.float32)
+    return offset if offset.ndim == 1 else offset[:, None, :]
+
+
+class TQAttention(OpRun):
+    op_domain = DOMAIN
+
+    def _run(self, Q, K, V, attn_mask=None, past_key=None, past_value=None, key_offset=None, value_offset=None,
+             key_format=None, value_format=None, norm_correction=None, head_dim=None, is_causal=None, scale=None,
+             q_num_heads=None, kv_num_heads=None):
+        return reference_attention(
+            Q, K, V, attn_mask, past_key, past_value, key_offset, value_offset,
+            key_format=_s(key_format or "mse4"), value_format=_s(value_format or "uint4"),
+            norm_correction=True if norm_correction is None else bool(norm_correction),
+            head_dim=head_dim or None, is_causal=bool(is_causal), scale=scale or None,
+            q_num_heads=q_num_heads or 0, kv_num_heads=kv_num_heads or 0,
+        )
+
+
+REFERENCE_OPS = [TQPack, TQUnpack, TQAttention]
+
+register_schemas()

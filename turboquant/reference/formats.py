@@ -1,0 +1,190 @@
+"""Numpy reference of the packed per-vector formats (DESIGN.md section 2, format version 1).
+
+This is the oracle every kernel is tested against: the CPU kernels match it byte for byte. To make
+that possible it fixes the order of every floating-point operation that decides a stored bit:
+- norms are sums of squares in float64, rounded to float32 after the square root;
+- the Walsh-Hadamard transform is the standard in-place butterfly (h = 1, 2, 4, ...) in float32,
+  applied to the unit vector *without* the 1/sqrt(Dp) factor, so its coordinates are compared
+  directly with the unit-variance Lloyd-Max boundaries (float32);
+- the norm-corrected scale is n * sqrt(Dp) / ||c_unit[idx]|| in float64, then float32, then fp16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import codebook
+from ..config import ALL_FORMATS, packed_size, padded_dim
+from .numerics import f32_to_fp8_bits, fp8_bits_to_f32, sat_f16, to_f32
+
+NORM_EPS = np.float32(1e-8)
+SCALE_EPS = np.float32(1e-8)
+
+
+# -- building blocks --------------------------------------------------------------------------
+
+def fwht(x: np.ndarray) -> np.ndarray:
+    """Unnormalised Walsh-Hadamard transform (Sylvester, natural order) over the last axis."""
+    x = np.array(x, dtype=np.float32, copy=True)
+    n = x.shape[-1]
+    lead = x.shape[:-1]
+    h = 1
+    while h < n:
+        y = x.reshape(*lead, n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = np.stack([a + b, a - b], axis=-2).reshape(*lead, n)
+        h *= 2
+    return x
+
+
+def pack_bits(idx: np.ndarray, bits: int) -> np.ndarray:
+    """LSB-first bit stream: coordinate i in bits [bits*i, bits*i + bits). Last axis % 8 == 0."""
+    idx = np.asarray(idx, dtype=np.uint32)
+    n = idx.shape[-1]
+    groups = idx.reshape(*idx.shape[:-1], n // 8, 8)
+    word = np.zeros(groups.shape[:-1], dtype=np.uint32)
+    for k in range(8):
+        word |= groups[..., k] << np.uint32(bits * k)
+    out = np.stack([(word >> np.uint32(8 * j)) & np.uint32(0xFF) for j in range(bits)], axis=-1)
+    return out.reshape(*idx.shape[:-1], n * bits // 8).astype(np.uint8)
+
+
+def unpack_bits(data: np.ndarray, bits: int, n: int) -> np.ndarray:
+    data = np.asarray(data, dtype=np.uint8)
+    groups = data.reshape(*data.shape[:-1], n // 8, bits).astype(np.uint32)
+    word = np.zeros(groups.shape[:-1], dtype=np.uint32)
+    for j in range(bits):
+        word |= groups[..., j] << np.uint32(8 * j)
+    mask = np.uint32((1 << bits) - 1)
+    out = np.stack([(word >> np.uint32(bits * k)) & mask for k in range(8)], axis=-1)
+    return out.reshape(*data.shape[:-1], n).astype(np.uint8)
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8).reshape(*x.shape, 2)
+
+
+def _f16_from_bytes(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+# -- MSE keys ---------------------------------------------------------------------------------
+
+def mse_indices(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Codebook indices [..., Dp] and float32 norms [...] of vectors x [..., D]."""
+    x = to_f32(x)
+    d = x.shape[-1]
+    dp = padded_dim(d)
+    n = np.sqrt((x.astype(np.float64) ** 2).sum(-1)).astype(np.float32)
+    u = x / (n[..., None] + NORM_EPS)
+    if dp != d:
+        u = np.concatenate([u, np.zeros((*u.shape[:-1], dp - d), np.float32)], axis=-1)
+    z = fwht(u)
+    idx = np.searchsorted(codebook.boundaries_f32(bits), z, side="right")  # boundaries <= z
+    return idx.astype(np.uint8), n
+
+
+def pack_mse(x: np.ndarray, bits: int, norm_correction: bool) -> np.ndarray:
+    idx, n = mse_indices(x, bits)
+    dp = idx.shape[-1]
+    if norm_correction:
+        cn2 = (codebook.lloyd_max(bits)[0][idx] ** 2).sum(-1)
+        s = n.astype(np.float64) * np.sqrt(float(dp)) / np.sqrt(cn2)
+    else:
+        s = n
+    s16 = sat_f16(np.asarray(s).astype(np.float32))
+    return np.concatenate([pack_bits(idx, bits), _f16_bytes(s16)], axis=-1)
+
+
+def mse_codes(packed: np.ndarray, bits: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Unit-scale centroids [..., Dp] (float64) and scales s [...] (float32) of packed keys."""
+    dp = padded_dim(head_dim)
+    nb = dp * bits // 8
+    idx = unpack_bits(packed[..., :nb], bits, dp)
+    return codebook.lloyd_max(bits)[0][idx], _f16_from_bytes(packed[..., nb:nb + 2])
+
+
+def unpack_mse(packed: np.ndarray, bits: int, head_dim: int) -> np.ndarray:
+    c, s = mse_codes(packed, bits, head_dim)
+    dp = c.shape[-1]
+    # k = s * (c_unit / sqrt(Dp)) . H / sqrt(Dp); H is symmetric, so c . H = fwht(c).
+    rec = fwht(c.astype(np.float32)).astype(np.float64) * (s.astype(np.float64)[..., None] / dp)
+    return rec[..., :head_dim].astype(np.float32)
+
+
+# -- uniform values -----------------------------------------------------------------------------
+
+def uint_params(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Indices [..., D], fp16 scale [...] and fp16 zero [...] of the uniform value format."""
+    x = to_f32(x)
+    levels = np.float32((1 << bits) - 1)
+    mn, mx = x.min(-1), x.max(-1)
+    scale16 = sat_f16(np.maximum((mx - mn) / levels, SCALE_EPS))
+    zero16 = sat_f16(mn)
+    sc = scale16.astype(np.float32)[..., None]
+    zr = zero16.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.floor((x - zr) / sc + np.float32(0.5))
+    # A scale below fp16's smallest subnormal stores as 0: the vector is constant to fp16
+    # precision and reads back as the zero point, whatever q is; store q = 0.
+    q = np.where(sc > 0, q, 0)
+    return np.clip(q, 0, levels).astype(np.uint8), scale16, zero16
+
+
+def pack_uint(x: np.ndarray, bits: int) -> np.ndarray:
+    q, s16, z16 = uint_params(x, bits)
+    return np.concatenate([pack_bits(q, bits), _f16_bytes(s16), _f16_bytes(z16)], axis=-1)
+
+
+def unpack_uint(packed: np.ndarray, bits: int, head_dim: int) -> np.ndarray:
+    nb = head_dim * bits // 8
+    q = unpack_bits(packed[..., :nb], bits, head_dim).astype(np.float32)
+    sc = _f16_from_bytes(packed[..., nb:nb + 2])[..., None]
+    zr = _f16_from_bytes(packed[..., nb + 2:nb + 4])[..., None]
+    return q * sc + zr
+
+
+# -- dispatch --------------------------------------------------------------------------------
+
+def _check(fmt: str, head_dim: int) -> None:
+    if fmt not in ALL_FORMATS:
+        raise ValueError(f"unknown format {fmt!r}: expected one of {', '.join(ALL_FORMATS)}")
+    packed_size(fmt, head_dim)  # validates head_dim
+
+
+def pack(x: np.ndarray, fmt: str, norm_correction: bool = True, offset: np.ndarray | None = None) -> np.ndarray:
+    """Pack vectors x [..., D] (float32/float16/bfloat16) into uint8 [..., packed_size(fmt, D)].
+
+    offset (float32, broadcastable to x) is subtracted first, in float32.
+    """
+    x = to_f32(x)
+    _check(fmt, x.shape[-1])
+    if offset is not None:
+        x = x - np.asarray(offset, np.float32)
+    if fmt in ("mse3", "mse4"):
+        return pack_mse(x, int(fmt[3]), norm_correction)
+    if fmt == "fp8":
+        return f32_to_fp8_bits(x)
+    if fmt in ("uint3", "uint4"):
+        return pack_uint(x, int(fmt[4]))
+    return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8)  # raw16
+
+
+def unpack(packed: np.ndarray, fmt: str, head_dim: int, offset: np.ndarray | None = None) -> np.ndarray:
+    """Float32 vectors [..., head_dim] from packed uint8 [..., packed_size(fmt, head_dim)]."""
+    _check(fmt, head_dim)
+    packed = np.asarray(packed, np.uint8)
+    want = packed_size(fmt, head_dim)
+    if packed.shape[-1] != want:
+        raise ValueError(f"{fmt} vectors of head_dim {head_dim} take {want} bytes, got last dim {packed.shape[-1]}")
+    if fmt in ("mse3", "mse4"):
+        x = unpack_mse(packed, int(fmt[3]), head_dim)
+    elif fmt == "fp8":
+        x = fp8_bits_to_f32(packed)
+    elif fmt in ("uint3", "uint4"):
+        x = unpack_uint(packed, int(fmt[4]), head_dim)
+    else:
+        x = np.ascontiguousarray(packed).view(np.float16).astype(np.float32)
+    if offset is not None:
+        x = x + np.asarray(offset, np.float32)
+    return x

@@ -1,0 +1,44 @@
+"""Scalar conversions shared by the reference formats: saturating fp16, fp8 e4m3fn, bfloat16."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+FP16_MAX = 65504.0
+FP8_E4M3_MAX = 448.0
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def to_f32(x: np.ndarray) -> np.ndarray:
+    """Any supported float input (float32, float16, bfloat16) as float32, exactly."""
+    x = np.asarray(x)
+    if x.dtype not in (np.float32, np.float16, bfloat16):
+        raise TypeError(f"expected float32, float16 or bfloat16, got {x.dtype}")
+    return x.astype(np.float32)
+
+
+def sat_f16(x: np.ndarray) -> np.ndarray:
+    """float32 -> float16, round to nearest even, finite values saturated to +-65504.
+
+    The formats keep their scales and zero points finite: an inf there would turn a whole vector
+    into NaNs on read.
+    """
+    return np.clip(np.asarray(x, np.float32), -FP16_MAX, FP16_MAX).astype(np.float16)
+
+
+def f32_to_fp8_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> float8 e4m3fn bits, round to nearest even, saturating to +-448."""
+    x = np.clip(np.asarray(x, np.float32), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.astype(float8_e4m3fn).view(np.uint8)
+
+
+def fp8_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    return np.asarray(b, np.uint8).view(float8_e4m3fn).astype(np.float32)
+
+
+def cast_float(x: np.ndarray, dtype) -> np.ndarray:
+    """float32 -> float32/float16/bfloat16 with IEEE round to nearest even."""
+    return np.asarray(x, np.float32).astype(dtype)
