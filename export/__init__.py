@@ -1,1 +1,17 @@
-"""turboquant.export: rewrite an exported ONNX decoder to attend over a TurboQuant-packed KV cache."""
+"""turboquant.export: rewrite an exported ONNX decoder to attend over a TurboQuant-packed KV cache.
+
+    python -m turboquant.export model.onnx --preset turboquant_4bit_nc -o model.tq.onnx
+
+or, from Python:
+
+    from turboquant.export import export
+    result = export("model.onnx", "turboquant_4bit_nc", "model.tq.onnx")
+    print(result.summary())
+
+`rewrite_model` works on an onnx_ir.Model in memory.
+"""
+
+from .errors import RewriteError
+from .rewrite import RewriteResult, default_output, export, rewrite_model
+
+__all__ = ["RewriteError", "RewriteResult", "default_output", "export", "rewrite_model"]

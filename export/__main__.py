@@ -1,2 +1,50 @@
-def main() -> int:
-    raise SystemExit("placeholder")
+"""python -m turboquant.export MODEL.onnx --preset NAME [-o OUT.onnx] [options]"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from turboquant.config import TQ_PRESETS
+
+from .errors import RewriteError
+from .rewrite import export
+
+
+def _layer_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m turboquant.export",
+        description="Rewrite an exported ONNX decoder so that its KV cache is stored packed with TurboQuant "
+        "and attention reads the packed bytes (turboquant.TQAttention). The first and last attention layers "
+        "stay uncompressed.",
+    )
+    p.add_argument("model", help="the exported decoder (.onnx); never overwritten")
+    p.add_argument("--preset", required=True, choices=list(TQ_PRESETS), help="cache format")
+    p.add_argument("-o", "--output", help="where to write (default: MODEL.<preset>.onnx next to the input)")
+    p.add_argument("--boundary", type=int, default=2, help="first and last N attention layers kept uncompressed (default 2)")
+    p.add_argument("--skip-layers", type=_layer_list, help="also keep these layers uncompressed, e.g. 0,1,5")
+    p.add_argument("--keep-layers", type=_layer_list, help="keep exactly these layers uncompressed (replaces --boundary)")
+    p.add_argument("--dry-run", action="store_true", help="analyse and report, write nothing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    try:
+        result = export(args.model, args.preset, args.output, boundary=args.boundary, skip_layers=args.skip_layers,
+                        keep_layers=args.keep_layers, dry_run=args.dry_run, progress=False if args.no_progress else None)
+    except RewriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result.summary())
+    if args.dry_run:
+        print("  (dry run: nothing written)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -167,7 +167,8 @@ def pack(x: np.ndarray, fmt: str, norm_correction: bool = True, offset: np.ndarr
         return f32_to_fp8_bits(x)
     if fmt in ("uint3", "uint4"):
         return pack_uint(x, int(fmt[4]))
-    return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8)  # raw16
+    with np.errstate(over="ignore"):  # raw16 is an fp16 cast: beyond +-65504 it holds +-inf, as a cast does
+        return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8)
 
 
 def unpack(packed: np.ndarray, fmt: str, head_dim: int, offset: np.ndarray | None = None) -> np.ndarray:

@@ -1,0 +1,54 @@
+"""python -m turboquant.bench attention --device cpu [options]
+
+Times one decode step (one new token) of TQAttention for each preset and of ONNX Runtime's own
+attention (GroupQueryAttention and ONNX Attention-23 on fp32 and fp16 caches) on the same shape,
+with the same thread count, in one process, and prints each preset's speed-up over each baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..config import TQ_PRESETS
+from . import attention
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m turboquant.bench", description=__doc__.split("\n\n")[1])
+    sub = p.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("attention", help="decode attention per step")
+    a.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    a.add_argument("--batch", type=int, default=1)
+    a.add_argument("--q-heads", type=int, default=32)
+    a.add_argument("--kv-heads", type=int, default=8)
+    a.add_argument("--head-dim", type=int, default=128)
+    a.add_argument("--context", type=int, nargs="+", default=[8192], help="tokens in the cache (several: a sweep)")
+    a.add_argument("--threads", type=int, default=os.cpu_count(), help="intra-op threads, the same for every candidate")
+    a.add_argument("--repeat", type=int, default=20)
+    a.add_argument("--presets", nargs="+", default=list(TQ_PRESETS), choices=list(TQ_PRESETS))
+    a.add_argument("--json", help="write the results here as JSON")
+    a.add_argument("--plot", help="write a PNG of time against context length here")
+    args = p.parse_args(argv)
+    if args.device == "cuda":
+        print("error: --device cuda needs the CUDA kernels, which this version does not build yet", file=sys.stderr)
+        return 2
+    results = []
+    for s in args.context:
+        shape = attention.Shape(args.batch, args.q_heads, args.kv_heads, args.head_dim, s)
+        rs = attention.run_cpu(shape, args.presets, args.threads, args.repeat)
+        print(attention.report(rs, args.threads), flush=True)
+        results += rs
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.__dict__ for r in results], f, indent=1)
+    if args.plot:
+        attention.plot(results, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Running an exported decoder with its KV cache in ONNX Runtime: empty caches for the first step,
+one step at a time, and a greedy `generate` loop. Works the same for the original model and its
+turboquant rewrite (whose compressed layers take uint8 caches), on the CPU or the CUDA provider.
+
+    sess = DecoderSession("model.turboquant_4bit_nc.onnx")
+    tokens = sess.generate(prompt_ids, max_new_tokens=32)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from .ort import session_options
+
+_PAST = re.compile(r"^(?:past_key_values|past)\.(\d+)\.(key|value)$|^past_(key|value)[._](\d+)$")
+_PRESENT = re.compile(r"^present(?:_key_values)?\.(\d+)\.(key|value)$|^present_(key|value)[._](\d+)$")
+_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(uint8)": np.uint8}
+
+
+def _layer_kind(m: re.Match) -> tuple[int, str]:
+    return (int(m[1]), m[2]) if m[1] is not None else (int(m[4]), m[3])
+
+
+class DecoderSession:
+    def __init__(self, model: str | os.PathLike, providers: Sequence[str] = ("CPUExecutionProvider",),
+                 threads: int | None = None, options: ort.SessionOptions | None = None):
+        so = options or session_options(threads)
+        self.session = ort.InferenceSession(os.fspath(model), so, providers=list(providers))
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.cache_inputs: dict[tuple[int, str], ort.NodeArg] = {}
+        for i in self.session.get_inputs():
+            m = _PAST.match(i.name)
+            if m:
+                self.cache_inputs[_layer_kind(m)] = i
+        self.cache_outputs: dict[tuple[int, str], str] = {}
+        for o in self.session.get_outputs():
+            m = _PRESENT.match(o.name)
+            if m:
+                self.cache_outputs[_layer_kind(m)] = o.name
+        if not self.cache_inputs:
+            raise ValueError(f"{model}: no KV-cache inputs named like past_key_values.N.key")
+        missing = set(self.cache_inputs) - set(self.cache_outputs)
+        if missing:
+            raise ValueError(f"{model}: no present output for cache inputs {sorted(missing)}")
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.logits_name = "logits" if "logits" in self.output_names else self.output_names[0]
+
+    def empty_cache(self, batch: int = 1) -> dict[str, np.ndarray]:
+        """Zero-length caches of the dtype and shape each cache input wants."""
+        cache = {}
+        for arg in self.cache_inputs.values():
+            shape = arg.shape
+            heads, last = shape[1], shape[3]
+            if not isinstance(heads, int) or not isinstance(last, int):
+                raise ValueError(f"cache input {arg.name} has symbolic dims {shape}; cannot make an empty cache")
+            cache[arg.name] = np.zeros((batch, heads, 0, last), _NP[arg.type])
+        return cache
+
+    def step(self, input_ids: np.ndarray, cache: dict[str, np.ndarray], past_len: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Runs new tokens input_ids [B, S] after past_len cached ones; returns logits and the next cache."""
+        b, s = input_ids.shape
+        feeds = {"input_ids": input_ids.astype(np.int64), **cache}
+        if "attention_mask" in self.input_names:
+            feeds["attention_mask"] = np.ones((b, past_len + s), np.int64)
+        if "position_ids" in self.input_names:
+            feeds["position_ids"] = np.broadcast_to(np.arange(past_len, past_len + s, dtype=np.int64), (b, s)).copy()
+        outs = dict(zip(self.output_names, self.session.run(None, feeds)))
+        nxt = {self.cache_inputs[k].name: outs[self.cache_outputs[k]] for k in self.cache_inputs}
+        return outs[self.logits_name], nxt
+
+    def generate(self, prompt_ids: np.ndarray, max_new_tokens: int = 16) -> np.ndarray:
+        """Greedy decoding: returns the new token ids [B, max_new_tokens]."""
+        prompt_ids = np.atleast_2d(np.asarray(prompt_ids, np.int64))
+        cache = self.empty_cache(prompt_ids.shape[0])
+        logits, cache = self.step(prompt_ids, cache, 0)
+        past = prompt_ids.shape[1]
+        out = []
+        for _ in range(max_new_tokens):
+            nxt = logits[:, -1].argmax(-1).astype(np.int64)[:, None]
+            out.append(nxt)
+            logits, cache = self.step(nxt, cache, past)
+            past += 1
+        return np.concatenate(out, axis=1)
+
+    def teacher_forced(self, ids: np.ndarray, prefill: int) -> np.ndarray:
+        """Logits for ids[:, prefill-1:] with ids[:, :prefill] prefilled, then one token per step."""
+        ids = np.atleast_2d(np.asarray(ids, np.int64))
+        cache = self.empty_cache(ids.shape[0])
+        logits, cache = self.step(ids[:, :prefill], cache, 0)
+        steps = [logits[:, -1]]
+        for t in range(prefill, ids.shape[1]):
+            logits, cache = self.step(ids[:, t:t + 1], cache, t)
+            steps.append(logits[:, -1])
+        return np.stack(steps, axis=1)
