@@ -71,8 +71,19 @@ def _attr(n: ir.Node, name: str, default):
     return default if a is None else a.value
 
 
+def _skip_identities(v: ir.Value) -> ir.Value:
+    """Follows Identity and one-input Concat nodes (exporters emit both for a cache passed through)."""
+    while True:
+        users = _real_consumers(v)
+        if len(users) == 1 and (users[0].op_type == "Identity" or (users[0].op_type == "Concat" and len(users[0].inputs) == 1)):
+            v = users[0].outputs[0]
+        else:
+            return v
+
+
 def _cache_concat(past: ir.Value) -> ir.Node | None:
     """Concat(past, new) on the sequence axis, when that is how past is consumed."""
+    past = _skip_identities(past)
     users = _real_consumers(past)
     if len(users) == 1 and users[0].op_type == "Concat" and users[0].domain == "":
         n = users[0]
@@ -95,7 +106,7 @@ def _trace_back(v: ir.Value, target: ir.Value, allowed: set[str]) -> tuple[bool,
 
 def locate(layer: CacheLayer) -> AttentionSite:
     pk, pv = layer.past_key, layer.past_value
-    users = _real_consumers(pk)
+    users = _real_consumers(_skip_identities(pk))
     if not users:
         raise RewriteError(f"layer {layer.index}: nothing reads {pk.name!r}")
     first = users[0]

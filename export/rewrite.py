@@ -163,6 +163,8 @@ def apply_site(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: La
     if site.y.dtype is not None:  # TorchScript exports often leave intermediate values untyped
         y.dtype, y.shape = site.y.dtype, site.y.shape
     y.name = f"tq_attention_{layer.index}_y"
+    if site.y.is_graph_output():
+        _replace_graph_output(graph, site.y, y)
     site.y.replace_all_uses_with(y)
     for old, new, past, nbytes in ((site.present_key, pk_out, layer.past_key, packed_size(plan.key_format, plan.head_dim)),
                                    (site.present_value, pv_out, layer.past_value, packed_size(plan.value_format, plan.head_dim))):

@@ -106,7 +106,7 @@ def report(results: list[Result], threads: int) -> str:
     base = [r for r in results if r.name.startswith("ort_") and r.ms]
     tq = [r for r in results if r.name in TQ_PRESETS]
     lines = [f"threads={threads}"]
-    header = f"{'candidate':<24}{'S':>7}{'ms/step':>10}{'GB/s':>8}" + "".join(f"{'x vs ' + b.name[4:]:>20}" for b in base)
+    header = f"{'candidate':<24}{'S':>7}{'ms/step':>10}{'GB/s':>8}" + "".join(f"  {'x vs ' + b.name[4:]:>22}" for b in base)
     lines.append(header)
     for r in results:
         if r.ms is None:
@@ -115,7 +115,7 @@ def report(results: list[Result], threads: int) -> str:
         gbs = r.bytes_read / r.ms / 1e6 if r.bytes_read else float("nan")
         row = f"{r.name:<24}{r.context:>7}{r.ms:>10.3f}{gbs:>8.1f}"
         if r in tq:
-            row += "".join(f"{b.ms / r.ms:>20.2f}" for b in base)
+            row += "".join(f"  {b.ms / r.ms:>22.2f}" for b in base)
         lines.append(row)
     if base and tq:
         fastest = min(base, key=lambda r: r.ms)

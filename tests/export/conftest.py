@@ -1,0 +1,30 @@
+"""Models exported by real exporters (torch.onnx TorchScript and dynamo) from small random configs."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from turboquant import examples  # noqa: E402
+
+MODELS = {
+    # name: (config, exporter)
+    "llama-gqa-torchscript": (examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64), "torchscript"),
+    "gpt2-mha-torchscript": (examples.TinyConfig(family="gpt2", layers=6, hidden=256, heads=4, kv_heads=4, head_dim=64), "torchscript"),
+    "llama-gqa-dynamo": (examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64), "dynamo"),
+    "qwen2-gqa-dynamo-d128": (examples.TinyConfig(family="qwen2", layers=5, hidden=256, heads=4, kv_heads=1, head_dim=128, seed=3), "dynamo"),
+}
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """exported(name) -> path of that model, exported once per session."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cfg, exporter = MODELS[name]
+            cache[name] = examples.export(cfg, tmp_path_factory.mktemp(name) / f"{name}.onnx", exporter)
+        return cache[name]
+
+    return get

@@ -1,0 +1,134 @@
+"""Small decoders made and exported here, for the example and the tests: randomly initialised
+Hugging Face configs (no download), exported with torch.onnx with their KV cache.
+
+Needs torch and transformers (the `test` extra). The initialisation is scaled up so that the models'
+next-token predictions are peaked and depend on the input; with the default tiny init every
+position predicts nearly the same flat distribution, and agreement between two models says nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import warnings
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyConfig:
+    family: str = "llama"  # "llama" (GQA, RoPE, RMSNorm), "qwen2" (GQA with q/k/v bias), "gpt2" (MHA)
+    layers: int = 6
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    vocab: int = 512
+    seed: int = 0
+
+
+def build_model(cfg: TinyConfig):
+    import torch
+    import transformers
+
+    torch.manual_seed(cfg.seed)
+    common = dict(vocab_size=cfg.vocab, initializer_range=0.08, use_cache=True)
+    if cfg.family in ("llama", "qwen2"):
+        klass = transformers.LlamaConfig if cfg.family == "llama" else transformers.Qwen2Config
+        hf = klass(hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden, num_hidden_layers=cfg.layers,
+                   num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                   max_position_embeddings=1024, tie_word_embeddings=False, **common)
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    elif cfg.family == "gpt2":
+        if cfg.heads * cfg.head_dim != cfg.hidden:
+            raise ValueError("gpt2: hidden must equal heads * head_dim")
+        hf = transformers.GPT2Config(n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads, n_positions=1024, **common)
+        model = transformers.GPT2LMHeadModel(hf)
+    else:
+        raise ValueError(f"unknown family {cfg.family!r}")
+    with torch.no_grad():  # peaked predictions: a larger output projection
+        model.get_output_embeddings().weight.mul_(6.0)
+    return model.eval()
+
+
+class _CacheIO:
+    """Wraps a HF causal LM as f(input_ids, attention_mask, position_ids, *flat_past) -> (logits, *flat_present)."""
+
+    def __init__(self, model, layers: int):
+        import torch
+
+        class Wrapper(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m = model
+
+            def forward(self, input_ids, attention_mask, position_ids, *flat):
+                from transformers.cache_utils import DynamicCache
+
+                cache = DynamicCache()
+                for i in range(layers):
+                    cache.update(flat[2 * i], flat[2 * i + 1], i)
+                out = self.m(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=cache, use_cache=True)
+                res = [out.logits]
+                for layer in out.past_key_values.layers:
+                    res += [layer.keys, layer.values]
+                return tuple(res)
+
+        self.module = Wrapper()
+
+
+def export(cfg: TinyConfig, path: str | os.PathLike, exporter: str = "torchscript") -> pathlib.Path:
+    """Exports a tiny decoder with past_key_values.N.key/value inputs and present.N.key/value outputs.
+
+    exporter: "torchscript" (torch.onnx dynamo=False, opset 17, decomposed attention) or "dynamo"
+    (opset 23, ONNX Attention, optimised by onnxscript).
+    """
+    import torch
+
+    path = pathlib.Path(path)
+    model = build_model(cfg)
+    kv = cfg.kv_heads if cfg.family != "gpt2" else cfg.heads
+    b, s, p = 1, 3, 4
+    ids = torch.randint(0, cfg.vocab, (b, s))
+    am = torch.ones(b, p + s, dtype=torch.int64)
+    pos = torch.arange(p, p + s)[None]
+    flat = [torch.randn(b, kv, p, cfg.head_dim) for _ in range(2 * cfg.layers)]
+    names_in = ["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{i}.{k}" for i in range(cfg.layers) for k in ("key", "value")]
+    names_out = ["logits"] + [f"present.{i}.{k}" for i in range(cfg.layers) for k in ("key", "value")]
+    wrapper = _CacheIO(model, cfg.layers).module
+    args = (ids, am, pos, *flat)
+    with warnings.catch_warnings():  # tracer warnings about Python control flow in HF code: expected
+        warnings.simplefilter("ignore")
+        _run_exporter(exporter, wrapper, args, path, names_in, names_out, flat)
+    _set_ir_version(path)
+    return path
+
+
+def _run_exporter(exporter, wrapper, args, path, names_in, names_out, flat) -> None:
+    import torch
+
+    if exporter == "torchscript":
+        dyn = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
+               "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+        dyn.update({n: {0: "batch", 2: "past"} for n in names_in[3:]})
+        dyn.update({n: {0: "batch", 2: "total"} for n in names_out[1:]})
+        torch.onnx.export(wrapper, args, str(path), input_names=names_in, output_names=names_out, dynamic_axes=dyn,
+                          opset_version=17, dynamo=False)
+    elif exporter == "dynamo":
+        d = torch.export.Dim.DYNAMIC
+        shapes = ({0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d}, tuple({0: d, 2: d} for _ in flat))
+        program = torch.onnx.export(wrapper, args, input_names=names_in, output_names=names_out, dynamic_shapes=shapes,
+                                    opset_version=23, dynamo=True, optimize=True, verbose=False)
+        program.save(str(path))
+    else:
+        raise ValueError(f"exporter must be 'torchscript' or 'dynamo', got {exporter!r}")
+
+
+def _set_ir_version(path: pathlib.Path, ir_version: int = 10) -> None:
+    """onnxruntime 1.31 refuses IR versions above 13; pin a widely readable one."""
+    import onnx
+
+    m = onnx.load(str(path))
+    if m.ir_version > ir_version:
+        m.ir_version = ir_version
+        onnx.save(m, str(path))
