@@ -21,20 +21,63 @@ def repo_root() -> pathlib.Path:
     return REPO
 
 
+def cuda_unavailable_reason() -> str | None:
+    """Why CUDA tests cannot run here, or None when they can."""
+    import onnxruntime as ort
+
+    if hasattr(ort, "preload_dlls"):
+        try:
+            ort.preload_dlls()
+        except Exception:  # noqa: BLE001 - reported through the provider check below
+            pass
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "onnxruntime has no CUDAExecutionProvider here (install onnxruntime-gpu on a machine with a GPU)"
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        count = ctypes.c_int(0)
+        if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
+            return "no CUDA device"
+    except OSError:
+        return "no CUDA driver (libcuda.so.1)"
+    return None
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def pytest_generate_tests(metafunc):
+    """Tests taking a `device` argument run on the CPU and, where present, the GPU."""
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", DEVICES)
+
+
 @functools.lru_cache(maxsize=256)
-def _cached_session(model_bytes: bytes, threads: int):
+def _cached_session(model_bytes: bytes, threads: int, device: str):
     import onnx
 
-    from turboquant.ort import inference_session
+    from turboquant.ort import inference_session, session_options
 
-    return inference_session(onnx.load_from_string(model_bytes), threads=threads)
+    so = session_options(threads)
+    providers = ["CPUExecutionProvider"]
+    if device == "cuda":
+        # every node on the GPU, or the session fails: proves the CUDA kernels are the ones run
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        providers = ["CUDAExecutionProvider"]
+    return inference_session(onnx.load_from_string(model_bytes), providers=providers, options=so)
 
 
 @pytest.fixture(scope="session")
 def ort_session():
-    """ort_session(model, threads=2): a cached CPU InferenceSession with the library registered."""
+    """ort_session(model, threads=2, device="cpu"): a cached InferenceSession with the library
+    registered; device "cuda" skips (saying why) where no GPU and onnxruntime-gpu are present."""
 
-    def make(model, threads: int = 2):
-        return _cached_session(model.SerializeToString(), threads)
+    def make(model, threads: int = 2, device: str = "cpu"):
+        if device == "cuda":
+            reason = cuda_unavailable_reason()
+            if reason:
+                pytest.skip(f"CUDA test skipped: {reason}")
+        return _cached_session(model.SerializeToString(), threads, device)
 
     return make

@@ -8,6 +8,13 @@
 - turboquant.export: the graph rewrite (python -m turboquant.export)
 """
 
+import pathlib as _pathlib
+
+# The wheel installs the top-level export/ folder as turboquant/export. In a source checkout (for
+# instance `python -m turboquant.export` run from the repository root) map it the same way.
+if not (_pathlib.Path(__file__).parent / "export").is_dir() and (_pathlib.Path(__file__).parent.parent / "export" / "__init__.py").is_file():
+    __path__.append(str(_pathlib.Path(__file__).parent.parent))  # noqa: F821 - the package's own __path__
+
 from ._libs import LibraryNotBuiltError, ort_library_path, trt_plugin_path
 from .config import FORMAT_VERSION, TQ_PRESETS, LayerInfo, TurboQuantConfig
 

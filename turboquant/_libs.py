@@ -12,6 +12,18 @@ class LibraryNotBuiltError(FileNotFoundError):
     """A native library variant was not built into this installation."""
 
 
+def _installed(filename: str) -> pathlib.Path | None:
+    """The library in the installed distribution, also when `turboquant` was imported from a source
+    checkout (python -m from the repository root puts the checkout first on sys.path)."""
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        path = pathlib.Path(distribution("turboquant-onnx").locate_file(f"turboquant/lib/{filename}"))
+    except (ImportError, PackageNotFoundError):
+        return None
+    return path if path.is_file() else None
+
+
 def _find(env_var: str, filename: str, what: str, how: str) -> str:
     override = os.environ.get(env_var)
     if override:
@@ -20,6 +32,8 @@ def _find(env_var: str, filename: str, what: str, how: str) -> str:
             raise LibraryNotBuiltError(f"{env_var} points at {path}, which is not a file")
         return str(path)
     path = LIB_DIR / filename
+    if not path.is_file():
+        path = _installed(filename) or path
     if not path.is_file():
         raise LibraryNotBuiltError(
             f"the {what} ({filename}) is not in {LIB_DIR}: {how}. Set {env_var} to use a library built elsewhere."

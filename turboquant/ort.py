@@ -30,10 +30,9 @@ def inference_session(
     threads: int | None = None,
     options: ort.SessionOptions | None = None,
 ) -> ort.InferenceSession:
-    """An InferenceSession for a model that uses turboquant ops (a ModelProto or a path)."""
+    """An InferenceSession for a model that uses turboquant ops (a ModelProto or a path). `options`,
+    when given, must already have the library registered (session_options does that)."""
     so = options or session_options(threads)
-    if options is not None:
-        so.register_custom_ops_library(ort_library_path())
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else os.fspath(model)
     return ort.InferenceSession(source, so, providers=list(providers))
 

@@ -16,9 +16,8 @@
 #include <limits>
 #include <vector>
 
-#include "bits.h"
-#include "float_io.h"
-#include "fwht.h"
+#include "turboquant/float_io.h"
+#include "turboquant/vector_codec.h"
 #include "turboquant/codebook_data.h"
 #include "turboquant/cpu_kernels.h"
 
@@ -225,7 +224,7 @@ class Runner {
         for (int r = 0; r < rows; ++r) {
           float* qr = &qrot[static_cast<size_t>(r) * dp];
           for (int i = 0; i < d; ++i) qr[i] = qf[static_cast<size_t>(r) * d + i] * fold;
-          fwht_inplace(qr, dp);
+          codec::fwht_inplace(qr, dp);
         }
         std::vector<float> lut;
         const int bits = format_bits(p_.key_format);

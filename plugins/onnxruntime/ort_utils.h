@@ -61,12 +61,18 @@ OrtStatusPtr guarded(Fn&& fn) {
   }
 }
 
+// Which execution provider a registration serves.
+enum class Device { kCpu, kCuda };
+
 // The CustomOpBase boilerplate shared by every op: a kernel built from the node's attributes,
-// computed under `guarded`.
-template <typename TOp, typename TKernel>
+// computed under `guarded`, registered for the CPU or the CUDA execution provider.
+template <typename TOp, typename TKernel, Device kDevice>
 struct OpBase : Ort::CustomOpBase<TOp, TKernel, /*WithStatus=*/true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info, void** kernel) const {
-    return guarded([&] { *kernel = new TKernel(info, static_cast<const TOp*>(this)->dtype()); });
+    return guarded([&] { *kernel = new TKernel(info, static_cast<const TOp*>(this)->dtype(), kDevice); });
+  }
+  const char* GetExecutionProviderType() const {
+    return kDevice == Device::kCuda ? "CUDAExecutionProvider" : "CPUExecutionProvider";
   }
 };
 

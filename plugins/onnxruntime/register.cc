@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <mutex>
 
+#include "cuda_dispatch.h"
 #include "ort_utils.h"
 #include "tq_attention_op.h"
 #include "tq_pack_ops.h"
@@ -11,15 +12,25 @@ namespace {
 
 constexpr const char* kDomain = "turboquant";
 
-template <template <ONNXTensorElementDataType> class Op>
+using turboquant::ort::Device;
+
+template <template <ONNXTensorElementDataType, Device> class Op, Device kDevice>
 void add_float_variants(Ort::CustomOpDomain& domain) {
   // Static: ORT keeps pointers to the op descriptions for as long as sessions use them.
-  static Op<ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> f32;
-  static Op<ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> f16;
-  static Op<ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16> bf16;
+  static Op<ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, kDevice> f32;
+  static Op<ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, kDevice> f16;
+  static Op<ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, kDevice> bf16;
   domain.Add(&f32);
   domain.Add(&f16);
   domain.Add(&bf16);
+}
+
+template <Device kDevice>
+void add_ops(Ort::CustomOpDomain& domain) {
+  add_float_variants<turboquant::ort::PackOp, kDevice>(domain);
+  static turboquant::ort::UnpackOp<kDevice> unpack;
+  domain.Add(&unpack);
+  add_float_variants<turboquant::ort::AttentionOp, kDevice>(domain);
 }
 
 }  // namespace
@@ -38,10 +49,8 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     static std::once_flag once;
     std::call_once(once, [] {
       domain = new Ort::CustomOpDomain(kDomain);
-      add_float_variants<turboquant::ort::PackOp>(*domain);
-      static turboquant::ort::UnpackOp unpack;
-      domain->Add(&unpack);
-      add_float_variants<turboquant::ort::AttentionOp>(*domain);
+      add_ops<Device::kCpu>(*domain);
+      if (turboquant::ort::cuda_compiled()) add_ops<Device::kCuda>(*domain);
     });
     Ort::UnownedSessionOptions(options).Add(*domain);
   });

@@ -1,5 +1,7 @@
 #include "tq_attention_op.h"
 
+#include "cuda_dispatch.h"
+
 #include <cmath>
 
 namespace turboquant::ort {
@@ -81,7 +83,8 @@ void check_offset(const Ort::ConstValue& off, const char* name, int64_t hkv, int
 
 }  // namespace
 
-AttentionKernel::AttentionKernel(const OrtKernelInfo* info, ONNXTensorElementDataType t) : type(t) {
+AttentionKernel::AttentionKernel(const OrtKernelInfo* info, ONNXTensorElementDataType t, Device dev)
+    : type(t), device(dev) {
   key_format = attr_format(kOp, info, "key_format", "mse4");
   value_format = attr_format(kOp, info, "value_format", "uint4");
   norm_correction = attr_bool(kOp, info, "norm_correction", true);
@@ -123,7 +126,7 @@ OrtStatusPtr AttentionKernel::ComputeV2(OrtKernelContext* context) {
       fail(kOp, "input 'Q' has head size ", q.d, " but attribute 'head_dim' is ", head_dim);
     }
 
-    cpu::AttentionParams p;
+    AttentionParams p;
     p.batch = q.b;
     p.q_heads = q.h;
     p.kv_heads = k.h;
@@ -200,6 +203,12 @@ OrtStatusPtr AttentionKernel::ComputeV2(OrtKernelContext* context) {
     auto y = ctx.GetOutput(0, y_shape);
     auto present_key = ctx.GetOutput(1, {q.b, k.h, total, kb});
     auto present_value = ctx.GetOutput(2, {q.b, k.h, total, vb});
+    if (device == Device::kCuda) {
+      cuda_attention(context, p, q_in.GetTensorRawData(), k_in.GetTensorRawData(), v_in.GetTensorRawData(), mask,
+                     past_key, past_value, y.GetTensorMutableRawData(), present_key.GetTensorMutableData<uint8_t>(),
+                     present_value.GetTensorMutableData<uint8_t>());
+      return;
+    }
     cpu::attention(p, q_in.GetTensorRawData(), k_in.GetTensorRawData(), v_in.GetTensorRawData(), mask, past_key,
                    past_value, y.GetTensorMutableRawData(), present_key.GetTensorMutableData<uint8_t>(),
                    present_value.GetTensorMutableData<uint8_t>(), ort_parallel_for(context));

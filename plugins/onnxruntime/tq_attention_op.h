@@ -6,10 +6,11 @@
 namespace turboquant::ort {
 
 struct AttentionKernel {
-  AttentionKernel(const OrtKernelInfo* info, ONNXTensorElementDataType type);
+  AttentionKernel(const OrtKernelInfo* info, ONNXTensorElementDataType type, Device device);
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
   ONNXTensorElementDataType type;
+  Device device;
   Format key_format, value_format;
   bool norm_correction, is_causal;
   int64_t head_dim, q_num_heads, kv_num_heads;
@@ -19,8 +20,8 @@ struct AttentionKernel {
 // Inputs: Q, K, V (T), attn_mask (any of bool/float types, optional), past_key, past_value (uint8,
 // optional), key_offset, value_offset (float32, optional). Outputs: Y (T), present_key,
 // present_value (uint8). One registration per T.
-template <ONNXTensorElementDataType T>
-struct AttentionOp : OpBase<AttentionOp<T>, AttentionKernel> {
+template <ONNXTensorElementDataType T, Device kDevice>
+struct AttentionOp : OpBase<AttentionOp<T, kDevice>, AttentionKernel, kDevice> {
   const char* GetName() const { return "TQAttention"; }
   ONNXTensorElementDataType dtype() const { return T; }
   size_t GetInputTypeCount() const { return 8; }

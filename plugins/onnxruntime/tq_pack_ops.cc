@@ -1,5 +1,7 @@
 #include "tq_pack_ops.h"
 
+#include "cuda_dispatch.h"
+
 namespace turboquant::ort {
 namespace {
 
@@ -43,7 +45,7 @@ cpu::Offset read_offset(const char* op, const Ort::ConstValue& offset, const std
   return out;
 }
 
-PackKernel::PackKernel(const OrtKernelInfo* info, ONNXTensorElementDataType) {
+PackKernel::PackKernel(const OrtKernelInfo* info, ONNXTensorElementDataType, Device dev) : device(dev) {
   format = attr_format(kPack, info, "format", "");
   head_dim = attr_int(info, "head_dim", 0);
   norm_correction = attr_bool(kPack, info, "norm_correction", true);
@@ -74,6 +76,11 @@ OrtStatusPtr PackKernel::ComputeV2(OrtKernelContext* context) {
     auto out_shape = shape;
     out_shape.back() = packed_size(format, static_cast<int>(d));
     auto y = ctx.GetOutput(0, out_shape);
+    if (device == Device::kCuda) {
+      cuda_pack(context, format, static_cast<int>(d), norm_correction, to_dtype(type), x.GetTensorRawData(),
+                count_vectors(shape), offset, y.GetTensorMutableData<uint8_t>());
+      return;
+    }
     cpu::pack(format, static_cast<int>(d), norm_correction, to_dtype(type), x.GetTensorRawData(),
               count_vectors(shape), offset, y.GetTensorMutableData<uint8_t>(), ort_parallel_for(context));
   });
@@ -100,7 +107,7 @@ int64_t infer_attr_int(const OrtApi& api, OrtShapeInferContext* ctx, const char*
 }  // namespace
 
 // Output: the input's shape with the last dimension replaced by head_dim, of type 'dtype'.
-OrtStatusPtr ORT_API_CALL UnpackOp::infer_output(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+OrtStatusPtr ORT_API_CALL infer_unpack_output(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   return guarded([&] {
     const OrtApi& api = Ort::GetApi();
     const int64_t dtype = infer_attr_int(api, ctx, "dtype", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
@@ -129,7 +136,7 @@ OrtStatusPtr ORT_API_CALL UnpackOp::infer_output(const OrtCustomOp*, OrtShapeInf
   });
 }
 
-UnpackKernel::UnpackKernel(const OrtKernelInfo* info, ONNXTensorElementDataType) {
+UnpackKernel::UnpackKernel(const OrtKernelInfo* info, ONNXTensorElementDataType, Device dev) : device(dev) {
   format = attr_format(kUnpack, info, "format", "");
   head_dim = attr_int(info, "head_dim", 0);
   if (!head_dim_supported(head_dim)) {
@@ -163,6 +170,11 @@ OrtStatusPtr UnpackKernel::ComputeV2(OrtKernelContext* context) {
     if (got != out_type) {
       fail(kUnpack, "output 'x' is ", dtype_name(got), " but attribute 'dtype' asks for ", dtype_name(out_type),
            "; they must agree");
+    }
+    if (device == Device::kCuda) {
+      cuda_unpack(context, format, d, x.GetTensorData<uint8_t>(), count_vectors(shape), offset, to_dtype(out_type),
+                  y.GetTensorMutableRawData());
+      return;
     }
     cpu::unpack(format, d, x.GetTensorData<uint8_t>(), count_vectors(shape), offset, to_dtype(out_type),
                 y.GetTensorMutableRawData(), ort_parallel_for(context));

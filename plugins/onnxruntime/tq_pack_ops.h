@@ -6,26 +6,28 @@
 namespace turboquant::ort {
 
 struct PackKernel {
-  PackKernel(const OrtKernelInfo* info, ONNXTensorElementDataType type);
+  PackKernel(const OrtKernelInfo* info, ONNXTensorElementDataType type, Device device);
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
+  Device device;
   Format format;
   int64_t head_dim;
   bool norm_correction;
 };
 
 struct UnpackKernel {
-  UnpackKernel(const OrtKernelInfo* info, ONNXTensorElementDataType type);
+  UnpackKernel(const OrtKernelInfo* info, ONNXTensorElementDataType type, Device device);
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
+  Device device;
   Format format;
   int64_t head_dim;
   ONNXTensorElementDataType out_type;
 };
 
 // One registration per float type T (of TQPack's x, of TQUnpack's output).
-template <ONNXTensorElementDataType T>
-struct PackOp : OpBase<PackOp<T>, PackKernel> {
+template <ONNXTensorElementDataType T, Device kDevice>
+struct PackOp : OpBase<PackOp<T, kDevice>, PackKernel, kDevice> {
   const char* GetName() const { return "TQPack"; }
   ONNXTensorElementDataType dtype() const { return T; }
   size_t GetInputTypeCount() const { return 2; }
@@ -39,9 +41,11 @@ struct PackOp : OpBase<PackOp<T>, PackKernel> {
 
 // The output type comes from the 'dtype' attribute; ORT picks a kernel by input types only, so
 // there is one registration whose output type is left open and set by shape inference.
-struct UnpackOp : OpBase<UnpackOp, UnpackKernel> {
-  UnpackOp() { OrtCustomOp::InferOutputShapeFn = &UnpackOp::infer_output; }
-  static OrtStatusPtr ORT_API_CALL infer_output(const OrtCustomOp*, OrtShapeInferContext* ctx);
+OrtStatusPtr ORT_API_CALL infer_unpack_output(const OrtCustomOp*, OrtShapeInferContext* ctx);
+
+template <Device kDevice>
+struct UnpackOp : OpBase<UnpackOp<kDevice>, UnpackKernel, kDevice> {
+  UnpackOp() { OrtCustomOp::InferOutputShapeFn = &infer_unpack_output; }
   const char* GetName() const { return "TQUnpack"; }
   ONNXTensorElementDataType dtype() const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
   size_t GetInputTypeCount() const { return 2; }

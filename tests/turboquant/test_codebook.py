@@ -72,9 +72,8 @@ def test_header_is_generated_from_this_module(repo_root):
     header = (repo_root / "ops/include/turboquant/codebook_data.h").read_text()
     assert header == codebook.render_header()
     for bits in (3, 4):
-        block = re.search(rf"kCentroids{bits}\[\d+\] = \{{(.*?)\}};", header, re.S).group(1)
-        values = [float(v) for v in block.replace(",", " ").split()]
-        assert values == codebook.lloyd_max(bits)[0].tolist()
-        block = re.search(rf"kBoundaries{bits}\[\d+\] = \{{(.*?)\}};", header, re.S).group(1)
-        values = np.array([float(v.rstrip("f")) for v in block.replace(",", " ").split()], np.float32)
+        line = re.search(rf"^#define TQ_CENTROIDS{bits} (.*)$", header, re.M).group(1)
+        assert [float(v) for v in line.split(",")] == codebook.lloyd_max(bits)[0].tolist()
+        line = re.search(rf"^#define TQ_BOUNDARIES{bits} (.*)$", header, re.M).group(1)
+        values = np.array([float(v.strip().rstrip("f")) for v in line.split(",")], np.float32)
         assert np.array_equal(values, codebook.boundaries_f32(bits))

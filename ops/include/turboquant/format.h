@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "turboquant/numerics.h"  // TQ_HD
+
 namespace turboquant {
 
 constexpr int kFormatVersion = 1;
@@ -36,23 +38,23 @@ inline Format parse_format(const char* s) {
   return Format::kInvalid;
 }
 
-inline bool is_mse(Format f) { return f == Format::kMse3 || f == Format::kMse4; }
-inline bool is_uint(Format f) { return f == Format::kUint3 || f == Format::kUint4; }
-inline int format_bits(Format f) {
+TQ_HD bool is_mse(Format f) { return f == Format::kMse3 || f == Format::kMse4; }
+TQ_HD bool is_uint(Format f) { return f == Format::kUint3 || f == Format::kUint4; }
+TQ_HD int format_bits(Format f) {
   return (f == Format::kMse3 || f == Format::kUint3) ? 3 : (f == Format::kMse4 || f == Format::kUint4) ? 4 : 8;
 }
 
-inline bool head_dim_supported(int64_t d) { return d % 8 == 0 && d >= kMinHeadDim && d <= kMaxHeadDim; }
+TQ_HD bool head_dim_supported(int64_t d) { return d % 8 == 0 && d >= kMinHeadDim && d <= kMaxHeadDim; }
 
 // Dp: the next power of two >= d.
-inline int padded_dim(int d) {
+TQ_HD int padded_dim(int d) {
   int p = 1;
   while (p < d) p <<= 1;
   return p;
 }
 
 // Bytes of the index/payload part (before any fp16 scale or zero).
-inline int payload_bytes(Format f, int d) {
+TQ_HD int payload_bytes(Format f, int d) {
   switch (f) {
     case Format::kMse3: return padded_dim(d) * 3 / 8;
     case Format::kMse4: return padded_dim(d) / 2;
@@ -65,7 +67,7 @@ inline int payload_bytes(Format f, int d) {
 }
 
 // Bytes of one packed vector of length d (d a supported head_dim).
-inline int packed_size(Format f, int d) {
+TQ_HD int packed_size(Format f, int d) {
   if (is_mse(f)) return payload_bytes(f, d) + 2;   // + fp16 scale
   if (is_uint(f)) return payload_bytes(f, d) + 4;  // + fp16 scale, fp16 zero
   return payload_bytes(f, d);

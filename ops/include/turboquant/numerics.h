@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <math.h>
 #include <cstdint>
 #include <cstring>
 
@@ -39,7 +40,7 @@ TQ_HD uint16_t f32_to_f16(float f) {
   if (ax >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 rounds to inf
   if (ax < 0x38800000u) {  // below 2^-14: fp16 subnormal (or zero); 2^24 * |f| < 1024 is exact
     const float scaled = bits_f32(ax) * 16777216.0f;
-    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(scaled)));
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(nearbyintf(scaled)));
   }
   const uint32_t r = ax + 0x0FFFu + ((ax >> 13) & 1u);  // round the 13 dropped bits to even
   return static_cast<uint16_t>(sign | ((r - 0x38000000u) >> 13));
@@ -82,7 +83,7 @@ TQ_HD uint8_t f32_to_fp8(float f) {
   const float a = bits_f32(ax);
   if (a >= kFp8Max) return static_cast<uint8_t>(sign | 0x7Eu);
   if (a < 0.015625f) {  // below 2^-6: subnormal steps of 2^-9; q == 8 is the smallest normal
-    return static_cast<uint8_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 512.0f)));
+    return static_cast<uint8_t>(sign | static_cast<uint32_t>(nearbyintf(a * 512.0f)));
   }
   const uint32_t r = ax + 0x7FFFFu + ((ax >> 20) & 1u);  // round the 20 dropped bits to even
   const uint32_t e = (r >> 23) - 127u + 7u;

@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -15,6 +16,16 @@ def test_ort_library_exists_and_exports_only_the_entry_point():
     out = subprocess.run(["nm", "-D", "--defined-only", path], check=True, capture_output=True, text=True).stdout
     names = sorted(line.split()[-1] for line in out.splitlines() if line.strip())
     assert names == ["RegisterCustomOps"]
+
+
+def test_found_from_a_source_checkout(repo_root):
+    """python -m from the repository root imports the checkout's turboquant, without the built
+    library; it still finds the installed one, and turboquant.export maps to export/."""
+    code = "import turboquant, turboquant.export; print(turboquant.ort_library_path()); print(turboquant.export.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lib, export_file = out.stdout.split()
+    assert lib.endswith("libturboquant_ort.so") and export_file.endswith("__init__.py")
 
 
 def test_trt_plugin_path_says_what_is_missing(monkeypatch):

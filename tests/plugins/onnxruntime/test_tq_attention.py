@@ -98,7 +98,7 @@ def model_for(c, mask):
     return m
 
 
-def check_case(ort_session, c, threads=2):
+def check_case(ort_session, c, threads=2, device="cpu"):
     rng = np.random.default_rng(c["seed"])
     q, k, v, mask, pk, pv, koff, voff = make_inputs(c, rng)
     hq, hkv = c["hkv"] * c["group"], c["hkv"]
@@ -108,7 +108,7 @@ def check_case(ort_session, c, threads=2):
         feeds["attn_mask"] = mask
     if c["offsets"]:
         feeds["key_offset"], feeds["value_offset"] = koff, voff
-    y, prk, prv = run(ort_session(model_for(c, mask), threads), feeds)
+    y, prk, prv = run(ort_session(model_for(c, mask), threads, device), feeds)
     wy, wk, wv = attention(feeds["Q"], feeds["K"], feeds["V"], mask, pk, pv, koff, voff, key_format=c["kf"],
                            value_format=c["vf"], norm_correction=c["nc"], is_causal=c["causal"], scale=c["scale"],
                            q_num_heads=hq, kv_num_heads=hkv)
@@ -123,16 +123,16 @@ def check_case(ort_session, c, threads=2):
 
 @settings(max_examples=250, deadline=None)
 @given(c=cases())
-def test_matches_reference(ort_session, c):
-    check_case(ort_session, c)
+def test_matches_reference(ort_session, device, c):
+    check_case(ort_session, c, device=device)
 
 
 @pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("kf, vf", [("mse4", "uint4"), ("mse3", "uint4"), ("mse3", "uint3"), ("fp8", "uint4")])
-def test_presets_every_head_dim(ort_session, d, kf, vf):
+def test_presets_every_head_dim(ort_session, device, d, kf, vf):
     c = dict(b=1, hkv=2, group=4, sq=1, sp=33, d=d, kf=kf, vf=vf, dtype=TensorProto.FLOAT16, layout="bhsd", mask=None,
              mask_shape="full", causal=True, scale=None, offsets=False, nc=True, values="normal", seed=d)
-    check_case(ort_session, c)
+    check_case(ort_session, c, device=device)
 
 
 def test_threads_give_the_same_result(ort_session):
@@ -142,11 +142,11 @@ def test_threads_give_the_same_result(ort_session):
     check_case(ort_session, c, threads=2)
 
 
-def test_mqa_long_cache_and_empty_past(ort_session):
+def test_mqa_long_cache_and_empty_past(ort_session, device):
     base = dict(b=1, hkv=1, group=32, sq=1, d=128, kf="mse4", vf="uint4", dtype=TensorProto.FLOAT16, layout="bsd",
                 mask=None, mask_shape="full", causal=True, scale=None, offsets=False, nc=True, values="normal", seed=3)
-    check_case(ort_session, {**base, "sp": 2000})
-    check_case(ort_session, {**base, "sp": 0, "sq": 7})
+    check_case(ort_session, {**base, "sp": 2000}, device=device)
+    check_case(ort_session, {**base, "sp": 0, "sq": 7}, device=device)
 
 
 def test_offsets_zero_changes_nothing_and_shift_is_invariant(ort_session, rng):
@@ -190,12 +190,12 @@ def test_key_offset_recovers_accuracy_of_biased_keys(ort_session, rng):
     assert errs["offset"] < 0.5 * errs["plain"], errs
 
 
-def test_generation_loop_feeds_present_back(ort_session, rng):
+def test_generation_loop_feeds_present_back(ort_session, rng, device):
     """Prefill 5 tokens, then 16 decode steps with present fed back as past: each step equals the
-    reference (present byte for byte, Y to float tolerance)."""
+    reference (present byte for byte, Y to float tolerance); on the GPU too."""
     hq, hkv, d = 8, 2, 64
     sess = ort_session(models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse3", value_format="uint4",
-                                              dtype=TensorProto.FLOAT16, is_causal=1))
+                                              dtype=TensorProto.FLOAT16, is_causal=1), device=device)
     pk = np.zeros((1, hkv, 0, formats.packed_size("mse3", d)), np.uint8)
     pv = np.zeros((1, hkv, 0, formats.packed_size("uint4", d)), np.uint8)
     for step in range(17):

@@ -47,10 +47,10 @@ def vectors(draw, d=None):
 
 @settings(max_examples=150, deadline=None)
 @given(data=vectors(), fmt=st.sampled_from(ALL_FORMATS), nc=st.booleans())
-def test_pack_matches_reference_byte_for_byte(ort_session, data, fmt, nc):
+def test_pack_matches_reference_byte_for_byte(ort_session, device, data, fmt, nc):
     dtype, x = data
     d = x.shape[-1]
-    sess = ort_session(models.pack_model(fmt, d, dtype, rank=x.ndim, norm_correction=int(nc)))
+    sess = ort_session(models.pack_model(fmt, d, dtype, rank=x.ndim, norm_correction=int(nc)), device=device)
     got = run(sess, {"x": x})[0]
     want = formats.pack(x, fmt, nc)
     assert got.shape == (*x.shape[:-1], packed_size(fmt, d))
@@ -59,24 +59,24 @@ def test_pack_matches_reference_byte_for_byte(ort_session, data, fmt, nc):
 
 @settings(max_examples=100, deadline=None)
 @given(data=vectors(), fmt=st.sampled_from(ALL_FORMATS))
-def test_unpack_matches_reference(ort_session, data, fmt):
+def test_unpack_matches_reference(ort_session, device, data, fmt):
     dtype, x = data
     d = x.shape[-1]
     packed = formats.pack(x, fmt)
-    got = run(ort_session(models.unpack_model(fmt, d, dtype, rank=x.ndim)), {"packed": packed})[0]
+    got = run(ort_session(models.unpack_model(fmt, d, dtype, rank=x.ndim), device=device), {"packed": packed})[0]
     want = formats.unpack(packed, fmt, d).astype(DTYPES[dtype])
     assert got.dtype == DTYPES[dtype]
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("offset_shape", [[64], [3, 64]])
-def test_offsets(ort_session, rng, offset_shape):
+def test_offsets(ort_session, device, rng, offset_shape):
     x = rng.standard_normal((2, 3, 5, 64)).astype(np.float32) + 4.0
     off = rng.standard_normal(offset_shape).astype(np.float32) + 4.0
     ref_off = off if off.ndim == 1 else off[:, None, :]
-    packed = ort_session(models.pack_model("mse4", 64, offset_shape=offset_shape)).run(None, {"x": x, "offset": off})[0]
+    packed = ort_session(models.pack_model("mse4", 64, offset_shape=offset_shape), device=device).run(None, {"x": x, "offset": off})[0]
     np.testing.assert_array_equal(packed, formats.pack(x, "mse4", True, ref_off))
-    back = ort_session(models.unpack_model("mse4", 64, offset_shape=offset_shape)).run(None, {"packed": packed, "offset": off})[0]
+    back = ort_session(models.unpack_model("mse4", 64, offset_shape=offset_shape), device=device).run(None, {"packed": packed, "offset": off})[0]
     np.testing.assert_allclose(back, formats.unpack(packed, "mse4", 64, ref_off), rtol=1e-6)
 
 

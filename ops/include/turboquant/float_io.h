@@ -6,9 +6,9 @@
 #include "turboquant/format.h"
 #include "turboquant/numerics.h"
 
-namespace turboquant::cpu {
+namespace turboquant {
 
-inline float load_float(DType dt, const void* base, int64_t i) {
+TQ_HD float load_float(DType dt, const void* base, int64_t i) {
   switch (dt) {
     case DType::kFloat16: return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
     case DType::kBFloat16: return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
@@ -16,7 +16,7 @@ inline float load_float(DType dt, const void* base, int64_t i) {
   }
 }
 
-inline void store_float(DType dt, void* base, int64_t i, float v) {
+TQ_HD void store_float(DType dt, void* base, int64_t i, float v) {
   switch (dt) {
     case DType::kFloat16: static_cast<uint16_t*>(base)[i] = f32_to_f16(v); break;
     case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = f32_to_bf16(v); break;
@@ -25,8 +25,8 @@ inline void store_float(DType dt, void* base, int64_t i, float v) {
 }
 
 // n contiguous elements starting at element `first`.
-inline void load_row(DType dt, const void* base, int64_t first, int n, float* out) {
+TQ_HD void load_row(DType dt, const void* base, int64_t first, int n, float* out) {
   for (int i = 0; i < n; ++i) out[i] = load_float(dt, base, first + i);
 }
 
-}  // namespace turboquant::cpu
+}  // namespace turboquant

@@ -1,0 +1,458 @@
+// TQAttention on the GPU (DESIGN.md section 3).
+//
+// 1. present = past ++ pack(new - offset): one 2-D copy and a pack kernel (same codec as the CPU).
+// 2. split_kernel: grid (B*Hkv, splits, row blocks). A block takes up to 8 query rows (the
+//    query heads of one GQA group at one or more positions) against one KV head and one slice of
+//    the packed past, so each packed byte is read once per KV head. Per tile of kTile tokens, each
+//    thread scores one token for all rows: MSE keys against the rotated query (q . H, scaled) and
+//    the codebook centroids, without dequantizing; fp8/raw16 keys against q. A block-wide online
+//    softmax follows, then every thread owns head-size columns and adds the tile's values,
+//    dequantized in registers. It writes (max, sum, acc[Dv]) per row and split.
+// 3. merge_kernel: one block per query row merges the splits with log-sum-exp, adds the new tokens
+//    exactly (float K/V, key offset removed), restores the value offset and writes Y.
+#include <cfloat>
+#include <cmath>
+
+#include "turboquant/cuda_kernels.h"
+#include "turboquant/float_io.h"
+#include "turboquant/vector_codec.h"
+
+namespace turboquant::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kTile = 128;  // tokens per tile: one per thread
+constexpr int kMaxCols = kMaxHeadDim / kThreads;  // value columns per thread
+constexpr int kMaxStageBytes = 32 * 1024;  // plus at most 12.5 KiB of static shared memory: under the 48 KiB default
+
+struct Layout {
+  int rows_per_block;  // 1, 2, 4 or 8: the query rows a split block scores together
+  int stage_bytes;  // shared memory staging a tile's packed K and V (0: read them from global memory)
+  int group;  // Hq / Hkv
+  int64_t rows;  // rows per (b, hkv) = q_len * group
+  int row_blocks;
+  int splits;
+  int64_t split_len;
+};
+
+Layout make_layout(const AttentionParams& p, int num_sms) {
+  Layout l;
+  l.group = static_cast<int>(p.q_heads / p.kv_heads);
+  l.rows = p.q_len * l.group;
+  l.rows_per_block = l.rows >= 8 ? 8 : l.rows >= 4 ? 4 : l.rows >= 2 ? 2 : 1;
+  l.rows_per_block = l.rows > 4 && l.rows < 8 ? 8 : l.rows > 2 && l.rows < 4 ? 4 : l.rows_per_block;
+  l.row_blocks = static_cast<int>((l.rows + l.rows_per_block - 1) / l.rows_per_block);
+  const int64_t base = p.batch * p.kv_heads * l.row_blocks;
+  int64_t splits = base > 0 ? (8LL * num_sms + base - 1) / base : 1;
+  const int64_t max_splits = (p.past_len + kTile - 1) / kTile;
+  splits = splits < 1 ? 1 : splits;
+  splits = splits > max_splits ? max_splits : splits;
+  l.splits = static_cast<int>(splits < 1 ? 1 : splits);
+  l.split_len = (p.past_len + l.splits - 1) / l.splits;
+  l.split_len = (l.split_len + kTile - 1) / kTile * kTile;
+  const int64_t stage = static_cast<int64_t>(kTile) * (packed_size(p.key_format, p.head_dim) + packed_size(p.value_format, p.v_head_dim));
+  l.stage_bytes = stage <= kMaxStageBytes ? static_cast<int>((stage + 3) / 4 * 4) : 0;
+  return l;
+}
+
+// Partial results: [B*Hkv][rows][splits] x (max, sum, acc[Dv]).
+__host__ __device__ inline int64_t partial_stride(int dv) { return 2 + dv; }
+
+__device__ float mask_value(const AttentionParams& p, const void* mask, int64_t b, int64_t hq, int64_t pos, int64_t j,
+                            bool* allowed) {
+  *allowed = true;
+  if (p.is_causal && j > pos + (p.past_len + p.new_len - p.q_len)) {
+    *allowed = false;
+    return 0.0f;
+  }
+  if (p.mask_type == MaskType::kNone) return 0.0f;
+  const int64_t i = b * p.mask_stride[0] + hq * p.mask_stride[1] + pos * p.mask_stride[2] + j * p.mask_stride[3];
+  switch (p.mask_type) {
+    case MaskType::kBool:
+      *allowed = static_cast<const uint8_t*>(mask)[i] != 0;
+      return 0.0f;
+    case MaskType::kFloat32: return static_cast<const float*>(mask)[i];
+    case MaskType::kFloat16: return f16_to_f32(static_cast<const uint16_t*>(mask)[i]);
+    case MaskType::kBFloat16: return bf16_to_f32(static_cast<const uint16_t*>(mask)[i]);
+    default: return 0.0f;
+  }
+}
+
+__device__ inline float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ inline float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// bytes [0, n) of src into dst (shared), 4 bytes at a time when src is 4-byte aligned.
+__device__ void copy_to_shared(uint8_t* dst, const uint8_t* src, int64_t n) {
+  if ((reinterpret_cast<uintptr_t>(src) & 3) == 0) {
+    const int64_t words = n / 4;
+    const uint32_t* s4 = reinterpret_cast<const uint32_t*>(src);
+    uint32_t* d4 = reinterpret_cast<uint32_t*>(dst);
+    for (int64_t i = threadIdx.x; i < words; i += blockDim.x) d4[i] = __ldg(s4 + i);
+    for (int64_t i = words * 4 + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+  }
+}
+
+// One coordinate of a vector in a format without a per-coordinate layout (mse values): slow,
+// used by no preset.
+__device__ float decode_one(Format fmt, int d, const uint8_t* in, int col) {
+  float tmp[kMaxHeadDim];
+  codec::decode_vector(fmt, d, in, tmp);
+  return tmp[col];
+}
+
+template <int kRows>
+__global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layout l, const void* q, const void* mask,
+                                                         const uint8_t* past_key, const uint8_t* past_value,
+                                                         float* partial) {
+  const int64_t bh = blockIdx.x;
+  const int split = blockIdx.y;
+  const int64_t b = bh / p.kv_heads, hkv = bh % p.kv_heads;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.z) * l.rows_per_block;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(kRows), l.rows - row0));
+  const int d = p.head_dim, dv = p.v_head_dim, tid = threadIdx.x;
+  const bool mse = is_mse(p.key_format);
+  const int dp = mse ? padded_dim(d) : d;
+  const int kb = packed_size(p.key_format, d), vb = packed_size(p.value_format, dv);
+
+  __shared__ float qs[kRows][kMaxHeadDim];  // rotated and scaled query (MSE) or scaled query
+  __shared__ float scores[kRows][kTile];
+  __shared__ float row_max[kRows], row_sum[kRows], row_rescale[kRows];
+  __shared__ float centroid[16];
+  __shared__ int64_t row_pos[kRows], row_hq[kRows];
+
+  if (tid < 16) centroid[tid] = mse ? static_cast<float>(codec::centroids(format_bits(p.key_format))[tid & ((1 << format_bits(p.key_format)) - 1)]) : 0.0f;
+  for (int r = 0; r < kRows; ++r) {
+    for (int i = tid; i < kMaxHeadDim; i += kThreads) qs[r][i] = 0.0f;
+  }
+  if (tid < kRows) {
+    const int64_t row = row0 + tid;
+    row_pos[tid] = row / l.group;
+    row_hq[tid] = hkv * l.group + row % l.group;
+    row_max[tid] = -INFINITY;
+    row_sum[tid] = 0.0f;
+  }
+  __syncthreads();
+  const float fold = mse ? p.scale / static_cast<float>(dp) : p.scale;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t base = b * p.q.b + row_hq[r] * p.q.h + row_pos[r] * p.q.s;
+    for (int i = tid; i < d; i += kThreads) qs[r][i] = load_float(p.dtype, q, base + i) * fold;
+  }
+  __syncthreads();
+  if (mse) {  // q . H for every row, one butterfly per thread and stage
+    for (int h = 1; h < dp; h <<= 1) {
+      for (int k = tid; k < rows * (dp / 2); k += kThreads) {
+        const int r = k / (dp / 2), j = k % (dp / 2);
+        const int i = (j / h) * 2 * h + (j % h);
+        const float a = qs[r][i], c = qs[r][i + h];
+        qs[r][i] = a + c;
+        qs[r][i + h] = a - c;
+      }
+      __syncthreads();
+    }
+  }
+
+  const int64_t begin = static_cast<int64_t>(split) * l.split_len;
+  const int64_t end = min(p.past_len, begin + l.split_len);
+  const uint8_t* keys = past_key + bh * p.past_len * kb;
+  const uint8_t* vals = past_value + bh * p.past_len * vb;
+  const int bits = format_bits(p.key_format);
+  float acc[kRows][kMaxCols];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kMaxCols; ++c) acc[r][c] = 0.0f;
+  const int warp = tid / 32, lane = tid % 32;
+
+  // The tile's packed keys and values are contiguous in memory: stage them through shared memory
+  // with coalesced 4-byte loads, then each thread reads its own token's row there.
+  extern __shared__ uint32_t stage_words[];
+  uint8_t* stage = reinterpret_cast<uint8_t*>(stage_words);
+  const bool staged = l.stage_bytes > 0;
+
+  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+    const int64_t n = min(static_cast<int64_t>(kTile), end - t0);
+    const uint8_t* ktile = keys + t0 * kb;
+    const uint8_t* vtile = vals + t0 * vb;
+    if (staged) {
+      copy_to_shared(stage, ktile, n * kb);
+      copy_to_shared(stage + kTile * kb, vtile, n * vb);
+      __syncthreads();
+      ktile = stage;
+      vtile = stage + kTile * kb;
+    }
+    // scores, one token per thread
+    float s[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) s[r] = 0.0f;
+    if (tid < n) {
+      const uint8_t* kr = ktile + static_cast<int64_t>(tid) * kb;
+      if (mse) {
+        const float ks = codec::load_f16(kr + dp * bits / 8);
+        if (bits == 4) {
+          for (int i = 0; i < dp / 2; ++i) {
+            const uint8_t byte = kr[i];
+            const float c0 = centroid[byte & 15], c1 = centroid[byte >> 4];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) s[r] += qs[r][2 * i] * c0 + qs[r][2 * i + 1] * c1;
+          }
+        } else {
+          for (int i = 0; i < dp; i += 8) {
+            const uint8_t* g = kr + i / 8 * 3;
+            const uint32_t w = g[0] | (g[1] << 8) | (g[2] << 16);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              const float c = centroid[(w >> (3 * k)) & 7];
+#pragma unroll
+              for (int r = 0; r < kRows; ++r) s[r] += qs[r][i + k] * c;
+            }
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) s[r] *= ks;
+      } else {
+        for (int i = 0; i < d; ++i) {
+          const float kv = p.key_format == Format::kFp8 ? fp8_to_f32(kr[i]) : codec::load_f16(kr + 2 * i);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) s[r] += qs[r][i] * kv;
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r < rows) {
+        bool ok = tid < n;
+        float add = 0.0f;
+        if (ok) add = mask_value(p, mask, b, row_hq[r], row_pos[r], t0 + tid, &ok);
+        scores[r][tid] = ok ? s[r] + add : -INFINITY;
+      }
+    }
+    __syncthreads();
+    // online softmax per row: warp w handles rows w, w+4
+    for (int r = warp; r < rows; r += kThreads / 32) {
+      float m = -INFINITY;
+      for (int u = lane; u < kTile; u += 32) m = fmaxf(m, scores[r][u]);
+      m = warp_max(m);
+      const float m_new = fmaxf(row_max[r], m);
+      float sum = 0.0f;
+      for (int u = lane; u < kTile; u += 32) {
+        const float e = m_new == -INFINITY ? 0.0f : __expf(scores[r][u] - m_new);
+        scores[r][u] = e;
+        sum += e;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        const float rescale = row_max[r] == -INFINITY ? 0.0f : __expf(row_max[r] - m_new);
+        row_rescale[r] = rescale;
+        row_sum[r] = row_sum[r] * rescale + sum;
+        row_max[r] = m_new;
+      }
+    }
+    __syncthreads();
+    // values: thread owns columns tid, tid + kThreads
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float rs = r < rows ? row_rescale[r] : 0.0f;
+#pragma unroll
+      for (int c = 0; c < kMaxCols; ++c) acc[r][c] *= rs;
+    }
+    const int nb = payload_bytes(p.value_format, dv);
+    const bool uint_fmt = is_uint(p.value_format);
+    for (int u = 0; u < n; ++u) {
+      const uint8_t* vr = vtile + static_cast<int64_t>(u) * vb;
+      float vscale = 1.0f, vzero = 0.0f;
+      if (uint_fmt) {
+        vscale = codec::load_f16(vr + nb);
+        vzero = codec::load_f16(vr + nb + 2);
+      }
+#pragma unroll
+      for (int c = 0; c < kMaxCols; ++c) {
+        const int col = tid + c * kThreads;
+        if (col < dv) {
+          float x;
+          switch (p.value_format) {
+            case Format::kUint4: x = static_cast<float>((vr[col / 2] >> (4 * (col & 1))) & 15) * vscale + vzero; break;
+            case Format::kUint3: {
+              const uint8_t* g = vr + col / 8 * 3;
+              const uint32_t w = g[0] | (g[1] << 8) | (g[2] << 16);
+              x = static_cast<float>((w >> (3 * (col % 8))) & 7) * vscale + vzero;
+              break;
+            }
+            case Format::kFp8: x = fp8_to_f32(vr[col]); break;
+            case Format::kRaw16: x = codec::load_f16(vr + 2 * col); break;
+            default: x = decode_one(p.value_format, dv, vr, col);
+          }
+#pragma unroll
+          for (int r = 0; r < kRows; ++r)
+            if (r < rows) acc[r][c] += scores[r][u] * x;
+        }
+      }
+    }
+    __syncthreads();
+  }
+  // write partials
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (r >= rows) continue;
+    float* out = partial + ((bh * l.rows + row0 + r) * l.splits + split) * partial_stride(dv);
+    if (tid == 0) {
+      out[0] = row_max[r];
+      out[1] = row_sum[r];
+    }
+#pragma unroll
+    for (int c = 0; c < kMaxCols; ++c) {
+      const int col = tid + c * kThreads;
+      if (col < dv) out[2 + col] = acc[r][c];
+    }
+  }
+}
+
+__device__ float block_sum(float v, float* red) {
+  v = warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < kThreads / 32; ++w) total += red[w];
+  return total;
+}
+
+__global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p, Layout l, const void* q, const void* k,
+                                                         const void* v, const void* mask, const float* partial,
+                                                         void* y) {
+  const int64_t gr = blockIdx.x;  // (b, hkv, row)
+  const int64_t bh = gr / l.rows, row = gr % l.rows;
+  const int64_t b = bh / p.kv_heads, hkv = bh % p.kv_heads;
+  const int64_t pos = row / l.group, hq = hkv * l.group + row % l.group;
+  const int d = p.head_dim, dv = p.v_head_dim, tid = threadIdx.x;
+  __shared__ float red[kThreads / 32];
+  __shared__ float qrow[kMaxHeadDim];
+
+  float m = -INFINITY, sum = 0.0f, acc[kMaxCols];
+  for (int c = 0; c < kMaxCols; ++c) acc[c] = 0.0f;
+  if (p.past_len > 0) {
+    const float* part = partial + (bh * l.rows + row) * l.splits * partial_stride(dv);
+    for (int s = 0; s < l.splits; ++s) m = fmaxf(m, part[s * partial_stride(dv)]);
+    for (int s = 0; s < l.splits; ++s) {
+      const float* ps = part + s * partial_stride(dv);
+      const float w = ps[0] == -INFINITY ? 0.0f : __expf(ps[0] - m);
+      sum += ps[1] * w;
+      for (int c = 0; c < kMaxCols; ++c) {
+        const int col = tid + c * kThreads;
+        if (col < dv) acc[c] += ps[2 + col] * w;
+      }
+    }
+    if (p.value_offset) {  // past values read back as unpack(v) + offset: sum_j p_j * offset
+      for (int c = 0; c < kMaxCols; ++c) {
+        const int col = tid + c * kThreads;
+        if (col < dv) acc[c] += p.value_offset[hkv * dv + col] * sum;
+      }
+    }
+  }
+  for (int i = tid; i < d; i += kThreads) qrow[i] = load_float(p.dtype, q, b * p.q.b + hq * p.q.h + pos * p.q.s + i);
+  __syncthreads();
+  const float* koff = p.key_offset ? p.key_offset + hkv * d : nullptr;
+  for (int64_t n = 0; n < p.new_len; ++n) {
+    float part = 0.0f;
+    const int64_t kbase = b * p.k.b + hkv * p.k.h + n * p.k.s;
+    for (int i = tid; i < d; i += kThreads) {
+      const float kv = load_float(p.dtype, k, kbase + i) - (koff ? koff[i] : 0.0f);
+      part += qrow[i] * kv;
+    }
+    const float dot = block_sum(part, red) * p.scale;
+    bool ok;
+    const float add = mask_value(p, mask, b, hq, pos, p.past_len + n, &ok);
+    if (!ok) continue;
+    const float s = dot + add;
+    if (s == -INFINITY) continue;
+    const float m_new = fmaxf(m, s);
+    const float rescale = m == -INFINITY ? 0.0f : __expf(m - m_new);
+    const float e = __expf(s - m_new);
+    sum = sum * rescale + e;
+    const int64_t vbase = b * p.v.b + hkv * p.v.h + n * p.v.s;
+    for (int c = 0; c < kMaxCols; ++c) {
+      const int col = tid + c * kThreads;
+      if (col < dv) acc[c] = acc[c] * rescale + e * load_float(p.dtype, v, vbase + col);
+    }
+    m = m_new;
+  }
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const int64_t ybase = b * p.y.b + hq * p.y.h + pos * p.y.s;
+  for (int c = 0; c < kMaxCols; ++c) {
+    const int col = tid + c * kThreads;
+    if (col < dv) store_float(p.dtype, y, ybase + col, acc[c] * inv);
+  }
+}
+
+__global__ void pack_new_kernel(AttentionParams p, Format fmt, int d, BhsStrides st, const void* x, const float* offset,
+                                uint8_t* present) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;  // (b, h, n)
+  if (i >= p.batch * p.kv_heads * p.new_len) return;
+  const int64_t n = i % p.new_len, bh = i / p.new_len;
+  const int64_t b = bh / p.kv_heads, h = bh % p.kv_heads;
+  float row[kMaxHeadDim];
+  for (int j = 0; j < d; ++j) row[j] = load_float(p.dtype, x, b * st.b + h * st.h + n * st.s + j);
+  if (offset) for (int j = 0; j < d; ++j) row[j] -= offset[h * d + j];
+  const int bytes = packed_size(fmt, d);
+  codec::encode_vector(fmt, d, p.norm_correction, row, present + (bh * (p.past_len + p.new_len) + p.past_len + n) * bytes);
+}
+
+cudaError_t write_present(const AttentionParams& p, Format fmt, int d, const BhsStrides& st, const void* x,
+                          const float* offset, const uint8_t* past, uint8_t* present, cudaStream_t stream) {
+  const int64_t bytes = packed_size(fmt, d);
+  const int64_t total = p.past_len + p.new_len;
+  if (p.past_len > 0 && p.batch * p.kv_heads > 0) {
+    cudaError_t e = cudaMemcpy2DAsync(present, total * bytes, past, p.past_len * bytes, p.past_len * bytes,
+                                      p.batch * p.kv_heads, cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return e;
+  }
+  const int64_t n = p.batch * p.kv_heads * p.new_len;
+  if (n > 0) {
+    pack_new_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p, fmt, d, st, x, offset, present);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t attention_workspace_bytes(const AttentionParams& p, int num_sms) {
+  if (p.past_len == 0 || p.q_len == 0) return 0;
+  const Layout l = make_layout(p, num_sms);
+  return static_cast<size_t>(p.batch * p.kv_heads * l.rows * l.splits * partial_stride(p.v_head_dim)) * sizeof(float);
+}
+
+cudaError_t attention(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
+                      const uint8_t* past_key, const uint8_t* past_value, void* y, uint8_t* present_key,
+                      uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream) {
+  cudaError_t e = write_present(p, p.key_format, p.head_dim, p.k, k, p.key_offset, past_key, present_key, stream);
+  if (e != cudaSuccess) return e;
+  e = write_present(p, p.value_format, p.v_head_dim, p.v, v, p.value_offset, past_value, present_value, stream);
+  if (e != cudaSuccess) return e;
+  if (p.q_len == 0 || p.batch == 0) return cudaSuccess;
+  const Layout l = make_layout(p, num_sms);
+  if (p.past_len > 0) {
+    dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
+    float* part = static_cast<float*>(workspace);
+    switch (l.rows_per_block) {
+      case 1: split_kernel<1><<<grid, kThreads, l.stage_bytes, stream>>>(p, l, q, mask, past_key, past_value, part); break;
+      case 2: split_kernel<2><<<grid, kThreads, l.stage_bytes, stream>>>(p, l, q, mask, past_key, past_value, part); break;
+      case 4: split_kernel<4><<<grid, kThreads, l.stage_bytes, stream>>>(p, l, q, mask, past_key, past_value, part); break;
+      default: split_kernel<8><<<grid, kThreads, l.stage_bytes, stream>>>(p, l, q, mask, past_key, past_value, part); break;
+    }
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  }
+  merge_kernel<<<static_cast<unsigned>(p.batch * p.kv_heads * l.rows), kThreads, 0, stream>>>(
+      p, l, q, k, v, mask, static_cast<const float*>(workspace), y);
+  return cudaGetLastError();
+}
+
+}  // namespace turboquant::cuda

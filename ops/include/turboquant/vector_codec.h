@@ -1,0 +1,183 @@
+// Encoding and decoding of one vector in every format of DESIGN.md section 2, shared by the CPU
+// and CUDA kernels (host and device), so that both produce the same bytes. Every operation that
+// decides a stored bit runs in the order the Python reference fixes: compile users of this header
+// without floating-point contraction (-ffp-contract=off, nvcc -fmad=false).
+#pragma once
+
+#include <cstdint>
+
+#include "turboquant/codebook_data.h"
+#include "turboquant/format.h"
+#include "turboquant/numerics.h"
+
+namespace turboquant::codec {
+
+TQ_HD void fwht_inplace(float* x, int n) {
+  for (int h = 1; h < n; h <<= 1) {
+    for (int i = 0; i < n; i += 2 * h) {
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+}
+
+// LSB-first bit stream of 3- or 4-bit indices; n % 8 == 0.
+TQ_HD void pack_indices(const uint8_t* idx, int n, int bits, uint8_t* out) {
+  if (bits == 4) {
+    for (int i = 0; i < n; i += 2) *out++ = static_cast<uint8_t>(idx[i] | (idx[i + 1] << 4));
+    return;
+  }
+  for (int i = 0; i < n; i += 8) {
+    uint32_t w = 0;
+    for (int k = 0; k < 8; ++k) w |= static_cast<uint32_t>(idx[i + k]) << (3 * k);
+    *out++ = static_cast<uint8_t>(w);
+    *out++ = static_cast<uint8_t>(w >> 8);
+    *out++ = static_cast<uint8_t>(w >> 16);
+  }
+}
+
+TQ_HD void unpack_indices(const uint8_t* in, int n, int bits, uint8_t* idx) {
+  if (bits == 4) {
+    for (int i = 0; i < n; i += 2, ++in) {
+      idx[i] = *in & 15u;
+      idx[i + 1] = *in >> 4;
+    }
+    return;
+  }
+  for (int i = 0; i < n; i += 8, in += 3) {
+    const uint32_t w = in[0] | (in[1] << 8) | (in[2] << 16);
+    for (int k = 0; k < 8; ++k) idx[i + k] = (w >> (3 * k)) & 7u;
+  }
+}
+
+TQ_HD const double* centroids(int bits) {
+#if defined(__CUDA_ARCH__)
+  return bits == 3 ? codebook::kCentroids3Device : codebook::kCentroids4Device;
+#else
+  return bits == 3 ? codebook::kCentroids3 : codebook::kCentroids4;
+#endif
+}
+
+TQ_HD void store_f16(uint8_t* out, uint16_t h) {
+  out[0] = static_cast<uint8_t>(h);
+  out[1] = static_cast<uint8_t>(h >> 8);
+}
+
+TQ_HD float load_f16(const uint8_t* in) { return f16_to_f32(static_cast<uint16_t>(in[0] | (in[1] << 8))); }
+
+// Number of boundaries <= z (ties go up); boundaries ascending.
+TQ_HD uint8_t codebook_index(int bits, float z) {
+#if defined(__CUDA_ARCH__)
+  const float* b = bits == 3 ? codebook::kBoundaries3Device : codebook::kBoundaries4Device;
+#else
+  const float* b = bits == 3 ? codebook::kBoundaries3 : codebook::kBoundaries4;
+#endif
+  const int nb = (1 << bits) - 1;
+  uint8_t k = 0;
+  for (int i = 0; i < nb; ++i) k += b[i] <= z ? 1 : 0;
+  return k;
+}
+
+TQ_HD void encode_mse(int bits, int d, bool norm_correction, const float* x, uint8_t* out) {
+  const int dp = padded_dim(d);
+  double n2 = 0.0;
+  for (int i = 0; i < d; ++i) n2 += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  const float n = static_cast<float>(sqrt(n2));
+  const float denom = n + 1e-8f;
+  float z[kMaxHeadDim];
+  for (int i = 0; i < d; ++i) z[i] = x[i] / denom;
+  for (int i = d; i < dp; ++i) z[i] = 0.0f;
+  fwht_inplace(z, dp);
+  uint8_t idx[kMaxHeadDim];
+  for (int i = 0; i < dp; ++i) idx[i] = codebook_index(bits, z[i]);
+  pack_indices(idx, dp, bits, out);
+  float s = n;
+  if (norm_correction) {
+    const double* c = centroids(bits);
+    double cn2 = 0.0;
+    for (int i = 0; i < dp; ++i) cn2 += c[idx[i]] * c[idx[i]];
+    s = static_cast<float>(static_cast<double>(n) * sqrt(static_cast<double>(dp)) / sqrt(cn2));
+  }
+  store_f16(out + dp * bits / 8, f32_to_f16_sat(s));
+}
+
+TQ_HD void decode_mse(int bits, int d, const uint8_t* in, float* out) {
+  const int dp = padded_dim(d);
+  uint8_t idx[kMaxHeadDim];
+  unpack_indices(in, dp, bits, idx);
+  const double s = load_f16(in + dp * bits / 8);
+  const double* c = centroids(bits);
+  float y[kMaxHeadDim];
+  for (int i = 0; i < dp; ++i) y[i] = static_cast<float>(c[idx[i]]);
+  fwht_inplace(y, dp);
+  for (int i = 0; i < d; ++i) out[i] = static_cast<float>(static_cast<double>(y[i]) * (s / dp));
+}
+
+TQ_HD void encode_uint(int bits, int d, const float* x, uint8_t* out) {
+  float mn = x[0], mx = x[0];
+  for (int i = 1; i < d; ++i) {
+    mn = x[i] < mn ? x[i] : mn;
+    mx = x[i] > mx ? x[i] : mx;
+  }
+  const float levels = static_cast<float>((1 << bits) - 1);
+  const float range = (mx - mn) / levels;
+  const uint16_t s16 = f32_to_f16_sat(range > 1e-8f ? range : 1e-8f);
+  const uint16_t z16 = f32_to_f16_sat(mn);
+  const float sc = f16_to_f32(s16), zr = f16_to_f32(z16);
+  uint8_t q[kMaxHeadDim];
+  for (int i = 0; i < d; ++i) {
+    float v = sc > 0.0f ? floorf((x[i] - zr) / sc + 0.5f) : 0.0f;
+    v = v < 0.0f ? 0.0f : (v > levels ? levels : v);
+    q[i] = static_cast<uint8_t>(v);
+  }
+  pack_indices(q, d, bits, out);
+  out += d * bits / 8;
+  store_f16(out, s16);
+  store_f16(out + 2, z16);
+}
+
+TQ_HD void decode_uint(int bits, int d, const uint8_t* in, float* out) {
+  uint8_t q[kMaxHeadDim];
+  unpack_indices(in, d, bits, q);
+  const float sc = load_f16(in + d * bits / 8), zr = load_f16(in + d * bits / 8 + 2);
+  for (int i = 0; i < d; ++i) out[i] = static_cast<float>(q[i]) * sc + zr;
+}
+
+// One vector: x[0..d) float32 (offset already removed) -> out[0..packed_size).
+TQ_HD void encode_vector(Format fmt, int d, bool norm_correction, const float* x, uint8_t* out) {
+  switch (fmt) {
+    case Format::kMse3:
+    case Format::kMse4: encode_mse(format_bits(fmt), d, norm_correction, x, out); break;
+    case Format::kUint3:
+    case Format::kUint4: encode_uint(format_bits(fmt), d, x, out); break;
+    case Format::kFp8:
+      for (int i = 0; i < d; ++i) out[i] = f32_to_fp8(x[i]);
+      break;
+    case Format::kRaw16:
+      for (int i = 0; i < d; ++i) store_f16(out + 2 * i, f32_to_f16(x[i]));
+      break;
+    default: break;
+  }
+}
+
+// One vector: packed bytes -> out[0..d) float32 (no offset added).
+TQ_HD void decode_vector(Format fmt, int d, const uint8_t* in, float* out) {
+  switch (fmt) {
+    case Format::kMse3:
+    case Format::kMse4: decode_mse(format_bits(fmt), d, in, out); break;
+    case Format::kUint3:
+    case Format::kUint4: decode_uint(format_bits(fmt), d, in, out); break;
+    case Format::kFp8:
+      for (int i = 0; i < d; ++i) out[i] = fp8_to_f32(in[i]);
+      break;
+    case Format::kRaw16:
+      for (int i = 0; i < d; ++i) out[i] = load_f16(in + 2 * i);
+      break;
+    default: break;
+  }
+}
+
+}  // namespace turboquant::codec

@@ -1,0 +1,77 @@
+// CUDA execution provider: ORT's compute stream, scratch from ORT's CUDA allocator, the launchers
+// of ops/cuda. No synchronisation: ORT orders the stream.
+#include "cuda_dispatch.h"
+
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "turboquant/cuda_kernels.h"
+
+namespace turboquant::ort {
+
+bool cuda_compiled() { return true; }
+
+namespace {
+
+void check(const char* op, cudaError_t e) {
+  if (e != cudaSuccess) fail(op, "CUDA error: ", cudaGetErrorString(e));
+}
+
+cudaStream_t stream_of(OrtKernelContext* context) {
+  return static_cast<cudaStream_t>(Ort::KernelContext(context).GetGPUComputeStream());
+}
+
+int device_sms(int device) {
+  static std::mutex mu;
+  static std::unordered_map<int, int> sms;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = sms.find(device);
+  if (it != sms.end()) return it->second;
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 100;
+  return sms[device] = n;
+}
+
+// Scratch memory from ORT's allocator for the CUDA device in use, released at scope exit.
+struct Scratch {
+  Scratch(OrtKernelContext* context, size_t bytes, int device) {
+    if (bytes == 0) return;
+    Ort::MemoryInfo info("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
+    Ort::ThrowOnError(Ort::GetApi().KernelContext_GetAllocator(context, info, &allocator));
+    ptr = allocator->Alloc(allocator, bytes);
+    if (ptr == nullptr) fail("TQAttention", "could not allocate ", bytes, " bytes of CUDA scratch");
+  }
+  ~Scratch() {
+    if (ptr) allocator->Free(allocator, ptr);
+    if (allocator) Ort::GetApi().ReleaseAllocator(allocator);
+  }
+  OrtAllocator* allocator = nullptr;
+  void* ptr = nullptr;
+};
+
+}  // namespace
+
+void cuda_pack(OrtKernelContext* context, Format fmt, int d, bool norm_correction, DType dt, const void* x, int64_t n,
+               const Offset& offset, uint8_t* out) {
+  check("TQPack", cuda::pack(fmt, d, norm_correction, dt, x, n, offset, out, stream_of(context)));
+}
+
+void cuda_unpack(OrtKernelContext* context, Format fmt, int d, const uint8_t* in, int64_t n, const Offset& offset,
+                 DType dt, void* out) {
+  check("TQUnpack", cuda::unpack(fmt, d, in, n, offset, dt, out, stream_of(context)));
+}
+
+void cuda_attention(OrtKernelContext* context, const AttentionParams& p, const void* q, const void* k, const void* v,
+                    const void* mask, const uint8_t* past_key, const uint8_t* past_value, void* y,
+                    uint8_t* present_key, uint8_t* present_value) {
+  int device = 0;
+  check("TQAttention", cudaGetDevice(&device));
+  const int sms = device_sms(device);
+  Scratch scratch(context, cuda::attention_workspace_bytes(p, sms), device);
+  check("TQAttention", cuda::attention(p, q, k, v, mask, past_key, past_value, y, present_key, present_value, scratch.ptr,
+                                       sms, stream_of(context)));
+}
+
+}  // namespace turboquant::ort

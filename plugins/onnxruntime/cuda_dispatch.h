@@ -1,0 +1,20 @@
+// The CUDA execution provider's half of the adapter: runs the validated call on ORT's compute
+// stream with scratch from ORT's allocator. Without CUDA support compiled in, these fail with a
+// message saying so (the CUDA registrations are then absent, so ORT never calls them).
+#pragma once
+
+#include "ort_utils.h"
+
+namespace turboquant::ort {
+
+bool cuda_compiled();
+
+void cuda_pack(OrtKernelContext* context, Format fmt, int d, bool norm_correction, DType dt, const void* x, int64_t n,
+               const Offset& offset, uint8_t* out);
+void cuda_unpack(OrtKernelContext* context, Format fmt, int d, const uint8_t* in, int64_t n, const Offset& offset,
+                 DType dt, void* out);
+void cuda_attention(OrtKernelContext* context, const AttentionParams& p, const void* q, const void* k, const void* v,
+                    const void* mask, const uint8_t* past_key, const uint8_t* past_value, void* y,
+                    uint8_t* present_key, uint8_t* present_value);
+
+}  // namespace turboquant::ort

@@ -1,0 +1,143 @@
+"""Decode-step timing on the GPU, in one process with IO binding and device-resident tensors:
+TQAttention (CUDA execution provider) for each preset against ORT's fp16 GroupQueryAttention
+(past and present sharing one buffer, as onnxruntime-genai runs it) and torch SDPA when torch is
+present, with the achieved bandwidth (bytes of cache read / time) as a fraction of a
+device-to-device copy measured in the same run.
+
+Note: TQAttention has ONNX Attention's semantics, so each call also writes a new present cache
+(past ++ new): a copy of the whole packed cache, which its time includes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto
+
+from .. import models
+from ..config import TQ_PRESETS, TurboQuantConfig
+from ..ort import session_options
+from ..reference import formats
+from . import baselines
+
+
+def _device_value(a: np.ndarray) -> ort.OrtValue:
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), "cuda", 0)
+
+
+def _time_iobinding(sess, io, iters: int) -> float:
+    for _ in range(5):
+        sess.run_with_iobinding(io)
+    io.synchronize_outputs()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        sess.run_with_iobinding(io)
+        io.synchronize_outputs()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def tq_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tuple[float, int]:
+    cfg = TurboQuantConfig.from_cache_dtype(preset, d)
+    model = models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
+                                   value_format=cfg.value_format, dtype=TensorProto.FLOAT16,
+                                   norm_correction=int(cfg.norm_correction), is_causal=1)
+    so = session_options()
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
+    unit = min(s, 1024)
+    reps = -(-s // unit)
+    pk = np.tile(formats.pack(rng.standard_normal((b, hkv, unit, d)).astype(np.float32), cfg.key_format, cfg.norm_correction), (1, 1, reps, 1))[:, :, :s]
+    pv = np.tile(formats.pack(rng.standard_normal((b, hkv, unit, d)).astype(np.float32), cfg.value_format), (1, 1, reps, 1))[:, :, :s]
+    io = sess.io_binding()
+    for name, a in [("Q", rng.standard_normal((b, hq, 1, d)).astype(np.float16)), ("K", rng.standard_normal((b, hkv, 1, d)).astype(np.float16)),
+                    ("V", rng.standard_normal((b, hkv, 1, d)).astype(np.float16)), ("past_key", pk), ("past_value", pv)]:
+        io.bind_ortvalue_input(name, _device_value(a))
+    for name in ("Y", "present_key", "present_value"):
+        io.bind_output(name, "cuda")
+    return _time_iobinding(sess, io, iters), b * hkv * s * cfg.slot_size
+
+
+def gqa_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tuple[float, int]:
+    sess = ort.InferenceSession(baselines.gqa_model(hq, hkv, d, TensorProto.FLOAT16).SerializeToString(),
+                                providers=["CUDAExecutionProvider"])
+    f = baselines.gqa_feeds(rng, b, hq, hkv, d, s + 1, TensorProto.FLOAT16)
+    f["seqlens_k"] = np.full((b,), s, np.int32)
+    io = sess.io_binding()
+    vals = {k: _device_value(v) for k, v in f.items() if k != "total_sequence_length"}
+    for k, v in vals.items():
+        io.bind_ortvalue_input(k, v)
+    io.bind_ortvalue_input("total_sequence_length", ort.OrtValue.ortvalue_from_numpy(np.array(s + 1, np.int32)))
+    io.bind_output("out", "cuda")
+    io.bind_ortvalue_output("present_key", vals["past_key"])  # shared buffer, updated in place
+    io.bind_ortvalue_output("present_value", vals["past_value"])
+    return _time_iobinding(sess, io, iters), 2 * b * hkv * s * d * 2
+
+
+def torch_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int):
+    try:
+        import torch
+    except ImportError:
+        return None
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
+    k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.float16)
+    v = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.float16)
+    f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+    for _ in range(5):
+        f()
+    torch.cuda.synchronize()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    st.record()
+    for _ in range(iters):
+        f()
+    en.record()
+    torch.cuda.synchronize()
+    return st.elapsed_time(en) / 1e3 / iters, 2 * b * hkv * s * d * 2
+
+
+def copy_bandwidth() -> float | None:
+    """Bytes read plus written per second of a large device-to-device copy."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    st.record()
+    for _ in range(10):
+        y.copy_(x)
+    en.record()
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (st.elapsed_time(en) / 1e3)
+
+
+def run(shapes, presets, iters: int = 50, seed: int = 0) -> list[dict]:
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
+    rng = np.random.default_rng(seed)
+    bw = copy_bandwidth()
+    rows = []
+    for b, s in shapes:
+        hq, hkv, d = 32, 8, 128
+        row = {"B": b, "S": s, "copy_GBps": bw / 1e9 if bw else None}
+        t, nbytes = gqa_step(b, hq, hkv, d, s, iters, rng)
+        row["ort_gqa_fp16_us"] = t * 1e6
+        ts = torch_step(b, hq, hkv, d, s, iters)
+        if ts:
+            row["torch_sdpa_us"] = ts[0] * 1e6
+        for preset in presets:
+            t, nbytes = tq_step(preset, b, hq, hkv, d, s, iters, rng)
+            row[f"{preset}_us"] = t * 1e6
+            row[f"{preset}_x_vs_gqa"] = row["ort_gqa_fp16_us"] / row[f"{preset}_us"]
+            if bw:
+                row[f"{preset}_bw_fraction"] = nbytes / t / bw
+        rows.append(row)
+        print(row, flush=True)
+    return rows
