@@ -42,6 +42,7 @@ class AttentionSite:
     present_key: ir.Value  # replaced by TQAttention's present_key
     present_value: ir.Value
     scale: float | None = None  # None: the op's default 1/sqrt(D)
+    y_cast_to: int | None = None  # the original output's type where it differs from Q's (a Cast follows)
     is_causal: int = 0
     q_num_heads: int = 0
     kv_num_heads: int = 0
@@ -262,8 +263,12 @@ def _site_decomposed(layer: CacheLayer, m1: ir.Node, ck: ir.Node, cv: ir.Node) -
         if n.op_type not in _PASS_OPS:
             raise RewriteError(f"{where}: {_describe(n)} between Softmax and the value MatMul is not recognised")
         v = n.outputs[0]
-    ok, _ = _trace_back(m2.inputs[1], cv.outputs[0], _REPEAT_OPS | _PASS_OPS)
+    ok, path = _trace_back(m2.inputs[1], cv.outputs[0], _REPEAT_OPS | _PASS_OPS)
     if not ok:
         raise RewriteError(f"{where}: the value MatMul {_describe(m2)} does not read the value cache")
+    # Half-precision exports often attend in float32 (values cast up before the value MatMul): the
+    # attention output then keeps that type, which TQAttention's output (Q's type) must be cast to.
+    casts = [n for n in path if n.op_type == "Cast"]
+    y_cast_to = int(_attr(casts[0], "to", 0)) if casts else None
     return AttentionSite(layer.index, "decomposed", m2, q, ck.inputs[1], cv.inputs[1], mask, m2.outputs[0],
-                         ck.outputs[0], cv.outputs[0], scale=float(np.float32(scale)))
+                         ck.outputs[0], cv.outputs[0], scale=float(np.float32(scale)), y_cast_to=y_cast_to)

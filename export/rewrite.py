@@ -160,9 +160,14 @@ def apply_site(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: La
                    attributes=attrs, domain=turboquant.DOMAIN, num_outputs=3, name=f"tq_attention_{layer.index}")
     graph.insert_before(site.anchor, node)
     y, pk_out, pv_out = node.outputs
+    y.name = f"tq_attention_{layer.index}_y"
+    if site.y_cast_to is not None:  # the original attended in another type than Q's: keep its output type
+        cast = ir.node("Cast", [y], {"to": ir.DataType(site.y_cast_to)}, name=f"tq_attention_{layer.index}_cast")
+        graph.insert_after(node, cast)
+        y = cast.outputs[0]
+        y.name = f"tq_attention_{layer.index}_y_cast"
     if site.y.dtype is not None:  # TorchScript exports often leave intermediate values untyped
         y.dtype, y.shape = site.y.dtype, site.y.shape
-    y.name = f"tq_attention_{layer.index}_y"
     if site.y.is_graph_output():
         _replace_graph_output(graph, site.y, y)
     site.y.replace_all_uses_with(y)

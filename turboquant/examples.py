@@ -77,22 +77,24 @@ class _CacheIO:
         self.module = Wrapper()
 
 
-def export(cfg: TinyConfig, path: str | os.PathLike, exporter: str = "torchscript") -> pathlib.Path:
+def export(cfg: TinyConfig, path: str | os.PathLike, exporter: str = "torchscript", dtype: str = "float32") -> pathlib.Path:
     """Exports a tiny decoder with past_key_values.N.key/value inputs and present.N.key/value outputs.
 
     exporter: "torchscript" (torch.onnx dynamo=False, opset 17, decomposed attention) or "dynamo"
-    (opset 23, ONNX Attention, optimised by onnxscript).
+    (opset 23, ONNX Attention, optimised by onnxscript). dtype: "float32" or "float16" (weights,
+    activations and cache).
     """
     import torch
 
     path = pathlib.Path(path)
-    model = build_model(cfg)
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
+    model = build_model(cfg).to(torch_dtype)
     kv = cfg.kv_heads if cfg.family != "gpt2" else cfg.heads
     b, s, p = 1, 3, 4
     ids = torch.randint(0, cfg.vocab, (b, s))
     am = torch.ones(b, p + s, dtype=torch.int64)
     pos = torch.arange(p, p + s)[None]
-    flat = [torch.randn(b, kv, p, cfg.head_dim) for _ in range(2 * cfg.layers)]
+    flat = [torch.randn(b, kv, p, cfg.head_dim, dtype=torch_dtype) for _ in range(2 * cfg.layers)]
     names_in = ["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{i}.{k}" for i in range(cfg.layers) for k in ("key", "value")]
     names_out = ["logits"] + [f"present.{i}.{k}" for i in range(cfg.layers) for k in ("key", "value")]
     wrapper = _CacheIO(model, cfg.layers).module

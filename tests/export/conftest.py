@@ -13,6 +13,8 @@ MODELS = {
     "gpt2-mha-torchscript": (examples.TinyConfig(family="gpt2", layers=6, hidden=256, heads=4, kv_heads=4, head_dim=64), "torchscript"),
     "llama-gqa-dynamo": (examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64), "dynamo"),
     "qwen2-gqa-dynamo-d128": (examples.TinyConfig(family="qwen2", layers=5, hidden=256, heads=4, kv_heads=1, head_dim=128, seed=3), "dynamo"),
+    # half precision: the exported graph attends in float32 (values cast up) and casts back
+    "llama-gqa-torchscript-fp16": (examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=96, seed=5), "torchscript-float16"),
 }
 
 
@@ -24,7 +26,8 @@ def exported(tmp_path_factory):
     def get(name):
         if name not in cache:
             cfg, exporter = MODELS[name]
-            cache[name] = examples.export(cfg, tmp_path_factory.mktemp(name) / f"{name}.onnx", exporter)
+            exporter, _, dtype = exporter.partition("-")
+            cache[name] = examples.export(cfg, tmp_path_factory.mktemp(name) / f"{name}.onnx", exporter, dtype or "float32")
         return cache[name]
 
     return get

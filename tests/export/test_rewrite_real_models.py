@@ -38,10 +38,11 @@ def test_rewritten_model_tracks_the_original(exported, rewritten, name, preset, 
     assert result.compressed == list(range(2, cfg.layers - 2)) and result.kept == [0, 1, cfg.layers - 2, cfg.layers - 1]
     original, tq = DecoderSession(exported(name)), DecoderSession(result.output)
     ids = np.random.default_rng(cfg.seed + 1).integers(0, cfg.vocab, (2, 12 + STEPS))
-    a = original.teacher_forced(ids, 12)
-    b = tq.teacher_forced(ids, 12)
+    a = original.teacher_forced(ids, 12).astype(np.float32)
+    b = tq.teacher_forced(ids, 12).astype(np.float32)
     # the prompt's own tokens are attended exactly: the first step matches to float tolerance
-    np.testing.assert_allclose(b[:, 0], a[:, 0], atol=1e-4 * max(1.0, float(np.abs(a[:, 0]).max())))
+    rel = 2e-3 if name.endswith("fp16") else 1e-4
+    np.testing.assert_allclose(b[:, 0], a[:, 0], atol=rel * max(1.0, float(np.abs(a[:, 0]).max())))
     kl = mean_kl(a[:, 1:], b[:, 1:])
     top1 = float((a[:, 1:].argmax(-1) == b[:, 1:].argmax(-1)).mean())
     peaked = float(np.exp(a - a.max(-1, keepdims=True)).max(-1).mean() / np.exp(a - a.max(-1, keepdims=True)).sum(-1).mean())
