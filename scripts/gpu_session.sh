@@ -19,3 +19,18 @@ if [ "$step" = test ] || [ "$step" = all ]; then
   python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" 2>&1 | tee "$OUT/providers.log"
   timeout 400 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" -k cuda -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
+if [ "$step" = check ]; then  # sanitizers, the benchmark and a kernel profile, after `test`
+  cd /tmp
+  CS=/usr/local/cuda/bin/compute-sanitizer
+  for tool in memcheck racecheck; do
+    timeout 150 $CS --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" \
+      -k "cuda and (generation or presets_every or offsets or mqa or pack)" > "$OUT/$tool.log" 2>&1
+    echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/$tool.log" | tr '\n' ' ')"
+  done
+  timeout 200 python3 -m turboquant.bench attention --device cuda --repeat 30 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  python3 "$root/scripts/gpu_bench_table.py" "$OUT/bench.json"
+  printf 'import numpy as np, onnxruntime as ort\nort.preload_dlls()\nfrom turboquant.bench import cuda as c\nprint(c.tq_step("turboquant_4bit_nc", 8, 32, 8, 128, 32768, 3, np.random.default_rng(0)))\n' > /tmp/one.py
+  timeout 120 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed \
+    --kernel-name regex:"split|merge|pack" --launch-skip 4 --launch-count 4 python3 /tmp/one.py 2>&1 | grep -E "kernel|gpu__time|sm__" > "$OUT/ncu.log"
+  cat "$OUT/ncu.log"
+fi

@@ -98,7 +98,7 @@ def render_header() -> str:
         "// Lloyd-Max codebooks of N(0, 1) (unit-variance scale: divide by sqrt(Dp) for a rotated",
         "// unit vector's coordinates). Centroids ascending; boundaries are the midpoints, in float32.",
         "// The values are listed once, as macros, and laid out as host arrays and, for CUDA, as device",
-        "// arrays (device code cannot read host constants).",
+        "// constant-memory arrays (device code cannot read host constants).",
         "#pragma once",
         "",
     ]
@@ -114,8 +114,8 @@ def render_header() -> str:
     lines += ["", "#if defined(__CUDACC__)"]
     for bits in SUPPORTED_BITS:
         n = 1 << bits
-        lines.append(f"static __device__ const double kCentroids{bits}Device[{n}] = {{TQ_CENTROIDS{bits}}};")
-        lines.append(f"static __device__ const float kBoundaries{bits}Device[{n - 1}] = {{TQ_BOUNDARIES{bits}}};")
+        lines.append(f"static __constant__ double kCentroids{bits}Device[{n}] = {{TQ_CENTROIDS{bits}}};")
+        lines.append(f"static __constant__ float kBoundaries{bits}Device[{n - 1}] = {{TQ_BOUNDARIES{bits}}};")
     lines += ["#endif", "", "}  // namespace turboquant::codebook"]
     return "\n".join(lines) + "\n"
 

@@ -22,7 +22,7 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kTile = 128;  // tokens per tile: one per thread
-constexpr int kMaxCols = kMaxHeadDim / kThreads;  // value columns per thread
+constexpr int kMaxCols = kMaxHeadDim / kThreads;  // value columns per thread in the merge kernel
 constexpr int kMaxStageBytes = 32 * 1024;  // plus at most 12.5 KiB of static shared memory: under the 48 KiB default
 
 struct Layout {
@@ -101,12 +101,35 @@ __device__ void copy_to_shared(uint8_t* dst, const uint8_t* src, int64_t n) {
   }
 }
 
-// One coordinate of a vector in a format without a per-coordinate layout (mse values): slow,
-// used by no preset.
-__device__ float decode_one(Format fmt, int d, const uint8_t* in, int col) {
-  float tmp[kMaxHeadDim];
-  codec::decode_vector(fmt, d, in, tmp);
-  return tmp[col];
+// Columns 8*cg .. 8*cg+7 of a packed value vector, as floats. nb: its payload bytes.
+__device__ void decode8(Format fmt, int d, const uint8_t* v, int cg, int nb, float* x) {
+  switch (fmt) {
+    case Format::kUint4:
+    case Format::kUint3: {
+      const float scale = codec::load_f16(v + nb), zero = codec::load_f16(v + nb + 2);
+      uint32_t w;
+      const int bits = fmt == Format::kUint4 ? 4 : 3;
+      const uint8_t* g = v + cg * bits;  // 8 codes take `bits` bytes
+      w = bits == 4 ? (g[0] | (g[1] << 8) | (g[2] << 16) | (static_cast<uint32_t>(g[3]) << 24)) : (g[0] | (g[1] << 8) | (g[2] << 16));
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = static_cast<float>((w >> (bits * j)) & ((1u << bits) - 1)) * scale + zero;
+      break;
+    }
+    case Format::kFp8:
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = fp8_to_f32(v[cg * 8 + j]);
+      break;
+    case Format::kRaw16:
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = codec::load_f16(v + 2 * (cg * 8 + j));
+      break;
+    default: {  // mse values: decode the whole vector (slow; no preset stores values so)
+      float tmp[kMaxHeadDim];
+      codec::decode_vector(fmt, d, v, tmp);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = tmp[cg * 8 + j];
+    }
+  }
 }
 
 template <int kRows>
@@ -123,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
   const int dp = mse ? padded_dim(d) : d;
   const int kb = packed_size(p.key_format, d), vb = packed_size(p.value_format, dv);
 
-  __shared__ float qs[kRows][kMaxHeadDim];  // rotated and scaled query (MSE) or scaled query
+  __shared__ __align__(16) float qs[kMaxHeadDim][kRows];  // rotated and scaled query (MSE) or scaled query; qs[i][r]
   __shared__ float scores[kRows][kTile];
   __shared__ float row_max[kRows], row_sum[kRows], row_rescale[kRows];
   __shared__ float centroid[16];
@@ -131,7 +154,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
 
   if (tid < 16) centroid[tid] = mse ? static_cast<float>(codec::centroids(format_bits(p.key_format))[tid & ((1 << format_bits(p.key_format)) - 1)]) : 0.0f;
   for (int r = 0; r < kRows; ++r) {
-    for (int i = tid; i < kMaxHeadDim; i += kThreads) qs[r][i] = 0.0f;
+    for (int i = tid; i < kMaxHeadDim; i += kThreads) qs[i][r] = 0.0f;
   }
   if (tid < kRows) {
     const int64_t row = row0 + tid;
@@ -144,7 +167,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
   const float fold = mse ? p.scale / static_cast<float>(dp) : p.scale;
   for (int r = 0; r < rows; ++r) {
     const int64_t base = b * p.q.b + row_hq[r] * p.q.h + row_pos[r] * p.q.s;
-    for (int i = tid; i < d; i += kThreads) qs[r][i] = load_float(p.dtype, q, base + i) * fold;
+    for (int i = tid; i < d; i += kThreads) qs[i][r] = load_float(p.dtype, q, base + i) * fold;
   }
   __syncthreads();
   if (mse) {  // q . H for every row, one butterfly per thread and stage
@@ -152,9 +175,9 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
       for (int k = tid; k < rows * (dp / 2); k += kThreads) {
         const int r = k / (dp / 2), j = k % (dp / 2);
         const int i = (j / h) * 2 * h + (j % h);
-        const float a = qs[r][i], c = qs[r][i + h];
-        qs[r][i] = a + c;
-        qs[r][i + h] = a - c;
+        const float a = qs[i][r], c = qs[i + h][r];
+        qs[i][r] = a + c;
+        qs[i + h][r] = a - c;
       }
       __syncthreads();
     }
@@ -165,11 +188,16 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
   const uint8_t* keys = past_key + bh * p.past_len * kb;
   const uint8_t* vals = past_value + bh * p.past_len * vb;
   const int bits = format_bits(p.key_format);
-  float acc[kRows][kMaxCols];
+  // value accumulators: 8 columns of every row per thread; threads split the tile's tokens
+  const int col_groups = dv / 8, token_groups = kThreads / col_groups;
+  const int cg = tid % col_groups, tg = tid / col_groups;
+  const bool active = tg < token_groups;
+  const int vnb = payload_bytes(p.value_format, dv);
+  float acc[kRows][8];
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
-    for (int c = 0; c < kMaxCols; ++c) acc[r][c] = 0.0f;
+    for (int j = 0; j < 8; ++j) acc[r][j] = 0.0f;
   const int warp = tid / 32, lane = tid % 32;
 
   // The tile's packed keys and values are contiguous in memory: stage them through shared memory
@@ -202,7 +230,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
             const uint8_t byte = kr[i];
             const float c0 = centroid[byte & 15], c1 = centroid[byte >> 4];
 #pragma unroll
-            for (int r = 0; r < kRows; ++r) s[r] += qs[r][2 * i] * c0 + qs[r][2 * i + 1] * c1;
+            for (int r = 0; r < kRows; ++r) s[r] += qs[2 * i][r] * c0 + qs[2 * i + 1][r] * c1;
           }
         } else {
           for (int i = 0; i < dp; i += 8) {
@@ -212,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
             for (int k = 0; k < 8; ++k) {
               const float c = centroid[(w >> (3 * k)) & 7];
 #pragma unroll
-              for (int r = 0; r < kRows; ++r) s[r] += qs[r][i + k] * c;
+              for (int r = 0; r < kRows; ++r) s[r] += qs[i + k][r] * c;
             }
           }
         }
@@ -222,7 +250,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
         for (int i = 0; i < d; ++i) {
           const float kv = p.key_format == Format::kFp8 ? fp8_to_f32(kr[i]) : codec::load_f16(kr + 2 * i);
 #pragma unroll
-          for (int r = 0; r < kRows; ++r) s[r] += qs[r][i] * kv;
+          for (int r = 0; r < kRows; ++r) s[r] += qs[i][r] * kv;
         }
       }
     }
@@ -257,47 +285,42 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
       }
     }
     __syncthreads();
-    // values: thread owns columns tid, tid + kThreads
+    // values: thread (tg, cg) adds tokens tg, tg + token_groups, ... into columns cg*8 .. cg*8+7
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const float rs = r < rows ? row_rescale[r] : 0.0f;
 #pragma unroll
-      for (int c = 0; c < kMaxCols; ++c) acc[r][c] *= rs;
+      for (int j = 0; j < 8; ++j) acc[r][j] *= rs;
     }
-    const int nb = payload_bytes(p.value_format, dv);
-    const bool uint_fmt = is_uint(p.value_format);
-    for (int u = 0; u < n; ++u) {
-      const uint8_t* vr = vtile + static_cast<int64_t>(u) * vb;
-      float vscale = 1.0f, vzero = 0.0f;
-      if (uint_fmt) {
-        vscale = codec::load_f16(vr + nb);
-        vzero = codec::load_f16(vr + nb + 2);
-      }
+    if (active) {
+      for (int u = tg; u < n; u += token_groups) {
+        const uint8_t* vr = vtile + static_cast<int64_t>(u) * vb;
+        float x[8];
+        decode8(p.value_format, dv, vr, cg, vnb, x);
 #pragma unroll
-      for (int c = 0; c < kMaxCols; ++c) {
-        const int col = tid + c * kThreads;
-        if (col < dv) {
-          float x;
-          switch (p.value_format) {
-            case Format::kUint4: x = static_cast<float>((vr[col / 2] >> (4 * (col & 1))) & 15) * vscale + vzero; break;
-            case Format::kUint3: {
-              const uint8_t* g = vr + col / 8 * 3;
-              const uint32_t w = g[0] | (g[1] << 8) | (g[2] << 16);
-              x = static_cast<float>((w >> (3 * (col % 8))) & 7) * vscale + vzero;
-              break;
-            }
-            case Format::kFp8: x = fp8_to_f32(vr[col]); break;
-            case Format::kRaw16: x = codec::load_f16(vr + 2 * col); break;
-            default: x = decode_one(p.value_format, dv, vr, col);
+        for (int r = 0; r < kRows; ++r) {
+          if (r < rows) {
+            const float w = scores[r][u];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[r][j] += w * x[j];
           }
-#pragma unroll
-          for (int r = 0; r < kRows; ++r)
-            if (r < rows) acc[r][c] += scores[r][u] * x;
         }
       }
     }
     __syncthreads();
   }
+  // sum the token groups' accumulators (qs is free now) and write the partials
+  float* red = &qs[0][0];  // red[col * kRows + r]
+  for (int i = tid; i < kRows * kMaxHeadDim; i += kThreads) red[i] = 0.0f;
+  __syncthreads();
+  if (active) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      if (r < rows)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) atomicAdd(&qs[cg * 8 + j][r], acc[r][j]);
+  }
+  __syncthreads();
   // write partials
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -307,11 +330,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
       out[0] = row_max[r];
       out[1] = row_sum[r];
     }
-#pragma unroll
-    for (int c = 0; c < kMaxCols; ++c) {
-      const int col = tid + c * kThreads;
-      if (col < dv) out[2 + col] = acc[r][c];
-    }
+    for (int col = tid; col < dv; col += kThreads) out[2 + col] = qs[col][r];
   }
 }
 
@@ -393,19 +412,6 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p, Layo
   }
 }
 
-__global__ void pack_new_kernel(AttentionParams p, Format fmt, int d, BhsStrides st, const void* x, const float* offset,
-                                uint8_t* present) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;  // (b, h, n)
-  if (i >= p.batch * p.kv_heads * p.new_len) return;
-  const int64_t n = i % p.new_len, bh = i / p.new_len;
-  const int64_t b = bh / p.kv_heads, h = bh % p.kv_heads;
-  float row[kMaxHeadDim];
-  for (int j = 0; j < d; ++j) row[j] = load_float(p.dtype, x, b * st.b + h * st.h + n * st.s + j);
-  if (offset) for (int j = 0; j < d; ++j) row[j] -= offset[h * d + j];
-  const int bytes = packed_size(fmt, d);
-  codec::encode_vector(fmt, d, p.norm_correction, row, present + (bh * (p.past_len + p.new_len) + p.past_len + n) * bytes);
-}
-
 cudaError_t write_present(const AttentionParams& p, Format fmt, int d, const BhsStrides& st, const void* x,
                           const float* offset, const uint8_t* past, uint8_t* present, cudaStream_t stream) {
   const int64_t bytes = packed_size(fmt, d);
@@ -415,11 +421,8 @@ cudaError_t write_present(const AttentionParams& p, Format fmt, int d, const Bhs
                                       p.batch * p.kv_heads, cudaMemcpyDeviceToDevice, stream);
     if (e != cudaSuccess) return e;
   }
-  const int64_t n = p.batch * p.kv_heads * p.new_len;
-  if (n > 0) {
-    pack_new_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p, fmt, d, st, x, offset, present);
-  }
-  return cudaGetLastError();
+  return pack_new_tokens(fmt, d, p.norm_correction, p.dtype, x, st, p.batch, p.kv_heads, p.new_len, p.past_len, offset,
+                         present, stream);
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 // Lloyd-Max codebooks of N(0, 1) (unit-variance scale: divide by sqrt(Dp) for a rotated
 // unit vector's coordinates). Centroids ascending; boundaries are the midpoints, in float32.
 // The values are listed once, as macros, and laid out as host arrays and, for CUDA, as device
-// arrays (device code cannot read host constants).
+// constant-memory arrays (device code cannot read host constants).
 #pragma once
 
 #define TQ_CENTROIDS3 -2.151945704536992, -1.3439092785050044, -0.7560052812058811, -0.24509417894422306, 0.24509417894422306, 0.7560052812058811, 1.3439092785050044, 2.151945704536992
@@ -18,10 +18,10 @@ inline constexpr double kCentroids4[16] = {TQ_CENTROIDS4};
 inline constexpr float kBoundaries4[15] = {TQ_BOUNDARIES4};
 
 #if defined(__CUDACC__)
-static __device__ const double kCentroids3Device[8] = {TQ_CENTROIDS3};
-static __device__ const float kBoundaries3Device[7] = {TQ_BOUNDARIES3};
-static __device__ const double kCentroids4Device[16] = {TQ_CENTROIDS4};
-static __device__ const float kBoundaries4Device[15] = {TQ_BOUNDARIES4};
+static __constant__ double kCentroids3Device[8] = {TQ_CENTROIDS3};
+static __constant__ float kBoundaries3Device[7] = {TQ_BOUNDARIES3};
+static __constant__ double kCentroids4Device[16] = {TQ_CENTROIDS4};
+static __constant__ float kBoundaries4Device[15] = {TQ_BOUNDARIES4};
 #endif
 
 }  // namespace turboquant::codebook

@@ -19,6 +19,12 @@ cudaError_t pack(Format fmt, int d, bool norm_correction, DType dt, const void* 
 cudaError_t unpack(Format fmt, int d, const uint8_t* in, int64_t n, const Offset& offset, DType dt, void* out,
                    cudaStream_t stream);
 
+// New tokens x [B, H, N, d] (strides st, in elements) minus offset[h] (float32 [H, d], or null),
+// packed into rows past_len .. past_len+N-1 of present [B, H, past_len+N, bytes].
+cudaError_t pack_new_tokens(Format fmt, int d, bool norm_correction, DType dt, const void* x, const BhsStrides& st,
+                            int64_t batch, int64_t heads, int64_t new_len, int64_t past_len, const float* offset,
+                            uint8_t* present, cudaStream_t stream);
+
 // Scratch the attention needs (split-KV partial results), in bytes; 0 means none.
 size_t attention_workspace_bytes(const AttentionParams& p, int num_sms);
 
