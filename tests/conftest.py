@@ -53,6 +53,16 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("device", DEVICES)
 
 
+@pytest.fixture
+def device_ready(device):
+    """The test's device, after skipping (saying why) a CUDA run where no GPU is usable."""
+    if device == "cuda":
+        reason = cuda_unavailable_reason()
+        if reason:
+            pytest.skip(f"CUDA test skipped: {reason}")
+    return device
+
+
 @functools.lru_cache(maxsize=256)
 def _cached_session(model_bytes: bytes, threads: int, device: str):
     import onnx

@@ -27,8 +27,11 @@ def _layer_kind(m: re.Match) -> tuple[int, str]:
 
 
 class DecoderSession:
-    def __init__(self, model: str | os.PathLike, providers: Sequence[str] = ("CPUExecutionProvider",),
+    def __init__(self, model: str | os.PathLike, providers: Sequence = ("CPUExecutionProvider",),
                  threads: int | None = None, options: ort.SessionOptions | None = None):
+        names = [p if isinstance(p, str) else p[0] for p in providers]  # a provider may come with options
+        if "CUDAExecutionProvider" in names and hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()  # onnxruntime-gpu finds the CUDA libraries of an installed torch
         so = options or session_options(threads)
         self.session = ort.InferenceSession(os.fspath(model), so, providers=list(providers))
         self.input_names = [i.name for i in self.session.get_inputs()]
@@ -49,16 +52,22 @@ class DecoderSession:
             raise ValueError(f"{model}: no present output for cache inputs {sorted(missing)}")
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.logits_name = "logits" if "logits" in self.output_names else self.output_names[0]
+        # On the GPU the cache stays there: IO binding, device-resident OrtValues fed back each step.
+        self.on_cuda = self.session.get_providers()[0] == "CUDAExecutionProvider"
 
-    def empty_cache(self, batch: int = 1) -> dict[str, np.ndarray]:
-        """Zero-length caches of the dtype and shape each cache input wants."""
+    def empty_cache(self, batch: int = 1) -> dict:
+        """Zero-length caches of the dtype and shape each cache input wants (numpy arrays on the
+        CPU, OrtValues on the GPU)."""
         cache = {}
         for arg in self.cache_inputs.values():
             shape = arg.shape
             heads, last = shape[1], shape[3]
             if not isinstance(heads, int) or not isinstance(last, int):
                 raise ValueError(f"cache input {arg.name} has symbolic dims {shape}; cannot make an empty cache")
-            cache[arg.name] = np.zeros((batch, heads, 0, last), _NP[arg.type])
+            if arg.type not in _NP:
+                raise ValueError(f"cache input {arg.name} has type {arg.type}; expected float32, float16 or uint8")
+            empty = np.zeros((batch, heads, 0, last), _NP[arg.type])
+            cache[arg.name] = ort.OrtValue.ortvalue_from_numpy(empty, "cuda", 0) if self.on_cuda else empty
         return cache
 
     def step(self, input_ids: np.ndarray, cache: dict[str, np.ndarray], past_len: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -69,9 +78,25 @@ class DecoderSession:
             feeds["attention_mask"] = np.ones((b, past_len + s), np.int64)
         if "position_ids" in self.input_names:
             feeds["position_ids"] = np.broadcast_to(np.arange(past_len, past_len + s, dtype=np.int64), (b, s)).copy()
+        if self.on_cuda:
+            return self._step_cuda(feeds)
         outs = dict(zip(self.output_names, self.session.run(None, feeds)))
         nxt = {self.cache_inputs[k].name: outs[self.cache_outputs[k]] for k in self.cache_inputs}
         return outs[self.logits_name], nxt
+
+    def _step_cuda(self, feeds: dict) -> tuple[np.ndarray, dict]:
+        io = self.session.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                io.bind_ortvalue_input(name, value)
+            else:
+                io.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name in self.output_names:
+            io.bind_output(name, "cpu" if name == self.logits_name else "cuda")
+        self.session.run_with_iobinding(io)
+        outs = dict(zip(self.output_names, io.get_outputs()))
+        nxt = {self.cache_inputs[k].name: outs[self.cache_outputs[k]] for k in self.cache_inputs}
+        return outs[self.logits_name].numpy(), nxt
 
     def generate(self, prompt_ids: np.ndarray, max_new_tokens: int = 16) -> np.ndarray:
         """Greedy decoding: returns the new token ids [B, max_new_tokens]."""
