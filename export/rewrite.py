@@ -146,7 +146,14 @@ def _replace_graph_output(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None
     new.name = name
 
 
-def apply_site(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: LayerPlan, norm_correction: bool) -> ir.Node:
+def _initializer(model: ir.Model, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+    model.graph.register_initializer(value)
+    return value
+
+
+def apply_site(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: LayerPlan, norm_correction: bool,
+               key_offset: np.ndarray | None = None, value_offset: np.ndarray | None = None) -> ir.Node:
     graph = site.anchor.graph
     attrs = {"key_format": plan.key_format, "value_format": plan.value_format, "norm_correction": int(norm_correction),
              "is_causal": int(site.is_causal)}
@@ -156,8 +163,14 @@ def apply_site(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: La
         attrs["q_num_heads"] = int(site.q_num_heads)
     if site.kv_num_heads:
         attrs["kv_num_heads"] = int(site.kv_num_heads)
-    node = ir.node("TQAttention", [site.q, site.k_new, site.v_new, site.mask, layer.past_key, layer.past_value],
-                   attributes=attrs, domain=turboquant.DOMAIN, num_outputs=3, name=f"tq_attention_{layer.index}")
+    inputs = [site.q, site.k_new, site.v_new, site.mask, layer.past_key, layer.past_value]
+    if key_offset is not None or value_offset is not None:
+        zeros = np.zeros((key_offset if key_offset is not None else value_offset).shape, np.float32)
+        inputs.append(_initializer(model, f"tq_key_offset_{layer.index}", key_offset if key_offset is not None else zeros))
+        if value_offset is not None:
+            inputs.append(_initializer(model, f"tq_value_offset_{layer.index}", value_offset))
+    node = ir.node("TQAttention", inputs, attributes=attrs, domain=turboquant.DOMAIN, num_outputs=3,
+                   name=f"tq_attention_{layer.index}")
     graph.insert_before(site.anchor, node)
     y, pk_out, pv_out = node.outputs
     y.name = f"tq_attention_{layer.index}_y"
@@ -227,8 +240,11 @@ _REPEAT_CHAIN = {"Unsqueeze", "Expand", "Reshape", "Transpose", "Cast", "Identit
 
 
 def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
-                  progress: bool | None = None) -> RewriteResult:
-    """Rewrites `model` in place; returns what was done. Raises RewriteError with the reason when it refuses."""
+                  progress: bool | None = None, calibration=None, value_offsets: bool = False) -> RewriteResult:
+    """Rewrites `model` in place; returns what was done. Raises RewriteError with the reason when it refuses.
+
+    calibration (export.calibrate.Calibration): per-layer mean keys (and values) to subtract before
+    packing (TQAttention's key_offset; value_offset too when value_offsets)."""
     plans, layers = plan_layers(model, preset, boundary, skip_layers, keep_layers)
     cfg = TQ_PRESETS[preset]
     sites = {}
@@ -247,7 +263,9 @@ def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layer
     it = tqdm(items, desc="rewriting layers", unit="layer", disable=not show) if tqdm else items
     for i, site in it:
         plan = next(p for p in plans if p.index == i)
-        node = apply_site(model, site, layers[i], plan, cfg["norm_correction"])
+        koff = calibration.keys.get(i) if calibration is not None else None
+        voff = calibration.values.get(i) if calibration is not None and value_offsets else None
+        node = apply_site(model, site, layers[i], plan, cfg["norm_correction"], koff, voff)
         common_passes.RemoveUnusedNodesPass()(model)
         _reroute_cache_shapes(site, node, plan.head_dim)
     common_passes.RemoveUnusedNodesPass()(model)
@@ -269,6 +287,9 @@ def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layer
                                           "norm_correction": bool(cfg["norm_correction"]) if p.compressed else None,
                                           "form": p.form} for p in plans]),
     })
+    if calibration is not None:
+        model.metadata_props["turboquant.offsets"] = "keys and values" if value_offsets else "keys"
+        model.metadata_props["turboquant.calibration"] = f"{calibration.source}, {calibration.tokens} tokens"
     return RewriteResult(preset, plans, None)
 
 
@@ -291,14 +312,28 @@ def default_output(path: pathlib.Path, preset: str) -> pathlib.Path:
 
 
 def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike | None = None, *, boundary: int = 2,
-           skip_layers=None, keep_layers=None, dry_run: bool = False, progress: bool | None = None) -> RewriteResult:
-    """Rewrites the model at model_path and saves it (never over the input). See python -m turboquant.export."""
+           skip_layers=None, keep_layers=None, dry_run: bool = False, progress: bool | None = None,
+           calibrate: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
+           value_offsets: bool = False) -> RewriteResult:
+    """Rewrites the model at model_path and saves it (never over the input). See python -m turboquant.export.
+
+    calibrate: token ids (.npy) or text (with tokenizer, a local tokenizer folder) on which the
+    original model is run to compute the per-layer key (and, with value_offsets, value) offsets."""
     src = pathlib.Path(model_path)
     out = pathlib.Path(output) if output else default_output(src, preset)
     if src.exists() and out.exists() and out.resolve() == src.resolve():
         raise RewriteError(f"the output {out} is the input model; turboquant never overwrites its input")
     model = _load(src)
-    result = rewrite_model(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers, progress=progress)
+    calibration = None
+    if calibrate is not None:
+        from .calibrate import collect, load_tokens
+
+        plans, _ = plan_layers(model, preset, boundary, skip_layers, keep_layers)
+        ids, source = load_tokens(calibrate, tokenizer)
+        calibration = collect(src, ids, [p.index for p in plans if p.compressed], source,
+                              progress=progress if progress is not None else sys.stderr.isatty())
+    result = rewrite_model(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
+                           progress=progress, calibration=calibration, value_offsets=value_offsets)
     if dry_run:
         return result
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ class TinyConfig:
     head_dim: int = 64
     vocab: int = 512
     seed: int = 0
+    key_bias: float = 0.0  # qwen2: std of random k_proj biases, i.e. a fixed per-channel component in the keys
 
 
 def build_model(cfg: TinyConfig):
@@ -47,6 +48,9 @@ def build_model(cfg: TinyConfig):
         raise ValueError(f"unknown family {cfg.family!r}")
     with torch.no_grad():  # peaked predictions: a larger output projection
         model.get_output_embeddings().weight.mul_(6.0)
+        if cfg.key_bias and cfg.family == "qwen2":
+            for layer in model.model.layers:
+                layer.self_attn.k_proj.bias.normal_(0.0, cfg.key_bias)
     return model.eval()
 
 

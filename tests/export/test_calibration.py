@@ -1,0 +1,58 @@
+"""Calibrated key offsets (--calibrate): computed from the original model, fed to TQAttention."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from turboquant import examples
+from turboquant.decoder import DecoderSession
+from turboquant.example import mean_kl
+from turboquant.export import RewriteError, export
+
+
+@pytest.fixture(scope="module")
+def biased_model(tmp_path_factory):
+    """Qwen2-style keys with a large fixed per-channel component (k_proj biases), as real LLMs have."""
+    cfg = examples.TinyConfig(family="qwen2", layers=5, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=11, key_bias=2.0)
+    d = tmp_path_factory.mktemp("calib")
+    return cfg, examples.export(cfg, d / "biased.onnx", "torchscript"), d
+
+
+def test_offsets_cut_the_error_of_biased_keys(biased_model):
+    cfg, src, d = biased_model
+    rng = np.random.default_rng(0)
+    np.save(d / "calib.npy", rng.integers(0, cfg.vocab, 1024))
+    plain = export(src, "turboquant_k3v4_nc", d / "plain.onnx", boundary=1)
+    calibrated = export(src, "turboquant_k3v4_nc", d / "calibrated.onnx", boundary=1, calibrate=d / "calib.npy")
+    ids = np.random.default_rng(99).integers(0, cfg.vocab, (2, 44))  # held apart from the calibration tokens
+    ref = DecoderSession(src).teacher_forced(ids, 12)[:, 1:]
+    kl_plain = mean_kl(ref, DecoderSession(plain.output).teacher_forced(ids, 12)[:, 1:])
+    kl_cal = mean_kl(ref, DecoderSession(calibrated.output).teacher_forced(ids, 12)[:, 1:])
+    print(f"k3v4_nc mean KL: {kl_plain:.4f} without offsets, {kl_cal:.4f} with calibrated key offsets")
+    assert kl_cal < 0.7 * kl_plain
+
+    out = onnx.load(str(calibrated.output))
+    meta = {p.key: p.value for p in out.metadata_props}
+    assert meta["turboquant.offsets"] == "keys" and "calib.npy" in meta["turboquant.calibration"]
+    assert "1024 tokens" in meta["turboquant.calibration"]
+    inits = {i.name for i in out.graph.initializer}
+    assert {f"tq_key_offset_{i}" for i in calibrated.compressed} <= inits
+    assert json.loads(meta["turboquant.layers"])[0]["compressed"] is False
+
+
+def test_value_offsets_and_refusals(biased_model, tmp_path):
+    cfg, src, d = biased_model
+    np.save(tmp_path / "ids.npy", np.arange(300) % cfg.vocab)
+    r = export(src, "turboquant_4bit_nc", tmp_path / "kv.onnx", boundary=1, calibrate=tmp_path / "ids.npy", value_offsets=True)
+    out = onnx.load(str(r.output))
+    assert {f"tq_value_offset_{i}" for i in r.compressed} <= {i.name for i in out.graph.initializer}
+    logits = DecoderSession(r.output).teacher_forced(np.array([[1, 2, 3, 4, 5, 6]]), 3)
+    assert np.isfinite(logits).all()
+    (tmp_path / "t.txt").write_text("some text")
+    with pytest.raises(RewriteError, match="give --tokenizer DIR"):
+        export(src, "turboquant_4bit_nc", tmp_path / "x.onnx", calibrate=tmp_path / "t.txt")
+    np.save(tmp_path / "f.npy", np.zeros(10, np.float32))
+    with pytest.raises(RewriteError, match="expected integer token ids"):
+        export(src, "turboquant_4bit_nc", tmp_path / "x.onnx", calibrate=tmp_path / "f.npy")
