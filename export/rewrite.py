@@ -239,6 +239,49 @@ def _reroute_cache_shapes(site: AttentionSite, node: ir.Node, head_dim: int) -> 
 _REPEAT_CHAIN = {"Unsqueeze", "Expand", "Reshape", "Transpose", "Cast", "Identity"}
 
 
+def _owning_if(model: ir.Model, graph: ir.Graph) -> tuple[ir.Node, str] | None:
+    """The If node whose then_branch or else_branch is `graph`, and which one."""
+    for n in ir.traversal.RecursiveGraphIterator(model.graph):
+        if n.op_type != "If":
+            continue
+        for attr in ("then_branch", "else_branch"):
+            a = n.attributes.get(attr)
+            if a is not None and a.value is graph:
+                return n, attr
+    return None
+
+
+def _pack_other_branch(model: ir.Model, node: ir.Node, plan: LayerPlan, norm_correction: bool,
+                       key_offset, value_offset) -> None:
+    """Merged decoders: the attention was rewritten in one branch of an If (the one with a past);
+    the other branch (no past) still returns float presents. Pack those with TQPack, so that both
+    branches, and the If's outputs, return the packed cache."""
+    graph = node.graph
+    owner = _owning_if(model, graph)
+    if owner is None:
+        raise RewriteError(f"layer {plan.index}: the attention sits in a subgraph that is not an If branch")
+    if_node, attr = owner
+    other = if_node.attributes["else_branch" if attr == "then_branch" else "then_branch"].value
+    for new, fmt, offset in ((node.outputs[1], plan.key_format, key_offset), (node.outputs[2], plan.value_format, value_offset)):
+        k = next((i for i, o in enumerate(graph.outputs) if o is new), None)
+        if k is None:
+            raise RewriteError(f"layer {plan.index}: the present cache is not an output of its If branch")
+        src = other.outputs[k]
+        inputs = [src]
+        if offset is not None:
+            inputs.append(_initializer(model, f"tq_{'key' if new is node.outputs[1] else 'value'}_offset_{plan.index}_pack", offset))
+        pack = ir.node("TQPack", inputs, {"format": fmt, "head_dim": plan.head_dim, "norm_correction": int(norm_correction)},
+                       domain=turboquant.DOMAIN, name=f"tq_pack_{plan.index}_{len(other)}")
+        other.append(pack)
+        packed = pack.outputs[0]
+        packed.name = f"{src.name}_packed"
+        _packed_type(packed, packed_size(fmt, plan.head_dim))
+        if src.shape is not None:
+            packed.shape = ir.Shape([*list(src.shape)[:3], packed_size(fmt, plan.head_dim)])
+        other.outputs[k] = packed
+        _packed_type(if_node.outputs[k], packed_size(fmt, plan.head_dim))
+
+
 def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
                   progress: bool | None = None, calibration=None, value_offsets: bool = False) -> RewriteResult:
     """Rewrites `model` in place; returns what was done. Raises RewriteError with the reason when it refuses.
@@ -266,6 +309,8 @@ def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layer
         koff = calibration.keys.get(i) if calibration is not None else None
         voff = calibration.values.get(i) if calibration is not None and value_offsets else None
         node = apply_site(model, site, layers[i], plan, cfg["norm_correction"], koff, voff)
+        if node.graph is not model.graph:
+            _pack_other_branch(model, node, plan, cfg["norm_correction"], koff, voff)
         common_passes.RemoveUnusedNodesPass()(model)
         _reroute_cache_shapes(site, node, plan.head_dim)
     common_passes.RemoveUnusedNodesPass()(model)

@@ -78,6 +78,8 @@ class DecoderSession:
             feeds["attention_mask"] = np.ones((b, past_len + s), np.int64)
         if "position_ids" in self.input_names:
             feeds["position_ids"] = np.broadcast_to(np.arange(past_len, past_len + s, dtype=np.int64), (b, s)).copy()
+        if "use_cache_branch" in self.input_names:  # merged decoders (an If on whether a past exists)
+            feeds["use_cache_branch"] = np.array([past_len > 0])
         if self.on_cuda:
             return self._step_cuda(feeds)
         outs = dict(zip(self.output_names, self.session.run(None, feeds)))

@@ -138,3 +138,51 @@ def _set_ir_version(path: pathlib.Path, ir_version: int = 10) -> None:
     if m.ir_version > ir_version:
         m.ir_version = ir_version
         onnx.save(m, str(path))
+
+
+def merge_with_if(src: str | os.PathLike, dst: str | os.PathLike) -> pathlib.Path:
+    """A merged decoder, as optimum used to export them: one If on a `use_cache_branch` input whose
+    then-branch is the decoder reading past_key_values.N.*, and whose else-branch is the same decoder
+    started from empty caches (it never reads the past inputs). Both branches produce the logits and
+    present.N.* that the If returns."""
+    import copy
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    m = onnx.load(str(src))
+    g = m.graph
+    outer = {i.name for i in g.input} | {t.name for t in g.initializer} | {""}
+    past = [i for i in g.input if i.name.startswith("past_key_values.")]
+
+    def branch(prefix: str, empty_past: bool) -> onnx.GraphProto:
+        nodes = []
+        rename = {}
+        if empty_past:  # zero-length caches [batch, kv_heads, 0, head_dim] instead of the inputs
+            nodes.append(helper.make_node("Shape", ["input_ids"], [prefix + "batch"], end=1))
+            for vi in past:
+                dims = vi.type.tensor_type.shape.dim
+                shape = helper.make_tensor(prefix + vi.name + "_dims", TensorProto.INT64, [3], [dims[1].dim_value, 0, dims[3].dim_value])
+                nodes.append(helper.make_node("Constant", [], [prefix + vi.name + "_rest"], value=shape))
+                nodes.append(helper.make_node("Concat", [prefix + "batch", prefix + vi.name + "_rest"], [prefix + vi.name + "_shape"], axis=0))
+                nodes.append(helper.make_node("ConstantOfShape", [prefix + vi.name + "_shape"], [prefix + vi.name],
+                                              value=helper.make_tensor("v", vi.type.tensor_type.elem_type, [1], [0])))
+                rename[vi.name] = prefix + vi.name
+        for n in g.node:
+            n = copy.deepcopy(n)
+            n.name = prefix + n.name
+            n.input[:] = [rename.get(x, x if x in outer else prefix + x) for x in n.input]
+            n.output[:] = [prefix + x for x in n.output]
+            nodes.append(n)
+        outputs = [copy.deepcopy(o) for o in g.output]
+        for o in outputs:
+            o.name = prefix + o.name
+        return helper.make_graph(nodes, prefix + "branch", [], outputs)
+
+    use_cache = helper.make_tensor_value_info("use_cache_branch", TensorProto.BOOL, [1])
+    node = helper.make_node("If", ["use_cache_branch"], [o.name for o in g.output], name="optimum::if",
+                            then_branch=branch("then_", False), else_branch=branch("else_", True))
+    merged = helper.make_graph([node], g.name, [*g.input, use_cache], list(g.output), initializer=list(g.initializer))
+    out = helper.make_model(merged, opset_imports=m.opset_import, ir_version=m.ir_version)
+    onnx.save(out, str(dst))
+    return pathlib.Path(dst)

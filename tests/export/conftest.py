@@ -15,6 +15,9 @@ MODELS = {
     "qwen2-gqa-dynamo-d128": (examples.TinyConfig(family="qwen2", layers=5, hidden=256, heads=4, kv_heads=1, head_dim=128, seed=3), "dynamo"),
     # half precision: the exported graph attends in float32 (values cast up) and casts back
     "llama-gqa-torchscript-fp16": (examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=96, seed=5), "torchscript-float16"),
+    # a merged decoder: the attention inside the branches of an If on use_cache_branch
+    # (the same model as llama-gqa-torchscript, so the two rewrites must agree to float tolerance)
+    "llama-gqa-torchscript-merged": (examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64), "torchscript-merged"),
 }
 
 
@@ -26,8 +29,12 @@ def exported(tmp_path_factory):
     def get(name):
         if name not in cache:
             cfg, exporter = MODELS[name]
-            exporter, _, dtype = exporter.partition("-")
-            cache[name] = examples.export(cfg, tmp_path_factory.mktemp(name) / f"{name}.onnx", exporter, dtype or "float32")
+            exporter, _, variant = exporter.partition("-")
+            folder = tmp_path_factory.mktemp(name)
+            path = examples.export(cfg, folder / f"{name}.onnx", exporter, "float16" if variant == "float16" else "float32")
+            if variant == "merged":
+                path = examples.merge_with_if(path, folder / f"{name}.merged.onnx")
+            cache[name] = path
         return cache[name]
 
     return get

@@ -58,6 +58,23 @@ def test_rewritten_model_tracks_the_original(exported, rewritten, name, preset, 
         assert top1 >= 0.6, (kl, top1)
 
 
+def test_merged_decoder_packs_both_branches(exported, rewritten):
+    """In a merged decoder, the branch with a past gets TQAttention and the branch without one packs
+    the presents it makes with TQPack: both return the packed cache through the If."""
+    out = onnx.load(str(rewritten("llama-gqa-torchscript-merged", "turboquant_4bit_nc").output))
+    (if_node,) = [n for n in out.graph.node if n.op_type == "If"]
+    branches = {a.name: a.g for a in if_node.attribute}
+    assert sum(n.op_type == "TQAttention" for n in branches["then_branch"].node) == 2
+    assert sum(n.op_type == "TQPack" for n in branches["else_branch"].node) == 4
+    types = {o.name: o.type.tensor_type.elem_type for o in out.graph.output}
+    assert types["present.2.key"] == onnx.TensorProto.UINT8 and types["present.0.key"] == onnx.TensorProto.FLOAT
+    # the same model unmerged, rewritten the same way: the same logits through prefill and decode
+    ids = np.random.default_rng(5).integers(0, 512, (1, 20))
+    merged = DecoderSession(rewritten("llama-gqa-torchscript-merged", "turboquant_4bit_nc").output).teacher_forced(ids, 8)
+    plain = DecoderSession(rewritten("llama-gqa-torchscript", "turboquant_4bit_nc").output).teacher_forced(ids, 8)
+    np.testing.assert_allclose(merged, plain, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["llama-gqa-torchscript", "llama-gqa-dynamo"])
 def test_cache_io_and_metadata(exported, rewritten, name):
     cfg, _ = MODELS[name]
