@@ -12,7 +12,6 @@ The ops are documented once, in docs/ops.md.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 from onnx import TensorProto, defs, helper
 from onnx.reference.op_run import OpRun
 

@@ -1,6 +1,5 @@
 """The CLI, the Python entry point, and every refusal."""
 
-import os
 import subprocess
 import sys
 

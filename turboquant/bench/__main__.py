@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from ..config import TQ_PRESETS
 from . import attention

@@ -17,7 +17,7 @@ import onnxruntime as ort
 from onnx import TensorProto
 
 from .. import models
-from ..config import TQ_PRESETS, TurboQuantConfig
+from ..config import TurboQuantConfig
 from ..ort import session_options
 from ..reference import formats
 from . import baselines

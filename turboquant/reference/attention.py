@@ -38,7 +38,7 @@ def attention(
     k_new = to_f32(to_bhsd(np.asarray(K), kv_num_heads, "K"))
     v_new = to_f32(to_bhsd(np.asarray(V), kv_num_heads, "V"))
     b, hq, sq, d = q.shape
-    hkv, sn = k_new.shape[1], k_new.shape[2]
+    hkv = k_new.shape[1]
     dv = v_new.shape[3]
     head_dim = head_dim or d
     koff = np.zeros(d, np.float32) if key_offset is None else np.asarray(key_offset, np.float32)[None, :, None, :]

@@ -1,0 +1,108 @@
+"""Which layers the rewrite compresses, with what formats, and what it reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import onnx_ir as ir
+
+from turboquant.config import TQ_PRESETS, TurboQuantConfig, packed_size
+
+from .cache_io import CacheLayer, find_cache_layers, layer_infos
+from .errors import RewriteError
+
+
+@dataclasses.dataclass
+class LayerPlan:
+    index: int
+    compressed: bool
+    form: str | None
+    key_format: str
+    value_format: str
+    kv_heads: int | None
+    head_dim: int
+    dtype_bytes: int
+
+    @property
+    def bytes_before(self) -> int | None:
+        return None if self.kv_heads is None else 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def bytes_after(self) -> int | None:
+        if self.kv_heads is None:
+            return None
+        if not self.compressed:
+            return self.bytes_before
+        return self.kv_heads * (packed_size(self.key_format, self.head_dim) + packed_size(self.value_format, self.head_dim))
+
+
+@dataclasses.dataclass
+class RewriteResult:
+    preset: str
+    layers: list[LayerPlan]
+    output: pathlib.Path | None
+
+    @property
+    def compressed(self) -> list[int]:
+        return [p.index for p in self.layers if p.compressed]
+
+    @property
+    def kept(self) -> list[int]:
+        return [p.index for p in self.layers if not p.compressed]
+
+    def summary(self) -> str:
+        before = [p.bytes_before for p in self.layers]
+        after = [p.bytes_after for p in self.layers]
+        lines = [
+            f"preset {self.preset}: {len(self.compressed)} of {len(self.layers)} layers compressed",
+            f"  compressed: {_ranges(self.compressed) or 'none'}",
+            f"  kept as they were: {_ranges(self.kept) or 'none'}",
+            f"  forms: {', '.join(sorted({p.form for p in self.layers if p.form}))}",
+        ]
+        if None not in before:
+            ratio = sum(before) / sum(after)
+            lines.append(f"  KV cache per token (all layers, batch 1): {sum(before)} bytes before, {sum(after)} after, {ratio:.2f}x smaller")
+        else:
+            lines.append("  KV cache per token: unknown (the cache inputs have a symbolic head count)")
+        if self.output:
+            lines.append(f"  written to {self.output}")
+        return "\n".join(lines)
+
+
+def _ranges(xs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _dtype_bytes(v: ir.Value) -> int:
+    return {ir.DataType.FLOAT: 4, ir.DataType.FLOAT16: 2, ir.DataType.BFLOAT16: 2}[v.dtype]
+
+
+def plan_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers=None, keep_layers=None) -> tuple[list[LayerPlan], dict[int, CacheLayer]]:
+    if preset not in TQ_PRESETS:
+        raise RewriteError(f"unknown preset {preset!r}: valid presets are {', '.join(TQ_PRESETS)}")
+    layers = find_cache_layers(model.graph)
+    infos = layer_infos(model.graph, layers)
+    if keep_layers is not None:
+        kept = set(keep_layers)
+    else:
+        kept = set(TurboQuantConfig.get_boundary_skip_layers(infos, boundary))
+    kept |= set(skip_layers or ())
+    unknown = sorted(kept - set(layers))
+    if unknown:
+        raise RewriteError(f"--skip-layers/--keep-layers name layers without a KV cache: {unknown} (cache layers: {_ranges(sorted(layers))})")
+    plans = []
+    for i, layer in layers.items():
+        cfg = TurboQuantConfig.from_cache_dtype(preset, layer.head_dim)
+        plans.append(LayerPlan(i, i not in kept, None, cfg.key_format, cfg.value_format, layer.kv_heads, layer.head_dim,
+                               _dtype_bytes(layer.past_key)))
+    return plans, layers
+
+
