@@ -31,17 +31,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--boundary", type=int, default=2, help="first and last N attention layers kept uncompressed (default 2)")
     p.add_argument("--skip-layers", type=_layer_list, help="also keep these layers uncompressed, e.g. 0,1,5")
     p.add_argument("--keep-layers", type=_layer_list, help="keep exactly these layers uncompressed (replaces --boundary)")
-    p.add_argument("--calibrate", metavar="FILE", help="token ids (.npy) or text (with --tokenizer) to compute per-layer "
-                   "key offsets on; the original model runs on it in ONNX Runtime (default: no offsets)")
+    p.add_argument("--calibrate", metavar="FILE", help="token ids (.npy/.ids) or text (with --tokenizer) to compute per-layer "
+                   "key offsets and scales on; the original model runs on it in ONNX Runtime (default, for presets "
+                   "with Lloyd-Max keys: data-free, on random token ids)")
+    p.add_argument("--no-offsets", action="store_true", help="no calibration at all: no key offsets or scales")
     p.add_argument("--tokenizer", metavar="DIR", help="local Hugging Face tokenizer folder for a text --calibrate file")
     p.add_argument("--value-offsets", action="store_true", help="with --calibrate, subtract the mean value too")
+    p.add_argument("--no-key-scales", action="store_true", help="with --calibrate, offsets only: no per-channel key scales")
+    p.add_argument("--target", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
+                   help="the runtime the output is for: onnxruntime (default) or tensorrt (nodes mapped to turboquant's "
+                   "TensorRT plugins by the ONNX parser; not runnable in ONNX Runtime)")
     p.add_argument("--dry-run", action="store_true", help="analyse and report, write nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     try:
         result = export(args.model, args.preset, args.output, boundary=args.boundary, skip_layers=args.skip_layers,
                         keep_layers=args.keep_layers, dry_run=args.dry_run, progress=False if args.no_progress else None,
-                        calibrate=args.calibrate, tokenizer=args.tokenizer, value_offsets=args.value_offsets)
+                        calibrate=args.calibrate, tokenizer=args.tokenizer, offsets=not args.no_offsets,
+                        value_offsets=args.value_offsets,
+                        key_scales=not args.no_key_scales, target=args.target)
     except RewriteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

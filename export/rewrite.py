@@ -20,11 +20,13 @@ from .surgery import pack_other_branch, present_outputs, reroute_cache_shapes, s
 
 
 def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
-                  progress: bool | None = None, calibration=None, value_offsets: bool = False) -> RewriteResult:
+                  progress: bool | None = None, calibration=None, value_offsets: bool = False,
+                  key_scales: bool = True) -> RewriteResult:
     """Rewrites `model` in place; returns what was done. Raises RewriteError with the reason when it refuses.
 
     calibration (export.calibrate.Calibration): per-layer mean keys (and values) to subtract before
-    packing (TQAttention's key_offset; value_offset too when value_offsets)."""
+    packing (TQAttention's key_offset; value_offset too when value_offsets), and the per-channel key
+    scales (unless key_scales is False)."""
     plans, layers = plan_layers(model, preset, boundary, skip_layers, keep_layers)
     cfg = TQ_PRESETS[preset]
     sites = {}
@@ -45,9 +47,14 @@ def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layer
         plan = next(p for p in plans if p.index == i)
         koff = calibration.keys.get(i) if calibration is not None else None
         voff = calibration.values.get(i) if calibration is not None and value_offsets else None
-        node = apply_site(model, site, layers[i], plan, cfg["norm_correction"], koff, voff)
+        kscale = calibration.key_scales.get(i) if calibration is not None and key_scales else None
+        if kscale is not None and not plan.key_format.startswith("mse"):
+            kscale = None  # fp8 keys are scale-free already
+        cache_dtype = layers[i].past_key.dtype  # the float type, before apply_site retypes the cache to uint8
+        node = apply_site(model, site, layers[i], plan, cfg["norm_correction"], koff, voff, kscale,
+                          calibration.q_heads.get(i) if kscale is not None else None)
         if node.graph is not model.graph:
-            pack_other_branch(model, node, plan, cfg["norm_correction"], koff, voff)
+            pack_other_branch(model, node, plan, cfg["norm_correction"], koff, voff, kscale, cache_dtype)
         common_passes.RemoveUnusedNodesPass()(model)
         reroute_cache_shapes(site, node, plan.head_dim)
     common_passes.RemoveUnusedNodesPass()(model)
@@ -71,6 +78,7 @@ def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layer
     })
     if calibration is not None:
         model.metadata_props["turboquant.offsets"] = "keys and values" if value_offsets else "keys"
+        model.metadata_props["turboquant.key_scales"] = "yes" if key_scales and calibration.key_scales else "no"
         model.metadata_props["turboquant.calibration"] = f"{calibration.source}, {calibration.tokens} tokens"
     return RewriteResult(preset, plans, None)
 
@@ -91,26 +99,45 @@ def default_output(path: pathlib.Path, preset: str) -> pathlib.Path:
 def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike | None = None, *, boundary: int = 2,
            skip_layers=None, keep_layers=None, dry_run: bool = False, progress: bool | None = None,
            calibrate: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
-           value_offsets: bool = False) -> RewriteResult:
+           offsets: bool = True, value_offsets: bool = False, key_scales: bool = True,
+           target: str = "onnxruntime") -> RewriteResult:
     """Rewrites the model at model_path and saves it (never over the input). See python -m turboquant.export.
 
     calibrate: token ids (.npy) or text (with tokenizer, a local tokenizer folder) on which the
-    original model is run to compute the per-layer key (and, with value_offsets, value) offsets."""
+    original model is run to compute the per-layer key offsets and scales (and, with value_offsets,
+    value offsets). Without it, presets with Lloyd-Max keys calibrate data-free, on random token
+    ids (export/calibrate.py says why and what the evaluation measured); offsets=False turns every
+    calibration off.
+    target: "onnxruntime" (the default) or "tensorrt" (the nodes as TensorRT's ONNX parser maps them
+    to turboquant's plugins; see export/tensorrt.py)."""
+    if target not in ("onnxruntime", "tensorrt"):
+        raise RewriteError(f"target must be 'onnxruntime' or 'tensorrt', got {target!r}")
     src = pathlib.Path(model_path)
     out = pathlib.Path(output) if output else default_output(src, preset)
     if src.exists() and out.exists() and out.resolve() == src.resolve():
         raise RewriteError(f"the output {out} is the input model; turboquant never overwrites its input")
     model = _load(src)
+    if calibrate is not None and not offsets:
+        raise RewriteError("--calibrate and --no-offsets contradict each other: calibration only computes offsets and scales")
     calibration = None
-    if calibrate is not None:
-        from .calibrate import collect, load_tokens
+    mse_keys = preset in TQ_PRESETS and TQ_PRESETS[preset]["key_quant_bits"] in (3, 4)
+    if offsets and (calibrate is not None or mse_keys):
+        from .calibrate import collect, data_free_tokens, load_tokens
 
         plans, _ = plan_layers(model, preset, boundary, skip_layers, keep_layers)
-        ids, source = load_tokens(calibrate, tokenizer)
-        calibration = collect(src, ids, [p.index for p in plans if p.compressed], source,
-                              progress=progress if progress is not None else sys.stderr.isatty())
+        ids, source = load_tokens(calibrate, tokenizer) if calibrate is not None else data_free_tokens(model)
+        if ids is not None:
+            plan_args = dict(preset=preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers)
+            calibration = collect(src, ids, [p.index for p in plans if p.compressed], source,
+                                  plan_args=plan_args if key_scales else None,
+                                  progress=progress if progress is not None else sys.stderr.isatty())
     result = rewrite_model(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
-                           progress=progress, calibration=calibration, value_offsets=value_offsets)
+                           progress=progress, calibration=calibration, value_offsets=value_offsets,
+                           key_scales=key_scales)
+    if target == "tensorrt":
+        from .tensorrt import for_tensorrt
+
+        for_tensorrt(model)
     if dry_run:
         return result
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -54,9 +54,43 @@ def _initializer(model: ir.Model, name: str, array: np.ndarray) -> ir.Value:
     return value
 
 
+def _scaled(graph: ir.Graph, before: ir.Node | None, x: ir.Value, factor: np.ndarray, name: str) -> ir.Value:
+    """x * factor (a constant broadcast over x's trailing axes), inserted before `before`, or at the
+    end of the graph when before is None."""
+    const = ir.node("Constant", [], {"value": ir.tensor(factor, name=f"{name}_factor")}, name=f"{name}_factor")
+    mul = ir.node("Mul", [x, const.outputs[0]], name=name)
+    for n in (const, mul):
+        if before is None:
+            graph.append(n)
+        else:
+            graph.insert_before(before, n)
+    out = mul.outputs[0]
+    out.name = name
+    if x.dtype is not None:  # TorchScript exports often leave intermediate values untyped
+        out.dtype, out.shape = x.dtype, x.shape
+    return out
+
+
 def apply_site(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: LayerPlan, norm_correction: bool,
-               key_offset: np.ndarray | None = None, value_offset: np.ndarray | None = None) -> ir.Node:
+               key_offset: np.ndarray | None = None, value_offset: np.ndarray | None = None,
+               key_scale: np.ndarray | None = None, q_heads: int | None = None) -> ir.Node:
+    """key_scale (float32 [Hkv, D]): queries are multiplied by it (per group) and keys divided by it
+    before TQAttention, which leaves every score unchanged and moves the key quantization error to
+    the channels the queries read least (export/calibrate.py). q_heads: the query head count."""
     graph = site.anchor.graph
+    q, k = site.q, site.k_new
+    if key_scale is not None:
+        dtype = layer.past_key.dtype.numpy()  # Q and K have the cache's float type
+        hkv = key_scale.shape[0]
+        sq, sk = np.repeat(key_scale, q_heads // hkv, axis=0), 1.0 / key_scale
+        if site.q_num_heads:  # 3-D [B, S, H * D]
+            sq, sk = sq.reshape(-1), sk.reshape(-1)
+        else:  # 4-D [B, H, S, D]
+            sq, sk = sq[:, None, :], sk[:, None, :]
+        q = _scaled(graph, site.anchor, q, sq.astype(dtype), f"tq_query_scaled_{layer.index}")
+        k = _scaled(graph, site.anchor, k, sk.astype(dtype), f"tq_key_scaled_{layer.index}")
+        if key_offset is not None:
+            key_offset = (key_offset / key_scale).astype(np.float32)
     attrs = {"key_format": plan.key_format, "value_format": plan.value_format, "norm_correction": int(norm_correction),
              "is_causal": int(site.is_causal)}
     if site.scale:
@@ -65,7 +99,7 @@ def apply_site(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: La
         attrs["q_num_heads"] = int(site.q_num_heads)
     if site.kv_num_heads:
         attrs["kv_num_heads"] = int(site.kv_num_heads)
-    inputs = [site.q, site.k_new, site.v_new, site.mask, layer.past_key, layer.past_value]
+    inputs = [q, k, site.v_new, site.mask, layer.past_key, layer.past_value]
     if key_offset is not None or value_offset is not None:
         zeros = np.zeros((key_offset if key_offset is not None else value_offset).shape, np.float32)
         inputs.append(_initializer(model, f"tq_key_offset_{layer.index}", key_offset if key_offset is not None else zeros))
@@ -154,10 +188,11 @@ def _owning_if(model: ir.Model, graph: ir.Graph) -> tuple[ir.Node, str] | None:
 
 
 def pack_other_branch(model: ir.Model, node: ir.Node, plan: LayerPlan, norm_correction: bool,
-                       key_offset, value_offset) -> None:
+                       key_offset, value_offset, key_scale=None, dtype=None) -> None:
     """Merged decoders: the attention was rewritten in one branch of an If (the one with a past);
     the other branch (no past) still returns float presents. Pack those with TQPack, so that both
-    branches, and the If's outputs, return the packed cache."""
+    branches, and the If's outputs, return the packed cache (keys divided by key_scale, in the
+    cache's float dtype, as the rewritten branch stores them)."""
     graph = node.graph
     owner = _owning_if(model, graph)
     if owner is None:
@@ -169,6 +204,11 @@ def pack_other_branch(model: ir.Model, node: ir.Node, plan: LayerPlan, norm_corr
         if k is None:
             raise RewriteError(f"layer {plan.index}: the present cache is not an output of its If branch")
         src = other.outputs[k]
+        if key_scale is not None and new is node.outputs[1]:
+            factor = (1.0 / key_scale)[:, None, :].astype(dtype.numpy())  # present keys are [B, Hkv, S, D]
+            if offset is not None:
+                offset = (offset / key_scale).astype(np.float32)
+            src = _scaled(other, None, src, factor, f"tq_key_scaled_{plan.index}_pack")
         inputs = [src]
         if offset is not None:
             inputs.append(_initializer(model, f"tq_{'key' if new is node.outputs[1] else 'value'}_offset_{plan.index}_pack", offset))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (see the device tool): build the package with its CUDA kernels, then run the
-# ORT op tests on the CUDA execution provider, compute-sanitizer on a subset, and the CUDA bench.
+# ORT op tests on the CUDA execution provider, the TensorRT plugins' enqueue tests, compute-sanitizer
+# on a subset, the CUDA bench and its report (table and plots).
 # Expects onnxruntime-gpu under /tmp/site (shared/device/prepare-ortgpu.sh) and the ONNX Runtime
 # headers in third_party/ (scripts/fetch_headers.sh). Logs go to $OUT.
 set -uo pipefail
@@ -18,6 +19,8 @@ if [ "$step" = test ] || [ "$step" = all ]; then
   cd /tmp
   python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" 2>&1 | tee "$OUT/providers.log"
   timeout 400 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" -k cuda -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  nm -D --defined-only /tmp/tqsite/turboquant/lib/libturboquant_trt.so > "$OUT/trt_exports.log" 2>&1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/tensorrt" "$root/tests/export/test_target_tensorrt.py" -rs 2>&1 | tee "$OUT/trt_tests.log" | tail -15
 fi
 if [ "$step" = check ]; then  # sanitizers, the benchmark and a kernel profile, after `test`
   cd /tmp
@@ -29,6 +32,8 @@ if [ "$step" = check ]; then  # sanitizers, the benchmark and a kernel profile, 
   done
   timeout 200 python3 -m turboquant.bench attention --device cuda --repeat 30 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   python3 "$root/scripts/gpu_bench_table.py" "$OUT/bench.json"
+  timeout 240 python3 -m turboquant.bench report --device cuda --batch 1 8 --context 2048 8192 32768 --repeat 20 \
+    --out "$OUT/report" > "$OUT/report.log" 2>&1; echo "report rc=$?"
   printf 'import numpy as np, onnxruntime as ort\nort.preload_dlls()\nfrom turboquant.bench import cuda as c\nprint(c.tq_step("turboquant_4bit_nc", 8, 32, 8, 128, 32768, 3, np.random.default_rng(0)))\n' > /tmp/one.py
   timeout 120 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed \
     --kernel-name regex:"split|merge|pack" --launch-skip 4 --launch-count 4 python3 /tmp/one.py 2>&1 | grep -E "kernel|gpu__time|sm__" > "$OUT/ncu.log"

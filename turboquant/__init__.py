@@ -5,7 +5,13 @@
 - turboquant.reference: numpy reference of the formats and of attention over a packed cache
 - turboquant.onnx_ops: the `turboquant` ONNX domain (schemas, onnx.reference implementations)
 - turboquant.ort: ONNX Runtime sessions with the custom-op library registered
-- turboquant.export: the graph rewrite (python -m turboquant.export)
+- turboquant.export: the graph rewrite and its calibration (python -m turboquant.export)
+- turboquant.decoder: the decode loop over the KV cache in ONNX Runtime (DecoderSession)
+- turboquant.eval: perplexity, KL and top-1 of a rewrite against its original (python -m turboquant.eval)
+- turboquant.bench: decode-attention benchmarks and the report (python -m turboquant.bench)
+- turboquant.tensorrt: the TensorRT plugin library loaded into a builder or runtime, engine building
+- turboquant.serving.triton: Triton Inference Server model repositories
+- turboquant.hf_export: a local Hugging Face causal LM to ONNX with its KV cache
 """
 
 import pathlib as _pathlib

@@ -57,5 +57,5 @@ def trt_plugin_path() -> str:
         "TURBOQUANT_TRT_PLUGIN",
         "libturboquant_trt.so",
         "TensorRT plugin library",
-        "this version builds no TensorRT plugins (they need the CUDA kernels, which are not part of it yet)",
+        "it is built only when the install finds nvcc and the TensorRT headers (TENSORRT_INCLUDE_DIR or scripts/fetch_headers.sh)",
     )

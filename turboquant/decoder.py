@@ -70,8 +70,12 @@ class DecoderSession:
             cache[arg.name] = ort.OrtValue.ortvalue_from_numpy(empty, "cuda", 0) if self.on_cuda else empty
         return cache
 
-    def step(self, input_ids: np.ndarray, cache: dict[str, np.ndarray], past_len: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Runs new tokens input_ids [B, S] after past_len cached ones; returns logits and the next cache."""
+    def run_all(self, input_ids: np.ndarray, cache: dict[str, np.ndarray], past_len: int) -> dict[str, np.ndarray]:
+        """Every output of the model (by name) for new tokens input_ids [B, S] after past_len cached ones (CPU)."""
+        return dict(zip(self.output_names, self.session.run(None, self.feeds(input_ids, cache, past_len))))
+
+    def feeds(self, input_ids: np.ndarray, cache: dict, past_len: int) -> dict:
+        """The inputs of one step: token ids, the cache, and the mask, positions and branch flag the model takes."""
         b, s = input_ids.shape
         feeds = {"input_ids": input_ids.astype(np.int64), **cache}
         if "attention_mask" in self.input_names:
@@ -80,6 +84,11 @@ class DecoderSession:
             feeds["position_ids"] = np.broadcast_to(np.arange(past_len, past_len + s, dtype=np.int64), (b, s)).copy()
         if "use_cache_branch" in self.input_names:  # merged decoders (an If on whether a past exists)
             feeds["use_cache_branch"] = np.array([past_len > 0])
+        return feeds
+
+    def step(self, input_ids: np.ndarray, cache: dict[str, np.ndarray], past_len: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Runs new tokens input_ids [B, S] after past_len cached ones; returns logits and the next cache."""
+        feeds = self.feeds(input_ids, cache, past_len)
         if self.on_cuda:
             return self._step_cuda(feeds)
         outs = dict(zip(self.output_names, self.session.run(None, feeds)))
@@ -114,8 +123,9 @@ class DecoderSession:
             past += 1
         return np.concatenate(out, axis=1)
 
-    def teacher_forced(self, ids: np.ndarray, prefill: int) -> np.ndarray:
-        """Logits for ids[:, prefill-1:] with ids[:, :prefill] prefilled, then one token per step."""
+    def teacher_forced(self, ids: np.ndarray, prefill: int, progress=None) -> np.ndarray:
+        """Logits for ids[:, prefill-1:] with ids[:, :prefill] prefilled, then one token per step
+        (the last row predicts the token after ids). progress: called after each decode step."""
         ids = np.atleast_2d(np.asarray(ids, np.int64))
         cache = self.empty_cache(ids.shape[0])
         logits, cache = self.step(ids[:, :prefill], cache, 0)
@@ -123,4 +133,6 @@ class DecoderSession:
         for t in range(prefill, ids.shape[1]):
             logits, cache = self.step(ids[:, t:t + 1], cache, t)
             steps.append(logits[:, -1])
+            if progress is not None:
+                progress()
         return np.stack(steps, axis=1)

@@ -88,22 +88,31 @@ def export(cfg: TinyConfig, path: str | os.PathLike, exporter: str = "torchscrip
     (opset 23, ONNX Attention, optimised by onnxscript). dtype: "float32" or "float16" (weights,
     activations and cache).
     """
+    return export_model(build_model(cfg), path, exporter, dtype)
+
+
+def export_model(model, path: str | os.PathLike, exporter: str = "torchscript", dtype: str = "float32") -> pathlib.Path:
+    """Exports any Hugging Face causal LM (a torch module with a .config) the same way as `export`."""
     import torch
 
     path = pathlib.Path(path)
     torch_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
-    model = build_model(cfg).to(torch_dtype)
-    kv = cfg.kv_heads if cfg.family != "gpt2" else cfg.heads
+    model = model.to(torch_dtype).eval()
+    c = model.config
+    layers = c.num_hidden_layers
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     b, s, p = 1, 3, 4
-    ids = torch.randint(0, cfg.vocab, (b, s))
+    ids = torch.randint(0, c.vocab_size, (b, s))
     am = torch.ones(b, p + s, dtype=torch.int64)
     pos = torch.arange(p, p + s)[None]
-    flat = [torch.randn(b, kv, p, cfg.head_dim, dtype=torch_dtype) for _ in range(2 * cfg.layers)]
-    names_in = ["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{i}.{k}" for i in range(cfg.layers) for k in ("key", "value")]
-    names_out = ["logits"] + [f"present.{i}.{k}" for i in range(cfg.layers) for k in ("key", "value")]
-    wrapper = _CacheIO(model, cfg.layers).module
+    flat = [torch.randn(b, kv, p, head_dim, dtype=torch_dtype) for _ in range(2 * layers)]
+    names_in = ["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+    names_out = ["logits"] + [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+    wrapper = _CacheIO(model, layers).module
     args = (ids, am, pos, *flat)
-    with warnings.catch_warnings():  # tracer warnings about Python control flow in HF code: expected
+    with warnings.catch_warnings(), torch.no_grad():  # tracer warnings about Python control flow in HF code: expected
         warnings.simplefilter("ignore")
         _run_exporter(exporter, wrapper, args, path, names_in, names_out, flat)
     _set_ir_version(path)

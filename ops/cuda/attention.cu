@@ -13,6 +13,8 @@
 #include <cfloat>
 #include <cmath>
 
+#include <cuda_pipeline.h>
+
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/float_io.h"
 #include "turboquant/vector_codec.h"
@@ -23,11 +25,13 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kTile = 128;  // tokens per tile: one per thread
 constexpr int kMaxCols = kMaxHeadDim / kThreads;  // value columns per thread in the merge kernel
-constexpr int kMaxStageBytes = 32 * 1024;  // plus at most 12.5 KiB of static shared memory: under the 48 KiB default
+constexpr int kMaxStageBytes = 32 * 1024;  // one tile's packed K and V, at most
+constexpr int kMaxDynamicShared = 2 * kMaxStageBytes;  // two tiles in flight (raised above the 48 KiB default)
 
 struct Layout {
   int rows_per_block;  // 1, 2, 4 or 8: the query rows a split block scores together
   int stage_bytes;  // shared memory staging a tile's packed K and V (0: read them from global memory)
+  int buffers;  // 2: the next tile is fetched (cp.async) while this one is computed
   int group;  // Hq / Hkv
   int64_t rows;  // rows per (b, hkv) = q_len * group
   int row_blocks;
@@ -51,7 +55,8 @@ Layout make_layout(const AttentionParams& p, int num_sms) {
   l.split_len = (p.past_len + l.splits - 1) / l.splits;
   l.split_len = (l.split_len + kTile - 1) / kTile * kTile;
   const int64_t stage = static_cast<int64_t>(kTile) * (packed_size(p.key_format, p.head_dim) + packed_size(p.value_format, p.v_head_dim));
-  l.stage_bytes = stage <= kMaxStageBytes ? static_cast<int>((stage + 3) / 4 * 4) : 0;
+  l.stage_bytes = stage <= kMaxStageBytes ? static_cast<int>((stage + 15) / 16 * 16) : 0;
+  l.buffers = l.stage_bytes > 0 && l.split_len > kTile ? 2 : 1;  // double-buffer when a block takes several tiles
   return l;
 }
 
@@ -101,6 +106,20 @@ __device__ void copy_to_shared(uint8_t* dst, const uint8_t* src, int64_t n) {
   }
 }
 
+// Starts copying bytes [0, n) of src into dst (shared) without waiting: 16- or 4-byte cp.async
+// where both are aligned (the caller commits and waits), plain loads otherwise.
+__device__ void copy_to_shared_async(uint8_t* dst, const uint8_t* src, int64_t n) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
+  const int width = (a & 15) == 0 ? 16 : (a & 3) == 0 ? 4 : 0;
+  if (width == 0) {
+    copy_to_shared(dst, src, n);
+    return;
+  }
+  const int64_t chunks = n / width;
+  for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) __pipeline_memcpy_async(dst + i * width, src + i * width, width);
+  for (int64_t i = chunks * width + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
 // Columns 8*cg .. 8*cg+7 of a packed value vector, as floats. nb: its payload bytes.
 __device__ void decode8(Format fmt, int d, const uint8_t* v, int cg, int nb, float* x) {
   switch (fmt) {
@@ -110,7 +129,11 @@ __device__ void decode8(Format fmt, int d, const uint8_t* v, int cg, int nb, flo
       uint32_t w;
       const int bits = fmt == Format::kUint4 ? 4 : 3;
       const uint8_t* g = v + cg * bits;  // 8 codes take `bits` bytes
-      w = bits == 4 ? (g[0] | (g[1] << 8) | (g[2] << 16) | (static_cast<uint32_t>(g[3]) << 24)) : (g[0] | (g[1] << 8) | (g[2] << 16));
+      if (bits == 4 && (reinterpret_cast<uintptr_t>(g) & 3) == 0) {
+        w = *reinterpret_cast<const uint32_t*>(g);
+      } else {
+        w = bits == 4 ? (g[0] | (g[1] << 8) | (g[2] << 16) | (static_cast<uint32_t>(g[3]) << 24)) : (g[0] | (g[1] << 8) | (g[2] << 16));
+      }
 #pragma unroll
       for (int j = 0; j < 8; ++j) x[j] = static_cast<float>((w >> (bits * j)) & ((1u << bits) - 1)) * scale + zero;
       break;
@@ -206,16 +229,31 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
   uint8_t* stage = reinterpret_cast<uint8_t*>(stage_words);
   const bool staged = l.stage_bytes > 0;
 
-  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+  // fetch(t, buf): start copying the tile at token t into stage buffer buf
+  auto fetch = [&](int64_t t, int buf) {
+    const int64_t m = min(static_cast<int64_t>(kTile), end - t);
+    uint8_t* dst = stage + static_cast<int64_t>(buf) * l.stage_bytes;
+    copy_to_shared_async(dst, keys + t * kb, m * kb);
+    copy_to_shared_async(dst + kTile * kb, vals + t * vb, m * vb);
+    __pipeline_commit();
+  };
+  if (staged && begin < end) fetch(begin, 0);
+  int it = 0;
+  for (int64_t t0 = begin; t0 < end; t0 += kTile, ++it) {
     const int64_t n = min(static_cast<int64_t>(kTile), end - t0);
     const uint8_t* ktile = keys + t0 * kb;
     const uint8_t* vtile = vals + t0 * vb;
     if (staged) {
-      copy_to_shared(stage, ktile, n * kb);
-      copy_to_shared(stage + kTile * kb, vtile, n * vb);
+      const bool ahead = l.buffers == 2 && t0 + kTile < end;
+      if (ahead) {  // the other buffer was last read by the previous tile, which every thread has finished
+        fetch(t0 + kTile, (it + 1) & 1);
+        __pipeline_wait_prior(1);
+      } else {
+        __pipeline_wait_prior(0);
+      }
       __syncthreads();
-      ktile = stage;
-      vtile = stage + kTile * kb;
+      ktile = stage + static_cast<int64_t>(l.buffers == 2 ? (it & 1) : 0) * l.stage_bytes;
+      vtile = ktile + kTile * kb;
     }
     // scores, one token per thread
     float s[kRows];
@@ -308,19 +346,36 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
       }
     }
     __syncthreads();
+    if (staged && l.buffers == 1 && t0 + kTile < end) fetch(t0 + kTile, 0);
   }
-  // sum the token groups' accumulators (qs is free now) and write the partials
+  // Sum the token groups' accumulators into qs (free now), deterministically and without atomics
+  // (shared-memory float atomics were half of this kernel's time): when the column groups are a
+  // power of two, the lanes of a warp that share columns sum by shuffles and the warps add in turn;
+  // otherwise the token groups add in turn.
   float* red = &qs[0][0];  // red[col * kRows + r]
   for (int i = tid; i < kRows * kMaxHeadDim; i += kThreads) red[i] = 0.0f;
   __syncthreads();
-  if (active) {
+  const bool pow2 = (col_groups & (col_groups - 1)) == 0 && col_groups <= 32;
+  if (pow2) {
+    for (int off = col_groups; off < 32; off <<= 1) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if (r < rows)
+      for (int r = 0; r < kRows; ++r)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) atomicAdd(&qs[cg * 8 + j][r], acc[r][j]);
+        for (int j = 0; j < 8; ++j) acc[r][j] += __shfl_xor_sync(0xffffffffu, acc[r][j], off);
+    }
   }
-  __syncthreads();
+  const int turns = pow2 ? kThreads / 32 : token_groups;
+  const int my_turn = pow2 ? (lane < col_groups ? warp : -1) : (active ? tg : -1);
+  for (int t = 0; t < turns; ++t) {
+    if (my_turn == t) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        if (r < rows)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) qs[cg * 8 + j][r] += acc[r][j];
+    }
+    __syncthreads();
+  }
   // write partials
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -412,6 +467,22 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p, Layo
   }
 }
 
+template <int kRows>
+cudaError_t launch_split(dim3 grid, int smem, cudaStream_t stream, const AttentionParams& p, const Layout& l,
+                         const void* q, const void* mask, const uint8_t* past_key, const uint8_t* past_value,
+                         float* part) {
+  // Two staged tiles can exceed the 48 KiB default of dynamic shared memory: raise it once per
+  // kernel (a per-function attribute; cheap, and idempotent if two threads race on it).
+  static bool raised = false;
+  if (!raised) {
+    const cudaError_t e = cudaFuncSetAttribute(split_kernel<kRows>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicShared);
+    if (e != cudaSuccess) return e;
+    raised = true;
+  }
+  split_kernel<kRows><<<grid, kThreads, smem, stream>>>(p, l, q, mask, past_key, past_value, part);
+  return cudaGetLastError();
+}
+
 cudaError_t write_present(const AttentionParams& p, Format fmt, int d, const BhsStrides& st, const void* x,
                           const float* offset, const uint8_t* past, uint8_t* present, cudaStream_t stream) {
   const int64_t bytes = packed_size(fmt, d);
@@ -445,12 +516,14 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
   if (p.past_len > 0) {
     dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
     float* part = static_cast<float*>(workspace);
+    const int smem = l.buffers * l.stage_bytes;
     switch (l.rows_per_block) {
-      case 1: split_kernel<1><<<grid, kThreads, l.stage_bytes, stream>>>(p, l, q, mask, past_key, past_value, part); break;
-      case 2: split_kernel<2><<<grid, kThreads, l.stage_bytes, stream>>>(p, l, q, mask, past_key, past_value, part); break;
-      case 4: split_kernel<4><<<grid, kThreads, l.stage_bytes, stream>>>(p, l, q, mask, past_key, past_value, part); break;
-      default: split_kernel<8><<<grid, kThreads, l.stage_bytes, stream>>>(p, l, q, mask, past_key, past_value, part); break;
+      case 1: e = launch_split<1>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
+      case 2: e = launch_split<2>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
+      case 4: e = launch_split<4>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
+      default: e = launch_split<8>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
     }
+    if (e != cudaSuccess) return e;
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
   }
   merge_kernel<<<static_cast<unsigned>(p.batch * p.kv_heads * l.rows), kThreads, 0, stream>>>(

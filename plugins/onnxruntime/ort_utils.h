@@ -11,15 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "turboquant/attention_setup.h"  // InvalidArgument
 #include "turboquant/cpu_kernels.h"
 
 namespace turboquant::ort {
 
 // An invalid input or attribute. Its message names the op and what was expected; the kernels'
 // ComputeV2 turns it into an ORT_INVALID_ARGUMENT status.
-struct InvalidArgument : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+using turboquant::InvalidArgument;
 
 template <typename... Args>
 [[noreturn]] void fail(const char* op, Args&&... args) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "ort_utils.h"
+#include "turboquant/attention_setup.h"
 
 namespace turboquant::ort {
 
@@ -11,10 +12,7 @@ struct AttentionKernel {
 
   ONNXTensorElementDataType type;
   Device device;
-  Format key_format, value_format;
-  bool norm_correction, is_causal;
-  int64_t head_dim, q_num_heads, kv_num_heads;
-  float scale;
+  AttentionAttrs attrs;
 };
 
 // Inputs: Q, K, V (T), attn_mask (any of bool/float types, optional), past_key, past_value (uint8,

@@ -24,8 +24,9 @@ def test_offsets_cut_the_error_of_biased_keys(biased_model):
     cfg, src, d = biased_model
     rng = np.random.default_rng(0)
     np.save(d / "calib.npy", rng.integers(0, cfg.vocab, 1024))
-    plain = export(src, "turboquant_k3v4_nc", d / "plain.onnx", boundary=1)
-    calibrated = export(src, "turboquant_k3v4_nc", d / "calibrated.onnx", boundary=1, calibrate=d / "calib.npy")
+    plain = export(src, "turboquant_k3v4_nc", d / "plain.onnx", boundary=1, offsets=False)
+    calibrated = export(src, "turboquant_k3v4_nc", d / "calibrated.onnx", boundary=1, calibrate=d / "calib.npy",
+                        key_scales=False)
     ids = np.random.default_rng(99).integers(0, cfg.vocab, (2, 44))  # held apart from the calibration tokens
     ref = DecoderSession(src).teacher_forced(ids, 12)[:, 1:]
     kl_plain = mean_kl(ref, DecoderSession(plain.output).teacher_forced(ids, 12)[:, 1:])
@@ -36,6 +37,7 @@ def test_offsets_cut_the_error_of_biased_keys(biased_model):
     out = onnx.load(str(calibrated.output))
     meta = {p.key: p.value for p in out.metadata_props}
     assert meta["turboquant.offsets"] == "keys" and "calib.npy" in meta["turboquant.calibration"]
+    assert meta["turboquant.key_scales"] == "no"
     assert "1024 tokens" in meta["turboquant.calibration"]
     inits = {i.name for i in out.graph.initializer}
     assert {f"tq_key_offset_{i}" for i in calibrated.compressed} <= inits
@@ -56,3 +58,29 @@ def test_value_offsets_and_refusals(biased_model, tmp_path):
     np.save(tmp_path / "f.npy", np.zeros(10, np.float32))
     with pytest.raises(RewriteError, match="expected integer token ids"):
         export(src, "turboquant_4bit_nc", tmp_path / "x.onnx", calibrate=tmp_path / "f.npy")
+
+
+def test_key_scales_leave_scores_unchanged(biased_model, tmp_path):
+    """Queries times s, keys over s: the prefill (whose new tokens attend exactly) is the original's."""
+    cfg, src, d = biased_model
+    r = export(src, "turboquant_k3v4_nc", tmp_path / "scaled.onnx", boundary=1, calibrate=d / "calib.npy")
+    meta = {p.key: p.value for p in onnx.load(str(r.output)).metadata_props}
+    assert meta["turboquant.key_scales"] == "yes"
+    nodes = {n.name for n in onnx.load(str(r.output)).graph.node}
+    assert {f"tq_query_scaled_{i}" for i in r.compressed} <= nodes and {f"tq_key_scaled_{i}" for i in r.compressed} <= nodes
+    ids = np.random.default_rng(5).integers(0, cfg.vocab, (1, 20))
+    want = DecoderSession(src).teacher_forced(ids, 20)[:, 0]
+    got = DecoderSession(r.output).teacher_forced(ids, 20)[:, 0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_data_free_calibration_is_the_default_for_lloyd_max_keys(biased_model, tmp_path, capsys):
+    cfg, src, d = biased_model
+    meta = lambda r: {p.key: p.value for p in onnx.load(str(r.output)).metadata_props}  # noqa: E731
+    default = meta(export(src, "turboquant_4bit_nc", tmp_path / "a.onnx", boundary=1))
+    assert default["turboquant.calibration"].startswith("data-free (random token ids, seed 0), 4096 tokens")
+    assert default["turboquant.key_scales"] == "yes"
+    assert "turboquant.calibration" not in meta(export(src, "turboquant_4bit_nc", tmp_path / "b.onnx", boundary=1, offsets=False))
+    assert "turboquant.calibration" not in meta(export(src, "turboquant_k8v4", tmp_path / "c.onnx", boundary=1))  # fp8 keys
+    with pytest.raises(RewriteError, match="contradict"):
+        export(src, "turboquant_4bit_nc", tmp_path / "x.onnx", calibrate=d / "calib.npy", offsets=False)

@@ -30,7 +30,27 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--presets", nargs="+", default=list(TQ_PRESETS), choices=list(TQ_PRESETS))
     a.add_argument("--json", help="write the results here as JSON")
     a.add_argument("--plot", help="write a PNG of time against context length here")
+    r = sub.add_parser("report", help="a grid of context lengths and batch sizes: markdown table and PNG plots")
+    r.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    r.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    r.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 8192])
+    r.add_argument("--q-heads", type=int, default=32)
+    r.add_argument("--kv-heads", type=int, default=8)
+    r.add_argument("--head-dim", type=int, default=128)
+    r.add_argument("--threads", type=int, default=os.cpu_count())
+    r.add_argument("--repeat", type=int, default=20)
+    r.add_argument("--presets", nargs="+", default=list(TQ_PRESETS), choices=list(TQ_PRESETS))
+    r.add_argument("--out", default="bench-report", help="folder for the table, JSON and plots (default ./bench-report)")
     args = p.parse_args(argv)
+    if args.what == "report":
+        from . import report
+
+        points = report.measure(args.device, args.context, args.batch, args.presets, q_heads=args.q_heads,
+                                kv_heads=args.kv_heads, head_dim=args.head_dim, threads=args.threads, repeat=args.repeat)
+        print(report.markdown(points))
+        for path in report.write(points, args.out):
+            print(f"wrote {path}")
+        return 0
     if args.device == "cuda":
         from . import cuda
 

@@ -129,12 +129,15 @@ def run(shapes, presets, iters: int = 50, seed: int = 0) -> list[dict]:
         row = {"B": b, "S": s, "copy_GBps": bw / 1e9 if bw else None}
         t, nbytes = gqa_step(b, hq, hkv, d, s, iters, rng)
         row["ort_gqa_fp16_us"] = t * 1e6
+        row["ort_gqa_fp16_bytes"] = nbytes
         ts = torch_step(b, hq, hkv, d, s, iters)
         if ts:
             row["torch_sdpa_us"] = ts[0] * 1e6
+            row["torch_sdpa_bytes"] = ts[1]
         for preset in presets:
             t, nbytes = tq_step(preset, b, hq, hkv, d, s, iters, rng)
             row[f"{preset}_us"] = t * 1e6
+            row[f"{preset}_bytes"] = nbytes
             row[f"{preset}_x_vs_gqa"] = row["ort_gqa_fp16_us"] / row[f"{preset}_us"]
             if bw:
                 row[f"{preset}_bw_fraction"] = nbytes / t / bw

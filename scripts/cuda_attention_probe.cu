@@ -1,0 +1,94 @@
+// Developer probe: times ops/cuda's TQAttention launcher alone (no ONNX Runtime), for profiling with
+// ncu on the GPU machine, and checks its output against the CPU kernels. Random packed caches (valid
+// scales), one new token, fp16 Q/K/V.
+//   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu \
+//        ops/cuda/attention.cu ops/cuda/pack.cu ops/cpu/attention.cpp ops/cpu/pack.cpp -o /tmp/probe
+//   /tmp/probe B S key_format value_format [iters]
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cmath>
+#include <cstring>
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+#include "turboquant/cpu_kernels.h"
+#include "turboquant/cuda_kernels.h"
+
+using namespace turboquant;
+
+int main(int argc, char** argv) {
+  const int64_t B = argc > 1 ? atoll(argv[1]) : 8, S = argc > 2 ? atoll(argv[2]) : 32768;
+  const Format kf = parse_format(argc > 3 ? argv[3] : "mse4"), vf = parse_format(argc > 4 ? argv[4] : "uint4");
+  const int64_t Hq = 32, Hkv = 8;
+  const int D = 128, iters = argc > 5 ? atoi(argv[5]) : 50;
+  AttentionParams p;
+  p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = 1, p.new_len = 1, p.past_len = S;
+  p.head_dim = p.v_head_dim = D, p.key_format = kf, p.value_format = vf, p.norm_correction = true;
+  p.scale = 0.0883883f, p.dtype = DType::kFloat16;
+  p.q = {Hq * D, D, D}, p.k = {Hkv * D, D, D}, p.v = p.k, p.y = p.q;
+  const int64_t kb = packed_size(kf, D), vb = packed_size(vf, D);
+  // packed caches: pack random vectors once into a small block and tile it
+  const int64_t unit = 1024;
+  std::vector<__half> host(unit * D);
+  for (auto& h : host) h = __float2half((rand() / (float)RAND_MAX - 0.5f) * 4);
+  __half *x, *q, *k, *v, *y;
+  uint8_t *ku, *vu, *pk, *pv, *ok, *ov;
+  cudaMalloc(&x, unit * D * 2);
+  cudaMemcpy(x, host.data(), unit * D * 2, cudaMemcpyHostToDevice);
+  cudaMalloc(&ku, unit * kb), cudaMalloc(&vu, unit * vb);
+  cuda::pack(kf, D, true, DType::kFloat16, x, unit, Offset{}, ku, 0);
+  cuda::pack(vf, D, true, DType::kFloat16, x, unit, Offset{}, vu, 0);
+  cudaMalloc(&pk, B * Hkv * S * kb), cudaMalloc(&pv, B * Hkv * S * vb);
+  cudaMalloc(&ok, B * Hkv * (S + 1) * kb), cudaMalloc(&ov, B * Hkv * (S + 1) * vb);
+  for (int64_t i = 0; i < B * Hkv * S; i += unit) {
+    const int64_t n = std::min(unit, B * Hkv * S - i);
+    cudaMemcpy(pk + i * kb, ku, n * kb, cudaMemcpyDeviceToDevice);
+    cudaMemcpy(pv + i * vb, vu, n * vb, cudaMemcpyDeviceToDevice);
+  }
+  cudaMalloc(&q, B * Hq * D * 2), cudaMalloc(&k, B * Hkv * D * 2), cudaMalloc(&v, B * Hkv * D * 2), cudaMalloc(&y, B * Hq * D * 2);
+  cudaMemcpy(q, x, B * Hq * D * 2 < unit * D * 2 ? B * Hq * D * 2 : unit * D * 2, cudaMemcpyDeviceToDevice);
+  cudaMemcpy(k, x, B * Hkv * D * 2, cudaMemcpyDeviceToDevice);
+  cudaMemcpy(v, x, B * Hkv * D * 2, cudaMemcpyDeviceToDevice);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  void* ws = nullptr;
+  cudaMalloc(&ws, cuda::attention_workspace_bytes(p, sms) + 1);
+  cudaStream_t st;
+  cudaStreamCreate(&st);
+  for (int i = 0; i < 3; ++i) cuda::attention(p, q, k, v, nullptr, pk, pv, y, ok, ov, ws, sms, st);
+  cudaEvent_t a, b;
+  cudaEventCreate(&a), cudaEventCreate(&b);
+  cudaEventRecord(a, st);
+  for (int i = 0; i < iters; ++i) cuda::attention(p, q, k, v, nullptr, pk, pv, y, ok, ov, ws, sms, st);
+  cudaEventRecord(b, st);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  // check Y against the CPU kernels on the same inputs
+  std::vector<uint8_t> hk(B * Hkv * S * kb), hv(B * Hkv * S * vb), hok(B * Hkv * (S + 1) * kb), hov(B * Hkv * (S + 1) * vb);
+  std::vector<__half> hq(B * Hq * D), hkn(B * Hkv * D), hvn(B * Hkv * D), hy(B * Hq * D), ry(B * Hq * D);
+  cudaMemcpy(hk.data(), pk, hk.size(), cudaMemcpyDeviceToHost);
+  cudaMemcpy(hv.data(), pv, hv.size(), cudaMemcpyDeviceToHost);
+  cudaMemcpy(hq.data(), q, hq.size() * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(hkn.data(), k, hkn.size() * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(hvn.data(), v, hvn.size() * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(hy.data(), y, hy.size() * 2, cudaMemcpyDeviceToHost);
+  cpu::ParallelFor serial = [](size_t n, const std::function<void(size_t)>& fn) { for (size_t i = 0; i < n; ++i) fn(i); };
+  cpu::attention(p, hq.data(), hkn.data(), hvn.data(), nullptr, hk.data(), hv.data(), ry.data(), hok.data(), hov.data(), serial);
+  double worst = 0, mag = 0;
+  for (size_t i = 0; i < hy.size(); ++i) {
+    const double a = __half2float(hy[i]), b = __half2float(ry[i]);
+    worst = std::max(worst, std::abs(a - b));
+    mag = std::max(mag, std::abs(b));
+  }
+  printf("max |Y_cuda - Y_cpu| = %.3g (max |Y| %.3g)\n", worst, mag);
+  const double bytes = double(B * Hkv * S) * (kb + vb);
+  printf("B=%lld S=%lld %s/%s: %.1f us per call, %.0f GB/s of cache read (%s)\n", (long long)B, (long long)S,
+         format_name(kf), format_name(vf), ms * 1e3 / iters, bytes / (ms * 1e-3 / iters) / 1e9,
+         cudaGetErrorString(cudaGetLastError()));
+  return 0;
+}

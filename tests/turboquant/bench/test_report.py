@@ -1,0 +1,22 @@
+"""The benchmark report on a tiny grid: every shape and candidate measured, table and plots written."""
+
+import json
+
+from turboquant.bench.__main__ import main
+
+
+def test_report_on_a_tiny_grid(tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["report", "--device", "cpu", "--context", "64", "256", "--batch", "1", "2", "--q-heads", "4",
+                 "--kv-heads", "2", "--head-dim", "64", "--threads", "1", "--repeat", "2",
+                 "--presets", "turboquant_4bit_nc", "turboquant_k8v4", "--out", str(out)]) == 0
+    md = (out / "attention-cpu.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [tuple(r.split("|")[1:3]) for r in rows] == [(" 1 ", " 64 "), (" 1 ", " 256 "), (" 2 ", " 64 "), (" 2 ", " 256 ")]
+    assert all("x vs ort_" in r for r in rows)  # a preset against the fastest ORT baseline of the same run
+    points = json.loads((out / "attention-cpu.json").read_text())
+    names = {p["name"] for p in points}
+    assert {"turboquant_4bit_nc", "turboquant_k8v4"} <= names and any(n.startswith("ort_") for n in names)
+    assert all(p["ms"] > 0 for p in points) and len(points) == 4 * len(names)
+    for what in ("time", "bandwidth"):
+        assert (out / f"attention-cpu-{what}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,51 @@
+"""The CLI: text and JSON output, sensitivity mode, clear errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from turboquant.eval.__main__ import main
+
+
+def test_cli_json_and_table(tiny, tmp_path, capsys):
+    src, dst, text = tiny
+    out = tmp_path / "r.json"
+    assert main([str(src), str(src), str(dst), "--text", str(text), "--context", "64", "--prefill", "32",
+                 "--max-tokens", "64", "--json", str(out), "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    assert "original perplexity" in table and "tiny.3bit_nc.onnx" in table
+    doc = json.loads(out.read_text())
+    same, rewritten = doc["results"]
+    assert doc["scored_tokens"] == 64 and same["mean_kl"] == 0.0 and same["ppl"] == doc["ppl_original"]
+    assert rewritten["mean_kl"] > 0
+
+
+@pytest.mark.parametrize("mode", ["only", "all-but-one"])
+def test_sensitivity_mode(tiny, tmp_path, mode, capsys):
+    src, _, text = tiny
+    out = tmp_path / "s.json"
+    assert main([str(src), "--text", str(text), "--context", "48", "--prefill", "24", "--max-tokens", "24",
+                 "--sensitivity", "turboquant_3bit_nc", "--sensitivity-mode", mode, "--layers", "1,2",
+                 "--boundary", "1", "--json", str(out), "--no-progress"]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["model"] for r in rows] == [f"turboquant_3bit_nc {'only' if mode == 'only' else 'all but'} layer {i}" for i in (1, 2)]
+    assert all(np.isfinite(r["ppl_increase"]) and r["mean_kl"] > 0 for r in rows)
+
+
+def test_errors_name_what_was_wrong(tiny, tmp_path, capsys):
+    src, dst, text = tiny
+    assert main([str(src), str(tmp_path / "missing.onnx"), "--text", str(text)]) == 2
+    assert "missing.onnx: no such file" in capsys.readouterr().err
+    (tmp_path / "t.txt").write_text("hello")
+    assert main([str(src), str(dst), "--text", str(tmp_path / "t.txt")]) == 2
+    assert "give --tokenizer DIR" in capsys.readouterr().err
+    assert main([str(src), str(dst), "--text", str(text), "--context", "4096"]) == 2
+    assert "fewer than one window" in capsys.readouterr().err
+    assert main([str(src), "--text", str(text), "--sensitivity", "turboquant_4bit_nc", "--layers", "9"]) == 2
+    assert "not cache layers" in capsys.readouterr().err
+    assert main([str(src), "--text", str(text), "--sensitivity", "turboquant_4bit_nc", "--sensitivity-mode", "all-but-one",
+                 "--layers", "0"]) == 2
+    assert "boundary layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(src), "--text", str(text)])  # nothing to compare

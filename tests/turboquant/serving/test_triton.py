@@ -1,0 +1,55 @@
+"""Triton model repositories: configs that parse as Triton's ModelConfig and match the model's I/O."""
+
+import pytest
+
+from turboquant.export import export
+from turboquant.serving.triton import main, write_repository
+
+text_format = pytest.importorskip("google.protobuf.text_format")
+model_config = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] (the test extra) parses the configs")
+
+
+@pytest.fixture(scope="module")
+def rewritten(tmp_path_factory):
+    pytest.importorskip("torch")
+    from turboquant import examples
+
+    d = tmp_path_factory.mktemp("triton")
+    cfg = examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64)
+    return export(examples.export(cfg, d / "tiny.onnx"), "turboquant_4bit_nc", d / "tiny.tq.onnx").output
+
+
+def parse(folder):
+    return text_format.Parse((folder / "config.pbtxt").read_text(), model_config.ModelConfig())
+
+
+def test_stateless_onnxruntime_repository(rewritten, tmp_path):
+    folder = write_repository(rewritten, tmp_path / "repo", gpus=[0, 1], instances=2)
+    cfg = parse(folder)
+    assert (folder / "1" / "model.onnx").is_file() and cfg.backend == "onnxruntime" and cfg.max_batch_size == 0
+    assert cfg.model_operations.op_library_filename[0].endswith("libturboquant_ort.so")
+    inputs = {i.name: i for i in cfg.input}
+    key = inputs["past_key_values.2.key"]
+    assert model_config.DataType.Name(key.data_type) == "TYPE_UINT8" and list(key.dims) == [-1, 2, -1, 34]  # 4bit_nc, d64
+    assert model_config.DataType.Name(inputs["past_key_values.0.key"].data_type) == "TYPE_FP32"  # boundary layer
+    assert {o.name for o in cfg.output} >= {"logits", "present.2.key"}
+    assert list(cfg.instance_group[0].gpus) == [0, 1] and cfg.instance_group[0].count == 2
+
+
+def test_stateful_repository_keeps_the_cache_on_the_server(rewritten, tmp_path):
+    cfg = parse(write_repository(rewritten, tmp_path / "repo", stateful=True))
+    assert cfg.max_batch_size == 1 and not any(i.name.startswith("past_key_values") for i in cfg.input)
+    states = {s.input_name: s for s in cfg.sequence_batching.state}
+    assert len(states) == 12 and states["past_key_values.3.value"].output_name == "present.3.value"
+    assert list(states["past_key_values.3.key"].initial_state[0].dims) == [2, 0, 34]
+    assert list(cfg.input[0].dims) == [-1]  # input_ids without the batch axis
+
+
+def test_tensorrt_repository_and_errors(rewritten, tmp_path, capsys):
+    plan = tmp_path / "model.plan"
+    plan.write_bytes(b"engine")
+    cfg = parse(write_repository(rewritten, tmp_path / "repo", backend="tensorrt", engine=plan, gpus=[0]))
+    assert cfg.platform == "tensorrt_plan" and (tmp_path / "repo" / "tiny" / "1" / "model.plan").is_file()
+    assert main([str(rewritten), "--out", str(tmp_path / "r2"), "--backend", "tensorrt"]) == 2
+    assert "give --engine PLAN" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.onnx"), "--out", str(tmp_path / "r3")]) == 2

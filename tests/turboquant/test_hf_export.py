@@ -1,0 +1,39 @@
+"""python -m turboquant.hf_export: a saved Hugging Face model folder to ONNX with its KV cache."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from turboquant import examples  # noqa: E402
+from turboquant.decoder import DecoderSession  # noqa: E402
+from turboquant.hf_export import main  # noqa: E402
+
+
+def test_exports_a_saved_model_folder(tmp_path, capsys):
+    cfg = examples.TinyConfig(family="llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, vocab=256)
+    model = examples.build_model(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "onnx" / "model.onnx"
+    assert main([str(tmp_path / "hf"), "-o", str(out)]) == 0
+    assert "no tokenizer saved" in capsys.readouterr().err  # the folder has none; the model still exports
+    sess = DecoderSession(out)
+    assert sorted(sess.cache_inputs) == [(0, "key"), (0, "value"), (1, "key"), (1, "value")]
+    ids = np.array([[1, 2, 3, 4]])
+    import torch
+
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids)).logits.numpy()
+    got, _ = sess.step(ids, sess.empty_cache(1), 0)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_refusals(tmp_path, capsys):
+    assert main([str(tmp_path / "missing"), "-o", str(tmp_path / "m.onnx")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    (tmp_path / "hf").mkdir()
+    assert main([str(tmp_path / "hf"), "--gguf", "x.gguf", "-o", str(tmp_path / "m.onnx")]) == 2
+    assert "x.gguf: no such file" in capsys.readouterr().err
+    assert main([str(tmp_path / "hf"), "-o", str(tmp_path / "m.txt")]) == 2
+    assert "should end in .onnx" in capsys.readouterr().err

@@ -1,0 +1,124 @@
+"""The benchmark report: decode attention over a grid of context lengths and batch sizes, written as
+a markdown table and PNG plots (time and bandwidth against context length, per preset and baseline)
+for the README. Every figure comes from one process; ratios compare candidates of the same run.
+
+    python -m turboquant.bench report --device cpu --context 1024 4096 8192 --batch 1 4 --out bench-report
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+from ..config import TQ_PRESETS
+
+
+@dataclasses.dataclass
+class Point:
+    device: str
+    batch: int
+    context: int
+    name: str
+    ms: float
+    bytes_read: int | None
+
+    @property
+    def gbps(self) -> float | None:
+        return self.bytes_read / self.ms / 1e6 if self.bytes_read and self.ms else None
+
+
+def measure(device: str, contexts: list[int], batches: list[int], presets: list[str], *, q_heads=32, kv_heads=8,
+            head_dim=128, threads: int | None = None, repeat: int = 20) -> list[Point]:
+    from tqdm import tqdm
+
+    points = []
+    grid = [(b, s) for b in batches for s in contexts]
+    if device == "cuda":
+        from . import cuda
+
+        if (q_heads, kv_heads, head_dim) != (32, 8, 128):
+            raise ValueError("the CUDA benchmark runs DESIGN.md's shape: 32 query heads, 8 kv heads, head_dim 128")
+        for row in cuda.run(grid, presets, repeat):
+            for key, us in row.items():
+                if key.endswith("_us"):
+                    name = key[:-3]
+                    points.append(Point("cuda", row["B"], row["S"], name, us / 1e3, row.get(f"{name}_bytes")))
+        return points
+    from .attention import Shape, run_cpu
+
+    for b, s in tqdm(grid, desc="benchmark grid", unit="shape"):
+        for r in run_cpu(Shape(b, q_heads, kv_heads, head_dim, s), presets, threads, repeat):
+            if r.ms is not None:
+                points.append(Point("cpu", b, s, r.name, r.ms, r.bytes_read))
+    return points
+
+
+def is_baseline(name: str) -> bool:
+    return name not in TQ_PRESETS
+
+
+def markdown(points: list[Point]) -> str:
+    names = list(dict.fromkeys(p.name for p in points))
+    shapes = sorted({(p.batch, p.context) for p in points})
+    at = {(p.batch, p.context, p.name): p for p in points}
+    lines = ["| B | S | " + " | ".join(names) + " | best preset vs fastest baseline |",
+             "|---:|---:|" + "---:|" * len(names) + "---|"]
+    for b, s in shapes:
+        cells, base, tq = [], [], []
+        for n in names:
+            p = at.get((b, s, n))
+            cells.append(f"{p.ms:.3f}" if p else "-")
+            if p:
+                (base if is_baseline(n) else tq).append(p)
+        ratio = ""
+        if base and tq:
+            fb, bt = min(base, key=lambda p: p.ms), min(tq, key=lambda p: p.ms)
+            ratio = f"{bt.name} {fb.ms / bt.ms:.2f}x vs {fb.name}"
+        lines.append(f"| {b} | {s} | " + " | ".join(cells) + f" | {ratio} |")
+    unit = "ms per decode step (one new token)"
+    return f"{unit}; device {points[0].device if points else '?'}\n\n" + "\n".join(lines) + "\n"
+
+
+def plots(points: list[Point], folder: pathlib.Path) -> list[pathlib.Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({p.batch for p in points})
+    written = []
+    for what, label, value in [("time", "ms per decode step", lambda p: p.ms),
+                               ("bandwidth", "GB/s of cache bytes read", lambda p: p.gbps)]:
+        fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+        for ax, b in zip(axes[0], batches):
+            for name in dict.fromkeys(p.name for p in points):
+                pts = sorted((p.context, value(p)) for p in points if p.name == name and p.batch == b and value(p))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=name, linestyle="--" if is_baseline(name) else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("context length (tokens in the cache)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{points[0].device.upper()} decode attention, batch {b}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = folder / f"attention-{points[0].device}-{what}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write(points: list[Point], folder: str | pathlib.Path) -> list[pathlib.Path]:
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not points:
+        raise ValueError("no measurements to report")
+    device = points[0].device
+    md = folder / f"attention-{device}.md"
+    md.write_text(markdown(points))
+    js = folder / f"attention-{device}.json"
+    js.write_text(json.dumps([dataclasses.asdict(p) for p in points], indent=1) + "\n")
+    return [md, js, *plots(points, folder)]

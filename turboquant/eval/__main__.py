@@ -1,0 +1,107 @@
+"""python -m turboquant.eval ORIGINAL.onnx [REWRITTEN.onnx ...] --text FILE [--tokenizer DIR] [options]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from turboquant.config import TQ_PRESETS
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m turboquant.eval",
+        description="Teacher-forced comparison of rewritten decoders with their original through the KV-cache path: "
+        "each window is prefilled, then decoded one token at a time; perplexity, its relative increase, mean KL "
+        "and top-1 agreement over the decoded tokens.")
+    p.add_argument("original", help="the original exported decoder (.onnx)")
+    p.add_argument("rewritten", nargs="*", help="rewritten models to compare with it")
+    p.add_argument("--text", required=True, help="text file (with --tokenizer), or token ids as .npy / .ids (whitespace-separated)")
+    p.add_argument("--tokenizer", metavar="DIR", help="local Hugging Face tokenizer folder for a text file")
+    p.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--prefill", type=int, default=256, help="tokens prefilled at the start of each window; the rest are "
+                   "decoded one at a time and scored (default 256)")
+    p.add_argument("--stride", type=int, help="tokens between window starts (default context - prefill: scored spans tile the text)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="stop after this many scored tokens, in whole windows "
+                   "(default 2048; 0 for the whole text)")
+    p.add_argument("--batch", type=int, default=8, help="windows decoded together (default 8)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--threads", type=int, help="intra-op threads (CPU)")
+    p.add_argument("--sensitivity", metavar="PRESET", choices=list(TQ_PRESETS),
+                   help="per-layer mode: rewrite the original with PRESET one layer at a time and report each")
+    p.add_argument("--sensitivity-mode", choices=["only", "all-but-one"], default="only",
+                   help="'only': that layer alone compressed; 'all-but-one': every compressed layer but that one")
+    p.add_argument("--layers", type=_layers, help="with --sensitivity, only these layers")
+    p.add_argument("--boundary", type=int, default=2, help="with --sensitivity all-but-one: first and last N layers kept (default 2)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if not args.rewritten and not args.sensitivity:
+        p.error("give at least one rewritten model, or --sensitivity PRESET")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from turboquant.export import RewriteError
+    from turboquant.tokens import load_tokens
+
+    from .runner import Evaluator, Windows
+    from .sensitivity import choose_layers, layer_sensitivity
+
+    for path in [args.original, *args.rewritten]:
+        if not pathlib.Path(path).is_file():
+            print(f"error: {path}: no such file", file=sys.stderr)
+            return 2
+    try:
+        if args.sensitivity:  # refuse a bad layer choice before the long run
+            choose_layers(args.original, args.sensitivity_mode, args.layers, args.boundary)
+        ids, source = load_tokens(args.text, args.tokenizer)
+        windows = Windows(args.context, args.prefill, args.stride, args.max_tokens or None, args.batch)
+        windows.check()
+        providers = ["CUDAExecutionProvider"] if args.device == "cuda" else ["CPUExecutionProvider"]
+        progress = not args.no_progress and sys.stderr.isatty()
+        ev = Evaluator(args.original, ids, windows, providers=providers, threads=args.threads, progress=progress)
+        print(f"text: {source}, {ids.size} tokens; {ev.scored_tokens} decoded and scored in windows of {args.context} "
+              f"(prefill {args.prefill}); original perplexity {ev.original.perplexity:.4f}", flush=True)
+        results = []
+        header = f"{'model':<48} {'ppl':>9} {'increase':>9} {'mean KL':>9} {'top-1':>7}"
+        print(header)
+        for path in args.rewritten:
+            results.append(ev.compare(path, pathlib.Path(path).name))
+            _row(results[-1])
+        if args.sensitivity:
+            for _, r in layer_sensitivity(ev, args.original, args.sensitivity, mode=args.sensitivity_mode,
+                                          layers=args.layers, boundary=args.boundary):
+                results.append(r)
+                _row(r)
+    except (ValueError, RewriteError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        doc = {"text": source, "text_tokens": int(ids.size), "scored_tokens": ev.scored_tokens, "context": args.context,
+               "prefill": args.prefill, "original": args.original, "ppl_original": ev.original.perplexity,
+               "results": [r.as_dict() for r in results]}
+        out = json.dumps(doc, indent=2)
+        if args.json == "-":
+            print(out)
+        else:
+            pathlib.Path(args.json).write_text(out + "\n")
+    return 0
+
+
+def _row(r) -> None:
+    print(f"{r.name[:48]:<48} {r.rewritten.perplexity:>9.4f} {r.ppl_increase:>+9.2%} {r.mean_kl:>9.5f} {r.top1:>7.1%}", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

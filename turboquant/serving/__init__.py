@@ -1,0 +1,1 @@
+"""Serving turboquant models: Triton Inference Server model repositories (turboquant.serving.triton)."""

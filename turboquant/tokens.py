@@ -1,0 +1,42 @@
+"""Token ids from a file, for calibration and evaluation: a .npy array of ids, a text file of
+whitespace-separated integers (.ids), or text through a local Hugging Face tokenizer folder."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+
+import numpy as np
+
+
+def load_tokens(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> tuple[np.ndarray, str]:
+    """Returns (int64 ids [N], a description naming the file, its hash and the tokenizer).
+    Raises ValueError naming what was wrong."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    if path.suffix == ".npy":
+        ids = np.load(path)
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"{path}: expected integer token ids, got {ids.dtype}")
+        return ids.reshape(-1).astype(np.int64), f"{path.name} (sha256 {digest})"
+    if path.suffix == ".ids":
+        try:
+            ids = np.array([int(x) for x in data.split()], np.int64)
+        except ValueError:
+            raise ValueError(f"{path}: a .ids file holds whitespace-separated integers") from None
+        return ids, f"{path.name} (sha256 {digest})"
+    if tokenizer is None:
+        raise ValueError(f"{path} is text: give --tokenizer DIR (a local tokenizer folder), or token ids as .npy or .ids")
+    if not pathlib.Path(tokenizer).is_dir():
+        raise ValueError(f"tokenizer {tokenizer}: not a folder")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError("tokenizing text needs transformers (pip install transformers)") from None
+    tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    ids = np.asarray(tok(data.decode("utf-8", errors="replace"))["input_ids"], np.int64).reshape(-1)
+    return ids, f"{path.name} (sha256 {digest}, tokenizer {pathlib.Path(tokenizer).name})"
