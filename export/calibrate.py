@@ -116,9 +116,9 @@ def _unmerge(model) -> None:
 
 
 def _query_probe(model_path, plan_args: dict, layers: list[int], folder: pathlib.Path) -> tuple[pathlib.Path, dict[int, tuple[str, int]]]:
-    """A copy of the model that also outputs, as float32, the queries of the given layers' attention
-    (those in the main graph; a merged decoder's attention inside an If cannot be read this way).
-    Returns its path and, per layer, (output name, query heads or 0 for 4-D queries)."""
+    """A copy of the model (a merged decoder unmerged first) that also outputs, as float32, the
+    queries of the given layers' attention. Returns its path and, per layer, (output name, query
+    heads or 0 for 4-D queries)."""
     import onnx_ir as ir
 
     from .forms import locate
