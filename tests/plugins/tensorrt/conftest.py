@@ -45,7 +45,7 @@ class Harness:
             ("tqh_error", cp, []), ("tqh_open", vp, [cp]), ("tqh_creators", cp, [vp]),
             ("tqh_create", vp, [vp, cp, ctypes.c_int, ctypes.POINTER(cp), ip, ctypes.POINTER(vp), ip]),
             ("tqh_roundtrip", vp, [vp, vp]), ("tqh_fields", cp, [vp]), ("tqh_identity", cp, [vp]),
-            ("tqh_clone", vp, [vp]), ("tqh_destroy", None, [vp]), ("tqh_nb_outputs", ctypes.c_int, [vp]),
+            ("tqh_clone", vp, [vp]), ("tqh_output_shapes", cp, [vp, cp]), ("tqh_destroy", None, [vp]), ("tqh_nb_outputs", ctypes.c_int, [vp]),
             ("tqh_output_types", ctypes.c_int, [vp, ctypes.c_int, ip, ctypes.c_int, ip]),
             ("tqh_supports", ctypes.c_int, [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ip]),
             ("tqh_workspace", ctypes.c_longlong, [vp, ctypes.c_int, ip, ip, lp, ctypes.c_int, ip, ip, lp]),
@@ -111,6 +111,11 @@ class Plugin:
 
     def roundtrip(self) -> Plugin:
         return Plugin(self.hx, self.hx.h.tqh_roundtrip(self.hx.lib, self.ptr))
+
+    def output_shapes(self, *inputs: str) -> list[str]:
+        """Output shapes for inputs like "B,32,1,128" (non-numbers are symbols), as text."""
+        out = self.hx.h.tqh_output_shapes(self.ptr, ";".join(inputs).encode()).decode()
+        return out.split(";")
 
     def clone(self) -> Plugin:
         return Plugin(self.hx, self.hx.h.tqh_clone(self.ptr))

@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 
 #include <cstring>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -60,9 +61,99 @@ IPluginV3OneBuild* build(void* p) {
 IPluginV3OneRuntime* runtime(void* p) {
   return static_cast<IPluginV3OneRuntime*>(static_cast<IPluginV3*>(p)->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
 }
+// A symbolic IExprBuilder: dimensions are constants or text ("B", "(Sp+Sn)"); operations on two
+// constants fold, as TensorRT's do.
+class DimImpl : public apiv::VDimensionExpr {
+ public:
+  bool constant = false;
+  int64_t value = 0;
+  std::string text;
+  bool isConstant() const override { return constant; }
+  int64_t getConstantValue() const override { return constant ? value : -1; }
+  bool isSizeTensor() const override { return false; }
+};
+
+class Expr : public IDimensionExpr {
+ public:
+  explicit Expr(DimImpl* impl) { mImpl = impl; }
+  const DimImpl& impl() const { return *static_cast<const DimImpl*>(mImpl); }
+};
+
+class SymbolicBuilder : public apiv::VExprBuilder {
+ public:
+  const IDimensionExpr* make(bool constant, int64_t value, std::string text) {
+    impls_.push_back(std::make_unique<DimImpl>());
+    DimImpl* d = impls_.back().get();
+    d->constant = constant, d->value = value, d->text = constant ? std::to_string(value) : std::move(text);
+    exprs_.push_back(std::make_unique<Expr>(d));
+    return exprs_.back().get();
+  }
+  const IDimensionExpr* constant(int64_t v) override { return make(true, v, ""); }
+  const IDimensionExpr* operation(DimensionOperation op, const IDimensionExpr& a, const IDimensionExpr& b) override {
+    const DimImpl &x = static_cast<const Expr&>(a).impl(), &y = static_cast<const Expr&>(b).impl();
+    static const char* sym[] = {"+", "*", " max ", " min ", "-", "==", "<", "/", " ceildiv "};
+    if (x.constant && y.constant) {
+      int64_t v = 0;
+      switch (op) {
+        case DimensionOperation::kSUM: v = x.value + y.value; break;
+        case DimensionOperation::kPROD: v = x.value * y.value; break;
+        case DimensionOperation::kSUB: v = x.value - y.value; break;
+        case DimensionOperation::kFLOOR_DIV: v = x.value / y.value; break;
+        default: return make(false, 0, "?");
+      }
+      return make(true, v, "");
+    }
+    return make(false, 0, "(" + x.text + sym[static_cast<int>(op)] + y.text + ")");
+  }
+  const IDimensionExpr* declareSizeTensor(int32_t, const IDimensionExpr&, const IDimensionExpr&) override { return nullptr; }
+
+ private:
+  std::vector<std::unique_ptr<DimImpl>> impls_;
+  std::vector<std::unique_ptr<Expr>> exprs_;
+};
+
+class ExprBuilder : public IExprBuilder {
+ public:
+  explicit ExprBuilder(apiv::VExprBuilder* impl) { mImpl = impl; }
+};
+
 }  // namespace
 
 extern "C" {
+
+// Output shapes for inputs given as text ("B,32,1,128;B,8,Sp,66;..."; a token that is not a
+// number is a symbolic dimension); returns "[B, 32, 1, 128];[B, 8, (Sp+Sn), 66];..." or "error".
+const char* tqh_output_shapes(void* plugin, const char* spec) {
+  SymbolicBuilder sb;
+  ExprBuilder eb(&sb);
+  std::vector<DimsExprs> in;
+  std::stringstream all(spec);
+  std::string tensor;
+  while (std::getline(all, tensor, ';')) {
+    DimsExprs d{};
+    std::stringstream dims(tensor);
+    std::string tok;
+    while (std::getline(dims, tok, ',')) {
+      const bool number = !tok.empty() && tok.find_first_not_of("0123456789") == std::string::npos;
+      d.d[d.nbDims++] = number ? sb.constant(std::stoll(tok)) : sb.make(false, 0, tok);
+    }
+    in.push_back(d);
+  }
+  const int nout = build(plugin)->getNbOutputs();
+  std::vector<DimsExprs> out(nout);
+  if (build(plugin)->getOutputShapes(in.data(), static_cast<int32_t>(in.size()), nullptr, 0, out.data(), nout, eb) != 0) {
+    g_text = "error";
+    return g_text.c_str();
+  }
+  std::ostringstream os;
+  for (int o = 0; o < nout; ++o) {
+    os << (o ? ";" : "") << "[";
+    for (int i = 0; i < out[o].nbDims; ++i) os << (i ? ", " : "") << static_cast<const Expr*>(out[o].d[i])->impl().text;
+    os << "]";
+  }
+  g_text = os.str();
+  return g_text.c_str();
+}
 
 const char* tqh_error() { return g_error.c_str(); }
 

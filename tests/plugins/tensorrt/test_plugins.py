@@ -96,3 +96,28 @@ def test_workspace_bound_for_a_long_decode(trt):
     assert a.workspace(ins, outs) > 0
     bad = [("float16", (8, 32, 1, 128)), ("float16", (8, 8, 1, 64))] + ins[2:]
     assert a.workspace(bad, outs) == 0  # refused (and logged), not a crash
+
+
+def test_output_shapes(trt):
+    kb, vb = packed_size("mse4", 128), packed_size("uint4", 128)
+    a = trt.create("TQAttention", **ATTN)
+    past = (f"B,8,Sp,{kb}", f"B,8,Sp,{vb}")
+    assert a.output_shapes("B,32,Sq,128", "B,8,Sn,128", "B,8,Sn,128", *past) == [
+        "[B, 32, Sq, 128]", f"[B, 8, (Sp+Sn), {kb}]", f"[B, 8, (Sp+Sn), {vb}]"]
+    # with a mask (found by its last dimension, or told by has_mask), and offsets after the past
+    shapes = ["B,32,Sq,128", "B,8,Sn,128", "B,8,Sn,128", "B,1,Sq,St", *past, "8,128", "8,128"]
+    assert a.output_shapes(*shapes)[1] == f"[B, 8, (Sp+Sn), {kb}]"
+    told = trt.create("TQAttention", **dict(ATTN, has_mask=1))
+    assert told.output_shapes(*shapes)[2] == f"[B, 8, (Sp+Sn), {vb}]"
+    # 3-D [B, S, H*D]: heads from the fields
+    a3 = trt.create("TQAttention", **dict(ATTN, head_dim=0, q_num_heads=32, kv_num_heads=8))
+    assert a3.output_shapes("B,Sq,4096", "B,Sn,1024", "B,Sn,1024", *past) == [
+        "[B, Sq, 4096]", f"[B, 8, (Sp+Sn), {kb}]", f"[B, 8, (Sp+Sn), {vb}]"]
+    # no past: present holds the new tokens
+    assert a.output_shapes("B,32,Sq,128", "B,8,Sn,128", "B,8,Sn,128")[1] == f"[B, 8, Sn, {kb}]"
+    # a head size unknown when the engine is built is refused
+    assert trt.create("TQAttention").output_shapes("B,32,Sq,D", "B,8,Sn,D", "B,8,Sn,D", *past) == ["error"]
+    pack = trt.create("TQPack", format="mse3")
+    assert pack.output_shapes("B,8,S,96") == [f"[B, 8, S, {packed_size('mse3', 96)}]"]
+    unpack = trt.create("TQUnpack", format="uint4", head_dim=64, dtype=10)
+    assert unpack.output_shapes(f"B,8,S,{packed_size('uint4', 64)}") == ["[B, 8, S, 64]"]
