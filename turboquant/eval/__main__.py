@@ -31,7 +31,7 @@ def parse(argv):
     p.add_argument("--prefill", type=int, default=256, help="tokens prefilled at the start of each window; the rest are "
                    "decoded one at a time and scored (default 256)")
     p.add_argument("--stride", type=int, help="tokens between window starts (default context - prefill: scored spans tile the text)")
-    p.add_argument("--max-tokens", type=int, default=2048, help="stop after this many scored tokens, in whole windows "
+    p.add_argument("--max-tokens", type=int, default=2048, help="score about this many tokens, rounded up to whole windows "
                    "(default 2048; 0 for the whole text)")
     p.add_argument("--batch", type=int, default=8, help="windows decoded together (default 8)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

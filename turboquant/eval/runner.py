@@ -15,7 +15,8 @@ from .metrics import Comparison, Scores, log_softmax
 class Windows:
     """Windows of `context` tokens starting every `stride` tokens; each prefills `prefill` tokens and
     decodes (and scores) the rest. With the default stride (context - prefill) the scored spans tile
-    the text. At most `max_tokens` tokens are scored (whole windows; at least one)."""
+    the text. Scoring stops once `max_tokens` tokens are scored, rounded up to whole windows (at
+    least one window)."""
 
     context: int = 512
     prefill: int = 256
