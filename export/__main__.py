@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
                    help="the runtime the output is for: onnxruntime (default) or tensorrt (nodes mapped to turboquant's "
                    "TensorRT plugins by the ONNX parser; not runnable in ONNX Runtime)")
+    p.add_argument("--unsupported", choices=["refuse", "leave"], default="refuse",
+                   help="GroupQueryAttention (onnxruntime-genai) nodes using features TQGroupQueryAttention lacks "
+                   "(sliding window, softcap, attention bias, head sink, ...): refuse the model (default) or leave "
+                   "those layers as they are")
     p.add_argument("--dry-run", action="store_true", help="analyse and report, write nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                         keep_layers=args.keep_layers, dry_run=args.dry_run, progress=False if args.no_progress else None,
                         calibrate=args.calibrate, tokenizer=args.tokenizer, offsets=not args.no_offsets,
                         value_offsets=args.value_offsets,
-                        key_scales=not args.no_key_scales, target=args.target)
+                        key_scales=not args.no_key_scales, target=args.target, unsupported=args.unsupported)
     except RewriteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

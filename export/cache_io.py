@@ -31,14 +31,16 @@ class CacheLayer:
     index: int
     past_key: ir.Value
     past_value: ir.Value
+    # the head size where the cache's last axis does not give it (genai models: a symbolic width)
+    known_head_dim: int | None = None
 
     @property
     def head_dim(self) -> int:
-        return _static_dim(self.past_key, 3)
+        return self.known_head_dim or _static_dim(self.past_key, 3)
 
     @property
     def v_head_dim(self) -> int:
-        return _static_dim(self.past_value, 3)
+        return self.known_head_dim or _static_dim(self.past_value, 3)
 
     @property
     def kv_heads(self) -> int | None:
@@ -55,7 +57,9 @@ def _static_dim(v: ir.Value, axis: int) -> int:
     return d
 
 
-def find_cache_layers(graph: ir.Graph) -> dict[int, CacheLayer]:
+def find_cache_layers(graph: ir.Graph, head_dim_of=None) -> dict[int, CacheLayer]:
+    """head_dim_of(layer) -> int | None: the head size from the layer's attention node, for caches
+    whose last axis does not say it."""
     keys: dict[int, ir.Value] = {}
     values: dict[int, ir.Value] = {}
     for v in graph.inputs:
@@ -73,6 +77,8 @@ def find_cache_layers(graph: ir.Graph) -> dict[int, CacheLayer]:
         raise RewriteError(f"cache layers with a key input but no value input or the reverse: {sorted(set(keys) ^ set(values))}")
     layers = {i: CacheLayer(i, keys[i], values[i]) for i in sorted(keys)}
     for layer in layers.values():
+        if head_dim_of is not None:
+            layer.known_head_dim = head_dim_of(layer)
         for v in (layer.past_key, layer.past_value):
             if v.dtype not in FLOAT_TYPES:
                 raise RewriteError(f"cache input {v.name!r} is {v.dtype}; turboquant compresses float32, float16 and bfloat16 caches")

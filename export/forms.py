@@ -7,7 +7,7 @@
   fusion.
 - "decomposed": Concat(past, new) on the sequence axis, then MatMul(Q, K^T), scaling, an additive
   mask, Softmax, MatMul(P, V) - the TorchScript exporter and optimum.
-- com.microsoft GroupQueryAttention (onnxruntime-genai) is refused here: it has its own rewrite.
+- com.microsoft GroupQueryAttention (onnxruntime-genai) has its own rewrite (export/gqa.py).
 
 Each form yields an AttentionSite: what TQAttention needs (Q, the new K/V, mask, scale, ...) and
 which values it replaces. The walk is structural and lists the node that stopped it, so that an
@@ -111,11 +111,9 @@ def locate(layer: CacheLayer) -> AttentionSite:
     if not users:
         raise RewriteError(f"layer {layer.index}: nothing reads {pk.name!r}")
     first = users[0]
-    if first.op_type == "GroupQueryAttention":
-        raise RewriteError(
-            f"layer {layer.index}: {_describe(first)} is com.microsoft GroupQueryAttention (onnxruntime-genai "
-            "models); rewriting it needs the GroupQueryAttention-compatible op, which this version does not have yet"
-        )
+    if first.op_type == "GroupQueryAttention":  # whole GQA models go to export/gqa.py before this point
+        raise RewriteError(f"layer {layer.index}: {_describe(first)} is com.microsoft GroupQueryAttention in a model "
+                           "that also has other attention forms; such mixed models are not supported")
     if first.op_type == "Attention" and first.domain == "" and len(first.inputs) > 5 and first.inputs[4] is pk:
         return _site_attention(layer, first)
     ck, cv = _cache_concat(pk), _cache_concat(pv)

@@ -23,6 +23,7 @@ class LayerPlan:
     kv_heads: int | None
     head_dim: int
     dtype_bytes: int
+    row_bytes: int | None = None  # genai models: the common width of every layer's uint8 cache rows
 
     @property
     def bytes_before(self) -> int | None:
@@ -32,6 +33,8 @@ class LayerPlan:
     def bytes_after(self) -> int | None:
         if self.kv_heads is None:
             return None
+        if self.row_bytes:
+            return 2 * self.kv_heads * self.row_bytes
         if not self.compressed:
             return self.bytes_before
         return self.kv_heads * (packed_size(self.key_format, self.head_dim) + packed_size(self.value_format, self.head_dim))
@@ -42,6 +45,9 @@ class RewriteResult:
     preset: str
     layers: list[LayerPlan]
     output: pathlib.Path | None
+    notes: list[str] = dataclasses.field(default_factory=list)  # printed after the summary
+    row_bytes: int | None = None  # genai models: the common cache row width
+    left: list[int] = dataclasses.field(default_factory=list)  # genai models: layers left as they were
 
     @property
     def compressed(self) -> list[int]:
@@ -65,6 +71,7 @@ class RewriteResult:
             lines.append(f"  KV cache per token (all layers, batch 1): {sum(before)} bytes before, {sum(after)} after, {ratio:.2f}x smaller")
         else:
             lines.append("  KV cache per token: unknown (the cache inputs have a symbolic head count)")
+        lines += [f"  {n}" for n in self.notes]
         if self.output:
             lines.append(f"  written to {self.output}")
         return "\n".join(lines)
@@ -85,10 +92,11 @@ def _dtype_bytes(v: ir.Value) -> int:
     return {ir.DataType.FLOAT: 4, ir.DataType.FLOAT16: 2, ir.DataType.BFLOAT16: 2}[v.dtype]
 
 
-def plan_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers=None, keep_layers=None) -> tuple[list[LayerPlan], dict[int, CacheLayer]]:
+def plan_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers=None, keep_layers=None,
+                head_dim_of=None) -> tuple[list[LayerPlan], dict[int, CacheLayer]]:
     if preset not in TQ_PRESETS:
         raise RewriteError(f"unknown preset {preset!r}: valid presets are {', '.join(TQ_PRESETS)}")
-    layers = find_cache_layers(model.graph)
+    layers = find_cache_layers(model.graph, head_dim_of)
     infos = layer_infos(model.graph, layers)
     if keep_layers is not None:
         kept = set(keep_layers)

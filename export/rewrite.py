@@ -15,6 +15,7 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS
 
 from .errors import RewriteError
 from .forms import locate
+from .gqa import rewrite_gqa_model, uses_gqa
 from .plan import RewriteResult, plan_layers
 from .surgery import pack_other_branch, present_outputs, reroute_cache_shapes, shape_only_uses_are_safe, apply_site
 
@@ -100,7 +101,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
            skip_layers=None, keep_layers=None, dry_run: bool = False, progress: bool | None = None,
            calibrate: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
            offsets: bool = True, value_offsets: bool = False, key_scales: bool = True,
-           target: str = "onnxruntime") -> RewriteResult:
+           target: str = "onnxruntime", unsupported: str = "refuse") -> RewriteResult:
     """Rewrites the model at model_path and saves it (never over the input). See python -m turboquant.export.
 
     calibrate: token ids (.npy) or text (with tokenizer, a local tokenizer folder) on which the
@@ -109,7 +110,10 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     ids (export/calibrate.py says why and what the evaluation measured); offsets=False turns every
     calibration off.
     target: "onnxruntime" (the default) or "tensorrt" (the nodes as TensorRT's ONNX parser maps them
-    to turboquant's plugins; see export/tensorrt.py)."""
+    to turboquant's plugins; see export/tensorrt.py).
+    Models built by onnxruntime-genai (com.microsoft GroupQueryAttention) take export/gqa.py's rewrite;
+    unsupported ("refuse" or "leave") says what happens to nodes using features it lacks, and a
+    source folder with genai_config.json gets a genai-ready output folder (export/genai.py)."""
     if target not in ("onnxruntime", "tensorrt"):
         raise RewriteError(f"target must be 'onnxruntime' or 'tensorrt', got {target!r}")
     src = pathlib.Path(model_path)
@@ -117,6 +121,9 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     if src.exists() and out.exists() and out.resolve() == src.resolve():
         raise RewriteError(f"the output {out} is the input model; turboquant never overwrites its input")
     model = _load(src)
+    if uses_gqa(model):
+        return _export_gqa(model, src, out, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
+                           dry_run=dry_run, calibrate=calibrate, offsets=offsets, target=target, unsupported=unsupported)
     if calibrate is not None and not offsets:
         raise RewriteError("--calibrate and --no-offsets contradict each other: calibration only computes offsets and scales")
     calibration = None
@@ -140,13 +147,46 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         for_tensorrt(model)
     if dry_run:
         return result
+    _save(model, src, out)
+    result.output = out
+    return result
+
+
+def _save(model: ir.Model, src: pathlib.Path, out: pathlib.Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     external = _has_external_data(model) or _initializer_bytes(model) > 1_800_000_000
     data_name = f"{out.name}.data"
     if external and (out.parent / data_name).resolve() in _external_files(src, model):
         raise RewriteError(f"the output's external data file {data_name} is the input's; choose another output name")
     ir.save(model, out, external_data=data_name if external else None)
+
+
+def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: str, *, boundary, skip_layers,
+                keep_layers, dry_run, calibrate, offsets, target, unsupported) -> RewriteResult:
+    """export() for onnxruntime-genai models (GroupQueryAttention)."""
+    from . import genai
+
+    if target != "onnxruntime":
+        raise RewriteError("GroupQueryAttention models can only be rewritten for onnxruntime (no TensorRT plugin "
+                           "implements TQGroupQueryAttention)")
+    if calibrate is not None:
+        raise RewriteError("--calibrate is not supported for GroupQueryAttention models: their keys are rotated inside "
+                           "the op, after the point where a calibration probe could read them")
+    genai_folder = (src.parent / genai.CONFIG).is_file()
+    if genai_folder and not dry_run:
+        genai.check_output_folder(src, out)
+    result = rewrite_gqa_model(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
+                               unsupported=unsupported)
+    if offsets and TQ_PRESETS[preset]["key_quant_bits"] in (3, 4):
+        result.notes.append("not calibrated (no key offsets or scales): GroupQueryAttention rotates keys inside the op")
+    if dry_run:
+        return result
+    _save(model, src, out)
     result.output = out
+    if genai_folder and not result.left:
+        result.notes.append(f"onnxruntime-genai folder: {genai.write_folder(src, out, result)}")
+    elif genai_folder:
+        result.notes.append(f"no {genai.CONFIG} written: layers {result.left} keep float caches")
     return result
 
 

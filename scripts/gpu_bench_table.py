@@ -7,4 +7,11 @@ print("| B | S | ORT GQA fp16 us | torch SDPA us | " + " | ".join(f"{p[11:]} us 
 for r in json.load(open(sys.argv[1])):
     cells = [f"{r[p + '_us']:.0f} ({r[p + '_x_vs_gqa']:.2f}x, {r[p + '_bw_fraction']:.3f})" for p in PRESETS]
     print(f"| {r['B']} | {r['S']} | {r['ort_gqa_fp16_us']:.0f} | {r.get('torch_sdpa_us', 0):.0f} | " + " | ".join(cells) + " |")
+print()
+print("TQGroupQueryAttention, shared buffer written in place (us, x vs GQA, bw):")
+print("| B | S | " + " | ".join(p[11:] for p in PRESETS) + " |")
+for r in json.load(open(sys.argv[1])):
+    cells = [f"{r[p + '_inplace_us']:.0f} ({r[p + '_inplace_x_vs_gqa']:.2f}x, {r[p + '_inplace_bw_fraction']:.3f})"
+             for p in PRESETS]
+    print(f"| {r['B']} | {r['S']} | " + " | ".join(cells) + " |")
 print(f"copy bandwidth: {r['copy_GBps']:.0f} GB/s (read + write)")

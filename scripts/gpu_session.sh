@@ -21,13 +21,15 @@ if [ "$step" = test ] || [ "$step" = all ]; then
   timeout 400 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" -k cuda -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
   nm -D --defined-only /tmp/tqsite/turboquant/lib/libturboquant_trt.so > "$OUT/trt_exports.log" 2>&1
   timeout 300 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/tensorrt" "$root/tests/export/test_target_tensorrt.py" -rs 2>&1 | tee "$OUT/trt_tests.log" | tail -15
+  # onnxruntime-genai models on the CUDA provider (needs onnxruntime-genai under /tmp/site for its builder)
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider "$root/tests/export/test_genai.py" -k cuda -rs 2>&1 | tee "$OUT/genai_tests.log" | tail -8
 fi
 if [ "$step" = check ]; then  # sanitizers, the benchmark and a kernel profile, after `test`
   cd /tmp
   CS=/usr/local/cuda/bin/compute-sanitizer
   for tool in memcheck racecheck; do
     timeout 150 $CS --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" \
-      -k "cuda and (generation or presets_every or offsets or mqa or pack)" > "$OUT/$tool.log" 2>&1
+      -k "cuda and (generation or presets_every or offsets or mqa or pack or genai_style)" > "$OUT/$tool.log" 2>&1
     echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/$tool.log" | tr '\n' ' ')"
   done
   timeout 200 python3 -m turboquant.bench attention --device cuda --repeat 30 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1

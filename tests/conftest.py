@@ -63,6 +63,14 @@ def device_ready(device):
     return device
 
 
+@pytest.fixture
+def cuda_ready():
+    """For GPU-only tests: skips, saying why, where no GPU and onnxruntime-gpu are usable."""
+    reason = cuda_unavailable_reason()
+    if reason:
+        pytest.skip(f"CUDA test skipped: {reason}")
+
+
 @functools.lru_cache(maxsize=256)
 def _cached_session(model_bytes: bytes, threads: int, device: str):
     import onnx

@@ -195,3 +195,39 @@ def merge_with_if(src: str | os.PathLike, dst: str | os.PathLike) -> pathlib.Pat
     out = helper.make_model(merged, opset_imports=m.opset_import, ir_version=m.ir_version)
     onnx.save(out, str(dst))
     return pathlib.Path(dst)
+
+
+def save_tokenizer(folder: str | os.PathLike, vocab: int) -> None:
+    """A word-level tokenizer over `vocab` made-up words (w0, w1, ...) saved as a Hugging Face fast
+    tokenizer: what onnxruntime-genai's builder needs to find in a model folder, without a download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+    fast.save_pretrained(os.fspath(folder))
+
+
+def export_genai(cfg: TinyConfig, folder: str | os.PathLike, precision: str = "fp32",
+                 provider: str = "cpu") -> pathlib.Path:
+    """Builds a tiny decoder with onnxruntime-genai's model builder (GroupQueryAttention, packed QKV,
+    rotary inside the op, a shared past/present buffer in genai_config.json); returns model.onnx's
+    path in folder/model. Needs the onnxruntime-genai package."""
+    import subprocess
+    import sys
+
+    folder = pathlib.Path(folder)
+    hf_dir, out = folder / "hf", folder / "model"
+    model = build_model(cfg)
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 2
+    model.save_pretrained(hf_dir)
+    save_tokenizer(hf_dir, cfg.vocab)
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
+           "-p", precision, "-e", provider, "-c", str(folder / "cache")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or not (out / "model.onnx").is_file():
+        raise RuntimeError(f"onnxruntime-genai's builder failed ({' '.join(cmd)}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return out / "model.onnx"

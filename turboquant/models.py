@@ -99,3 +99,46 @@ def unpack_model(fmt: str, head_dim: int, dtype: int = TensorProto.FLOAT, rank: 
     if offset_shape is not None:
         inputs.append(("offset", TensorProto.FLOAT, list(offset_shape)))
     return node_model("TQUnpack", inputs, [("x", dtype, [*lead, head_dim])], format=fmt, head_dim=head_dim, dtype=dtype, **attributes)
+
+
+def gqa_model(
+    *, q_heads: int, kv_heads: int, head_dim: int, key_format: str, value_format: str, row_bytes: int | None = None,
+    dtype: int = TensorProto.FLOAT, packed_qkv: bool = False, rotary_dim: int = 0, position_ids: bool = False,
+    offsets: bool = False, **attributes,
+) -> onnx.ModelProto:
+    """One TQGroupQueryAttention node (GroupQueryAttention's input order) with symbolic sizes.
+
+    row_bytes: the caches' last dimension W (default: the larger packed size of the two formats, as
+    a genai model's common width). rotary_dim > 0 adds cos_cache/sin_cache inputs and do_rotary=1.
+    """
+    from .config import packed_size
+
+    width = row_bytes or max(packed_size(key_format, head_dim), packed_size(value_format, head_dim))
+    hidden = (q_heads + 2 * kv_heads) * head_dim if packed_qkv else q_heads * head_dim
+    kv = None if packed_qkv else kv_heads * head_dim
+    inputs = [
+        ("query", dtype, ["B", "S", hidden]),
+        None if packed_qkv else ("key", dtype, ["B", "S", kv]),
+        None if packed_qkv else ("value", dtype, ["B", "S", kv]),
+        ("past_key", TensorProto.UINT8, ["B", kv_heads, "P", width]),
+        ("past_value", TensorProto.UINT8, ["B", kv_heads, "P", width]),
+        ("seqlens_k", TensorProto.INT32, ["B"]),
+        ("total_sequence_length", TensorProto.INT32, []),
+        ("cos_cache", dtype, ["M", rotary_dim // 2]) if rotary_dim else None,
+        ("sin_cache", dtype, ["M", rotary_dim // 2]) if rotary_dim else None,
+        ("position_ids", TensorProto.INT64, ["B", "S"]) if position_ids else None,
+        None,
+        None,
+    ]
+    if offsets:
+        inputs += [("key_offset", TensorProto.FLOAT, [kv_heads, head_dim]),
+                   ("value_offset", TensorProto.FLOAT, [kv_heads, head_dim])]
+    while inputs and inputs[-1] is None:
+        inputs.pop()
+    if rotary_dim:
+        attributes.setdefault("do_rotary", 1)
+    outputs = [("output", dtype, ["B", "S", q_heads * head_dim]),
+               ("present_key", TensorProto.UINT8, ["B", kv_heads, "T", width]),
+               ("present_value", TensorProto.UINT8, ["B", kv_heads, "T", width])]
+    return node_model("TQGroupQueryAttention", inputs, outputs, key_format=key_format, value_format=value_format,
+                      num_heads=q_heads, kv_num_heads=kv_heads, **attributes)

@@ -18,6 +18,7 @@ from onnx.reference.op_run import OpRun
 from . import DOMAIN, OPSET_VERSION
 from .config import ALL_FORMATS, packed_size
 from .reference.attention import attention as reference_attention
+from .reference.gqa import group_query_attention as reference_gqa
 from .reference import formats as ref_formats
 from .reference.numerics import bfloat16
 
@@ -99,6 +100,22 @@ def _infer_attention(ctx):
     _set(ctx, 2, TensorProto.UINT8, present_v)
 
 
+def _infer_gqa(ctx):
+    q, past = _shape_of(ctx, 0), _shape_of(ctx, 3)
+    hq, hkv = _attr(ctx, "num_heads", 0), _attr(ctx, "kv_num_heads", 0)
+    y = present = None
+    if q is not None:
+        d = None
+        if isinstance(q[2], int) and hq:
+            d = q[2] // (hq if ctx.has_input(1) else hq + 2 * hkv)
+        y = [q[0], q[1], hq * d if d else None]
+    if past is not None:
+        present = [past[0], past[1], None, past[3]]
+    _set(ctx, 0, ctx.get_input_type(0).tensor_type.elem_type, y)
+    _set(ctx, 1, TensorProto.UINT8, present)
+    _set(ctx, 2, TensorProto.UINT8, present)
+
+
 def _schemas() -> list[defs.OpSchema]:
     fmt_doc = "one of " + ", ".join(ALL_FORMATS)
     pack = defs.OpSchema(
@@ -123,6 +140,10 @@ def _schemas() -> list[defs.OpSchema]:
                     _A("head_dim", _ATTR.INT, "length of a vector", required=True),
                     _A("dtype", _ATTR.INT, "output TensorProto type: FLOAT (1, default), FLOAT16 (10), BFLOAT16 (16)", required=False)],
     )
+    # the packed cache's formats, as TQAttention and TQGroupQueryAttention take them
+    cache_formats = [_A("key_format", _ATTR.STRING, fmt_doc + " (default mse4)", required=False),
+                     _A("value_format", _ATTR.STRING, fmt_doc + " (default uint4)", required=False),
+                     _A("norm_correction", _ATTR.INT, "mse keys: 1 (default) or 0", required=False)]
     attention = defs.OpSchema(
         "TQAttention", DOMAIN, OPSET_VERSION,
         "ONNX Attention (opset 23) over a packed uint8 KV cache (docs/ops.md).",
@@ -139,19 +160,50 @@ def _schemas() -> list[defs.OpSchema]:
                  _P("present_value", "tensor(uint8)", "[B, Hkv, S_past+Sn, value bytes]")],
         type_constraints=[("T", FLOAT_TYPES, "float types"),
                           ("M", ["tensor(bool)", *FLOAT_TYPES], "bool (true: attend) or additive float mask")],
-        attributes=[_A("key_format", _ATTR.STRING, fmt_doc + " (default mse4)", required=False),
-                    _A("value_format", _ATTR.STRING, fmt_doc + " (default uint4)", required=False),
-                    _A("norm_correction", _ATTR.INT, "mse keys: 1 (default) or 0", required=False),
+        attributes=[*cache_formats,
                     _A("head_dim", _ATTR.INT, "D, checked against Q (0: from Q)", required=False),
                     _A("is_causal", _ATTR.INT, "1: causal mask aligned to the end of the cache", required=False),
                     _A("scale", _ATTR.FLOAT, "softmax scale (0 or absent: 1/sqrt(D))", required=False),
                     _A("q_num_heads", _ATTR.INT, "Hq, required for 3-D inputs", required=False),
                     _A("kv_num_heads", _ATTR.INT, "Hkv, required for 3-D inputs", required=False)],
     )
+    gqa = defs.OpSchema(
+        "TQGroupQueryAttention", DOMAIN, OPSET_VERSION,
+        "com.microsoft GroupQueryAttention over packed uint8 caches in a (shareable) buffer (docs/ops.md).",
+        inputs=[_P("query", "T", "[B, S, Hq*D], or [B, S, (Hq+2*Hkv)*D] with Q, K, V packed"),
+                _P("key", "T", "[B, S, Hkv*D] (absent: packed in query)", param_option=_OPT),
+                _P("value", "T", "[B, S, Hkv*D] (absent: packed in query)", param_option=_OPT),
+                _P("past_key", "tensor(uint8)", "[B, Hkv, max_length, W], W >= key bytes"),
+                _P("past_value", "tensor(uint8)", "[B, Hkv, max_length, W], W >= value bytes"),
+                _P("seqlens_k", "tensor(int32)", "[B]: total length of each sequence - 1"),
+                _P("total_sequence_length", "tensor(int32)", "scalar, in host memory"),
+                _P("cos_cache", "T", "[max_positions, rotary_dim/2] (do_rotary)", param_option=_OPT),
+                _P("sin_cache", "T", "[max_positions, rotary_dim/2] (do_rotary)", param_option=_OPT),
+                _P("position_ids", "tensor(int64)", "[B, S] (default: past + s)", param_option=_OPT),
+                _P("attention_bias", "T", "not supported: refused when given", param_option=_OPT),
+                _P("head_sink", "T", "not supported: refused when given", param_option=_OPT),
+                _P("key_offset", "tensor(float)", "[Hkv, D], subtracted from every key", param_option=_OPT),
+                _P("value_offset", "tensor(float)", "[Hkv, D], subtracted from every stored value", param_option=_OPT)],
+        outputs=[_P("output", "T", "[B, S, Hq*D]"),
+                 _P("present_key", "tensor(uint8)", "[B, Hkv, max(max_length, total), W]; may be past_key's buffer"),
+                 _P("present_value", "tensor(uint8)", "[B, Hkv, max(max_length, total), W]; may be past_value's buffer")],
+        type_constraints=[("T", FLOAT_TYPES, "float types")],
+        attributes=[*cache_formats,
+                    _A("num_heads", _ATTR.INT, "Hq", required=True),
+                    _A("kv_num_heads", _ATTR.INT, "Hkv", required=True),
+                    _A("scale", _ATTR.FLOAT, "softmax scale (0 or absent: 1/sqrt(D))", required=False),
+                    _A("do_rotary", _ATTR.INT, "1: rotary embedding of Q and K inside the op", required=False),
+                    _A("rotary_interleaved", _ATTR.INT, "1: rotate neighbouring pairs", required=False),
+                    _A("local_window_size", _ATTR.INT, "must be -1 (no sliding window)", required=False),
+                    _A("softcap", _ATTR.FLOAT, "must be 0", required=False),
+                    _A("smooth_softmax", _ATTR.INT, "must be 0", required=False),
+                    _A("qk_output", _ATTR.INT, "must be 0", required=False)],
+    )
+    gqa.set_type_and_shape_inference_function(_infer_gqa)
     pack.set_type_and_shape_inference_function(_infer_pack)
     unpack.set_type_and_shape_inference_function(_infer_unpack)
     attention.set_type_and_shape_inference_function(_infer_attention)
-    return [pack, unpack, attention]
+    return [pack, unpack, attention, gqa]
 
 
 def register_schemas() -> None:
@@ -215,6 +267,28 @@ class TQAttention(OpRun):
         )
 
 
-REFERENCE_OPS = [TQPack, TQUnpack, TQAttention]
+class TQGroupQueryAttention(OpRun):
+    op_domain = DOMAIN
+
+    def _run(self, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
+             total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None, attention_bias=None,
+             head_sink=None, key_offset=None, value_offset=None, key_format=None, value_format=None,
+             norm_correction=None, num_heads=None, kv_num_heads=None, scale=None, do_rotary=None,
+             rotary_interleaved=None, local_window_size=None, softcap=None, smooth_softmax=None, qk_output=None):
+        refused = {"attention_bias": attention_bias is not None, "head_sink": head_sink is not None,
+                   "local_window_size": local_window_size not in (None, -1), "softcap": bool(softcap),
+                   "smooth_softmax": bool(smooth_softmax), "qk_output": bool(qk_output)}
+        if any(refused.values()):
+            raise ValueError("TQGroupQueryAttention: not supported: " + ", ".join(k for k, v in refused.items() if v))
+        return reference_gqa(
+            query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache,
+            position_ids, key_offset, value_offset, key_format=_s(key_format or "mse4"),
+            value_format=_s(value_format or "uint4"),
+            norm_correction=True if norm_correction is None else bool(norm_correction),
+            num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale or None, do_rotary=bool(do_rotary),
+            rotary_interleaved=bool(rotary_interleaved))
+
+
+REFERENCE_OPS = [TQPack, TQUnpack, TQAttention, TQGroupQueryAttention]
 
 register_schemas()

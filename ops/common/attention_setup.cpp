@@ -1,7 +1,7 @@
 #include "turboquant/attention_setup.h"
 
 #include <cmath>
-#include <sstream>
+#include <utility>
 
 namespace turboquant {
 namespace {
@@ -10,10 +10,7 @@ constexpr const char* kOp = "TQAttention";
 
 template <typename... Args>
 [[noreturn]] void fail(Args&&... args) {
-  std::ostringstream os;
-  os << kOp << ": ";
-  (os << ... << args);
-  throw InvalidArgument(os.str());
+  throw_invalid(kOp, std::forward<Args>(args)...);
 }
 
 // Q/K/V in either layout, viewed as [B, H, S, D].

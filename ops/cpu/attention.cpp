@@ -191,16 +191,17 @@ class Runner {
          const uint8_t* past_key, const uint8_t* past_value, void* y)
       : p_(p), q_(q), k_(k), v_(v), mask_(mask), past_key_(past_key), past_value_(past_value), y_(y) {
     group_ = static_cast<int>(p.q_heads / p.kv_heads);
-    total_ = p.past_len + p.new_len;
-    key_bytes_ = packed_size(p.key_format, p.head_dim);
-    value_bytes_ = packed_size(p.value_format, p.v_head_dim);
+    past_rows_ = p.past_rows_or_len();
+    key_bytes_ = p.key_row();
+    value_bytes_ = p.value_row();
   }
 
   int64_t rows_per_head() const { return p_.q_len * group_; }
 
   void run(const Task& t) const {
     const int d = p_.head_dim, dv = p_.v_head_dim, rows = t.rows;
-    const int64_t stot = total_;
+    const int64_t sp = p_.past_of(t.b);  // this sequence's past tokens
+    const int64_t stot = sp + p_.new_len;
     std::vector<float> qf(static_cast<size_t>(rows) * d);
     std::vector<float> sc(static_cast<size_t>(rows) * stot);
     int64_t pos[kMaxRows], hq[kMaxRows];
@@ -214,9 +215,8 @@ class Runner {
     const float* voff = p_.value_offset ? p_.value_offset + t.hkv * dv : nullptr;
 
     // 1-2. past keys
-    const int64_t sp = p_.past_len;
     if (sp > 0) {
-      const uint8_t* keys = past_key_ + (t.b * p_.kv_heads + t.hkv) * sp * key_bytes_;
+      const uint8_t* keys = past_key_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * key_bytes_;
       if (is_mse(p_.key_format)) {
         const int dp = padded_dim(d);
         std::vector<float> qrot(static_cast<size_t>(rows) * dp, 0.0f);
@@ -259,7 +259,7 @@ class Runner {
     bool live[kMaxRows];
     for (int r = 0; r < rows; ++r) {
       float* s = &sc[static_cast<size_t>(r) * stot];
-      apply_mask(t.b, hq[r], pos[r], s);
+      apply_mask(t.b, hq[r], pos[r], stot, s);
       float mx = kNegInf;
       for (int64_t j = 0; j < stot; ++j) mx = std::max(mx, s[j]);
       live[r] = mx != kNegInf;
@@ -276,7 +276,7 @@ class Runner {
     std::vector<float> acc(static_cast<size_t>(rows) * dv, 0.0f);
     float zsum[kMaxRows] = {};
     float vf[kMaxHeadDim];
-    if (sp > 0) accumulate_past_values(t, rows, sc.data(), acc.data(), zsum);
+    if (sp > 0) accumulate_past_values(t, rows, sp, stot, sc.data(), acc.data(), zsum);
     for (int64_t n = 0; n < p_.new_len; ++n) {
       load_row(p_.dtype, v_, t.b * p_.v.b + t.hkv * p_.v.h + n * p_.v.s, dv, vf);
       for (int r = 0; r < rows; ++r) axpy(sc[r * stot + sp + n], vf, &acc[static_cast<size_t>(r) * dv], dv);
@@ -297,11 +297,11 @@ class Runner {
   // time: the tile's rows are decoded once into floats, then each 8-wide column block of the
   // accumulators stays in registers while the tile's tokens are added into it. For uint formats the
   // codes are used as they are and the zero points summed apart: p * (q * scale + zero).
-  void accumulate_past_values(const Task& t, int rows, const float* sc, float* acc, float* zsum) const {
+  void accumulate_past_values(const Task& t, int rows, int64_t sp, int64_t stot, const float* sc, float* acc,
+                              float* zsum) const {
     constexpr int kTile = 16;
     const int dv = p_.v_head_dim;
-    const int64_t sp = p_.past_len, stot = total_;
-    const uint8_t* vals = past_value_ + (t.b * p_.kv_heads + t.hkv) * sp * value_bytes_;
+    const uint8_t* vals = past_value_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * value_bytes_;
     const bool uint_fmt = is_uint(p_.value_format);
     const int bits = format_bits(p_.value_format);
     const int nb = payload_bytes(p_.value_format, dv);
@@ -349,8 +349,7 @@ class Runner {
     }
   }
 
-  void apply_mask(int64_t b, int64_t hq, int64_t pos, float* s) const {
-    const int64_t stot = total_;
+  void apply_mask(int64_t b, int64_t hq, int64_t pos, int64_t stot, float* s) const {
     if (p_.is_causal) {
       const int64_t limit = pos + (stot - p_.q_len);  // keys j <= limit are visible
       for (int64_t j = std::max<int64_t>(0, limit + 1); j < stot; ++j) s[j] = kNegInf;
@@ -377,25 +376,26 @@ class Runner {
   const uint8_t *past_key_, *past_value_;
   void* y_;
   int group_;
-  int64_t total_, key_bytes_, value_bytes_;
+  int64_t past_rows_, key_bytes_, value_bytes_;
 };
 
-// present[b, h] = past[b, h] ++ pack(new[b, h] - offset[h])
-void write_present(const AttentionParams& p, Format fmt, int d, const BhsStrides& st, const void* x,
-                   const float* offset, const uint8_t* past, uint8_t* present, const ParallelFor& pfor) {
-  const int64_t bytes = packed_size(fmt, d);
-  const int64_t total = p.past_len + p.new_len;
-  const bool nc = p.norm_correction;
+// present[b, h] = past[b, h] ++ pack(new[b, h] - offset[h]): the past rows copied unless present is
+// past (a shared buffer), the new rows written after sequence b's own past.
+void write_present(const AttentionParams& p, Format fmt, int d, int64_t row_bytes, const BhsStrides& st,
+                   const void* x, const float* offset, const uint8_t* past, uint8_t* present, const ParallelFor& pfor) {
+  const int64_t past_rows = p.past_rows_or_len(), present_rows = p.present_rows_or_total();
+  const bool nc = p.norm_correction, copy = past != nullptr && past != present && past_rows > 0;
   pfor(static_cast<size_t>(p.batch * p.kv_heads), [&](size_t bh) {
     const int64_t b = static_cast<int64_t>(bh) / p.kv_heads, h = static_cast<int64_t>(bh) % p.kv_heads;
-    uint8_t* dst = present + static_cast<int64_t>(bh) * total * bytes;
-    if (p.past_len > 0) std::memcpy(dst, past + static_cast<int64_t>(bh) * p.past_len * bytes, p.past_len * bytes);
+    uint8_t* dst = present + static_cast<int64_t>(bh) * present_rows * row_bytes;
+    if (copy) std::memcpy(dst, past + static_cast<int64_t>(bh) * past_rows * row_bytes, past_rows * row_bytes);
     float row[kMaxHeadDim];
     const float* off = offset ? offset + h * d : nullptr;
+    const int64_t first = p.past_of(b);
     for (int64_t n = 0; n < p.new_len; ++n) {
       load_row(p.dtype, x, b * st.b + h * st.h + n * st.s, d, row);
       if (off) for (int i = 0; i < d; ++i) row[i] -= off[i];
-      encode_vector(fmt, d, nc, row, dst + (p.past_len + n) * bytes);
+      encode_vector(fmt, d, nc, row, dst + (first + n) * row_bytes);
     }
   });
 }
@@ -405,8 +405,9 @@ void write_present(const AttentionParams& p, Format fmt, int d, const BhsStrides
 void attention(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
                const uint8_t* past_key, const uint8_t* past_value, void* y, uint8_t* present_key,
                uint8_t* present_value, const ParallelFor& pfor) {
-  write_present(p, p.key_format, p.head_dim, p.k, k, p.key_offset, past_key, present_key, pfor);
-  write_present(p, p.value_format, p.v_head_dim, p.v, v, p.value_offset, past_value, present_value, pfor);
+  write_present(p, p.key_format, p.head_dim, p.key_row(), p.k, k, p.key_offset, past_key, present_key, pfor);
+  write_present(p, p.value_format, p.v_head_dim, p.value_row(), p.v, v, p.value_offset, past_value, present_value,
+                pfor);
   if (p.q_len == 0) return;
   Runner runner(p, q, k, v, mask, past_key, past_value, y);
   const int64_t rows = runner.rows_per_head();

@@ -56,7 +56,7 @@ Layout make_layout(const AttentionParams& p, int num_sms) {
   l.splits = static_cast<int>(splits < 1 ? 1 : splits);
   l.split_len = (p.past_len + l.splits - 1) / l.splits;
   l.split_len = (l.split_len + kTile - 1) / kTile * kTile;
-  const int64_t stage = static_cast<int64_t>(kTile) * (packed_size(p.key_format, p.head_dim) + packed_size(p.value_format, p.v_head_dim));
+  const int64_t stage = static_cast<int64_t>(kTile) * (p.key_row() + p.value_row());
   l.stage_bytes = stage <= kMaxStageBytes ? static_cast<int>((stage + 15) / 16 * 16) : 0;
   l.buffers = l.stage_bytes > 0 && l.split_len > kTile ? 2 : 1;  // double-buffer when a block takes several tiles
   return l;
@@ -68,7 +68,7 @@ __host__ __device__ inline int64_t partial_stride(int dv) { return 2 + dv; }
 __device__ float mask_value(const AttentionParams& p, const void* mask, int64_t b, int64_t hq, int64_t pos, int64_t j,
                             bool* allowed) {
   *allowed = true;
-  if (p.is_causal && j > pos + (p.past_len + p.new_len - p.q_len)) {
+  if (p.is_causal && j > pos + (p.past_of(b) + p.new_len - p.q_len)) {
     *allowed = false;
     return 0.0f;
   }
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
   const int d = p.head_dim, dv = p.v_head_dim, tid = threadIdx.x;
   const bool mse = is_mse(p.key_format);
   const int dp = mse ? padded_dim(d) : d;
-  const int kb = packed_size(p.key_format, d), vb = packed_size(p.value_format, dv);
+  const int kb = static_cast<int>(p.key_row()), vb = static_cast<int>(p.value_row());  // bytes per cache row
 
   __shared__ __align__(16) float qs[kMaxHeadDim][kRows];  // rotated and scaled query (MSE) or scaled query; qs[i][r]
   __shared__ float scores[kRows][kTile];
@@ -221,9 +221,9 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
   }
 
   const int64_t begin = static_cast<int64_t>(split) * l.split_len;
-  const int64_t end = min(p.past_len, begin + l.split_len);
-  const uint8_t* keys = past_key + bh * p.past_len * kb;
-  const uint8_t* vals = past_value + bh * p.past_len * vb;
+  const int64_t end = min(p.past_of(b), begin + l.split_len);  // empty for splits past this sequence's end
+  const uint8_t* keys = past_key + bh * p.past_rows_or_len() * kb;
+  const uint8_t* vals = past_value + bh * p.past_rows_or_len() * vb;
   const int bits = format_bits(p.key_format);
   // value accumulators: 8 columns of every row per thread; threads split the tile's tokens
   const int col_groups = dv / 8, token_groups = kThreads / col_groups;
@@ -439,7 +439,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p, Layo
 
   float m = -INFINITY, sum = 0.0f, acc[kMaxCols];
   for (int c = 0; c < kMaxCols; ++c) acc[c] = 0.0f;
-  if (p.past_len > 0) {
+  const int64_t past = p.past_of(b);
+  if (past > 0) {
     const float* part = partial + (bh * l.rows + row) * l.splits * partial_stride(dv);
     for (int s = 0; s < l.splits; ++s) m = fmaxf(m, part[s * partial_stride(dv)]);
     for (int s = 0; s < l.splits; ++s) {
@@ -470,7 +471,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p, Layo
     }
     const float dot = block_sum(part, red) * p.scale;
     bool ok;
-    const float add = mask_value(p, mask, b, hq, pos, p.past_len + n, &ok);
+    const float add = mask_value(p, mask, b, hq, pos, past + n, &ok);
     if (!ok) continue;
     const float s = dot + add;
     if (s == -INFINITY) continue;
@@ -509,16 +510,22 @@ cudaError_t launch_split(dim3 grid, int smem, cudaStream_t stream, const Attenti
   return cudaGetLastError();
 }
 
-cudaError_t write_present(const AttentionParams& p, Format fmt, int d, const BhsStrides& st, const void* x,
-                          const float* offset, const uint8_t* past, uint8_t* present, cudaStream_t stream) {
-  const int64_t bytes = packed_size(fmt, d);
-  const int64_t total = p.past_len + p.new_len;
-  if (p.past_len > 0 && p.batch * p.kv_heads > 0) {
-    cudaError_t e = cudaMemcpy2DAsync(present, total * bytes, past, p.past_len * bytes, p.past_len * bytes,
-                                      p.batch * p.kv_heads, cudaMemcpyDeviceToDevice, stream);
+// present = past (unless it is the same buffer) with the new tokens packed after each sequence's past.
+cudaError_t write_present(const AttentionParams& p, Format fmt, int d, int64_t row_bytes, const BhsStrides& st,
+                          const void* x, const float* offset, const uint8_t* past, uint8_t* present,
+                          cudaStream_t stream) {
+  const int64_t past_rows = p.past_rows_or_len(), present_rows = p.present_rows_or_total();
+  if (past != nullptr && past != present && past_rows > 0 && p.batch * p.kv_heads > 0) {
+    cudaError_t e = cudaMemcpy2DAsync(present, present_rows * row_bytes, past, past_rows * row_bytes,
+                                      past_rows * row_bytes, p.batch * p.kv_heads, cudaMemcpyDeviceToDevice, stream);
     if (e != cudaSuccess) return e;
   }
-  return pack_new_tokens(fmt, d, p.norm_correction, p.dtype, x, st, p.batch, p.kv_heads, p.new_len, p.past_len, offset,
+  NewTokenRows rows;
+  rows.present_rows = present_rows;
+  rows.row_bytes = row_bytes;
+  rows.past_len = p.past_len;
+  rows.past_lens = p.past_lens;
+  return pack_new_tokens(fmt, d, p.norm_correction, p.dtype, x, st, p.batch, p.kv_heads, p.new_len, rows, offset,
                          present, stream);
 }
 
@@ -533,9 +540,11 @@ size_t attention_workspace_bytes(const AttentionParams& p, int num_sms) {
 cudaError_t attention(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
                       const uint8_t* past_key, const uint8_t* past_value, void* y, uint8_t* present_key,
                       uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream) {
-  cudaError_t e = write_present(p, p.key_format, p.head_dim, p.k, k, p.key_offset, past_key, present_key, stream);
+  cudaError_t e = write_present(p, p.key_format, p.head_dim, p.key_row(), p.k, k, p.key_offset, past_key, present_key,
+                                stream);
   if (e != cudaSuccess) return e;
-  e = write_present(p, p.value_format, p.v_head_dim, p.v, v, p.value_offset, past_value, present_value, stream);
+  e = write_present(p, p.value_format, p.v_head_dim, p.value_row(), p.v, v, p.value_offset, past_value, present_value,
+                    stream);
   if (e != cudaSuccess) return e;
   if (p.q_len == 0 || p.batch == 0) return cudaSuccess;
   const Layout l = make_layout(p, num_sms);

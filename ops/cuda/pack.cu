@@ -17,10 +17,11 @@ constexpr unsigned kFull = 0xffffffffu;
 // Where vector v comes from and goes to.
 struct VectorMap {
   // TQPack: x[v*d ..], out[v*bytes ..]. Present: x[b*sb + h*sh + n*ss ..] for v = (b*H + h)*N + n,
-  // out at row past + n of (b, h) in a cache of `total` rows.
+  // out at row past(b) + n of (b, h) in a cache of rows.present_rows rows of rows.row_bytes bytes.
   bool present = false;
   BhsStrides st;
-  int64_t heads = 1, new_len = 1, past_len = 0, total = 0;
+  int64_t heads = 1, new_len = 1;
+  NewTokenRows rows;
 
   __device__ int64_t in(int64_t v, int d) const {
     if (!present) return v * d;
@@ -30,7 +31,11 @@ struct VectorMap {
   __device__ int64_t out(int64_t v, int bytes) const {
     if (!present) return v * bytes;
     const int64_t n = v % new_len, bh = v / new_len;
-    return (bh * total + past_len + n) * bytes;
+    return bh * rows.present_rows * rows.row_bytes + (rows.past_of(bh / heads) + n) * rows.row_bytes;
+  }
+  // A row past the buffer's end (a device-side length out of range) is not written.
+  __device__ bool inside(int64_t v) const {
+    return !present || rows.past_of((v / new_len) / heads) + v % new_len < rows.present_rows;
   }
 };
 
@@ -135,6 +140,7 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(Format fmt, int d, bool 
     z[warp][i] = xi;
   }
   __syncwarp();
+  if (!map.inside(v)) return;
   encode_warp(fmt, d, nc, z[warp], idx[warp], out + map.out(v, bytes));
 }
 
@@ -166,15 +172,14 @@ cudaError_t pack(Format fmt, int d, bool norm_correction, DType dt, const void* 
 }
 
 cudaError_t pack_new_tokens(Format fmt, int d, bool norm_correction, DType dt, const void* x, const BhsStrides& st,
-                            int64_t batch, int64_t heads, int64_t new_len, int64_t past_len, const float* offset,
-                            uint8_t* present, cudaStream_t stream) {
+                            int64_t batch, int64_t heads, int64_t new_len, const NewTokenRows& rows,
+                            const float* offset, uint8_t* present, cudaStream_t stream) {
   VectorMap map;
   map.present = true;
   map.st = st;
   map.heads = heads;
   map.new_len = new_len;
-  map.past_len = past_len;
-  map.total = past_len + new_len;
+  map.rows = rows;
   Offset off;
   off.data = offset;  // row = head, chosen by the kernel
   off.rows = heads;

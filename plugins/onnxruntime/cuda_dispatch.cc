@@ -41,7 +41,7 @@ struct Scratch {
     Ort::MemoryInfo info("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
     Ort::ThrowOnError(Ort::GetApi().KernelContext_GetAllocator(context, info, &allocator));
     ptr = allocator->Alloc(allocator, bytes);
-    if (ptr == nullptr) fail("TQAttention", "could not allocate ", bytes, " bytes of CUDA scratch");
+    if (ptr == nullptr) fail("turboquant", "could not allocate ", bytes, " bytes of CUDA scratch");
   }
   ~Scratch() {
     if (ptr) allocator->Free(allocator, ptr);
@@ -72,6 +72,18 @@ void cuda_attention(OrtKernelContext* context, const AttentionParams& p, const v
   Scratch scratch(context, cuda::attention_workspace_bytes(p, sms), device);
   check("TQAttention", cuda::attention(p, q, k, v, mask, past_key, past_value, y, present_key, present_value, scratch.ptr,
                                        sms, stream_of(context)));
+}
+
+void cuda_gqa(OrtKernelContext* context, const AttentionParams& p, const RotaryParams& rot, const int32_t* seqlens_k,
+              bool first_prompt, const void* q, const void* k, const void* v, const uint8_t* past_key,
+              const uint8_t* past_value, void* y, uint8_t* present_key, uint8_t* present_value) {
+  constexpr const char* kOp = "TQGroupQueryAttention";
+  int device = 0;
+  check(kOp, cudaGetDevice(&device));
+  const int sms = device_sms(device);
+  Scratch scratch(context, cuda::gqa_workspace_bytes(p, rot, sms), device);
+  check(kOp, cuda::gqa_attention(p, rot, seqlens_k, first_prompt, q, k, v, past_key, past_value, y, present_key,
+                                 present_value, scratch.ptr, sms, stream_of(context)));
 }
 
 }  // namespace turboquant::ort

@@ -17,4 +17,9 @@ void cuda_attention(OrtKernelContext* context, const AttentionParams& p, const v
                     const void* mask, const uint8_t* past_key, const uint8_t* past_value, void* y,
                     uint8_t* present_key, uint8_t* present_value);
 
+// TQGroupQueryAttention: seqlens_k in device memory; p.past_len = total_sequence_length - S.
+void cuda_gqa(OrtKernelContext* context, const AttentionParams& p, const RotaryParams& rot, const int32_t* seqlens_k,
+              bool first_prompt, const void* q, const void* k, const void* v, const uint8_t* past_key,
+              const uint8_t* past_value, void* y, uint8_t* present_key, uint8_t* present_value);
+
 }  // namespace turboquant::ort

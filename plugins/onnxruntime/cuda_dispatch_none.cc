@@ -17,4 +17,9 @@ void cuda_attention(OrtKernelContext*, const AttentionParams&, const void*, cons
   no_cuda("TQAttention");
 }
 
+void cuda_gqa(OrtKernelContext*, const AttentionParams&, const RotaryParams&, const int32_t*, bool, const void*,
+              const void*, const void*, const uint8_t*, const uint8_t*, void*, uint8_t*, uint8_t*) {
+  no_cuda("TQGroupQueryAttention");
+}
+
 }  // namespace turboquant::ort

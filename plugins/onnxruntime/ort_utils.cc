@@ -3,6 +3,7 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <sstream>
 
 namespace turboquant::ort {
 
@@ -12,6 +13,17 @@ std::string shape_str(const std::vector<int64_t>& s) {
   for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
   os << "]";
   return os.str();
+}
+
+std::optional<Dims> shape_of(const Ort::ConstValue& x) {
+  if (!x) return std::nullopt;
+  return x.GetTensorTypeAndShapeInfo().GetShape();
+}
+
+void check_input_type(const char* op, const Ort::ConstValue& x, const char* name, ONNXTensorElementDataType want) {
+  if (!x) return;
+  const auto t = x.GetTensorTypeAndShapeInfo().GetElementType();
+  if (t != want) fail(op, "input '", name, "' must be ", dtype_name(want), ", got ", dtype_name(t));
 }
 
 int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t dflt) {

@@ -6,7 +6,8 @@
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
-#include <sstream>
+#include <optional>
+#include <utility>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -22,13 +23,15 @@ using turboquant::InvalidArgument;
 
 template <typename... Args>
 [[noreturn]] void fail(const char* op, Args&&... args) {
-  std::ostringstream os;
-  os << op << ": ";
-  (os << ... << args);
-  throw InvalidArgument(os.str());
+  throw_invalid(op, std::forward<Args>(args)...);
 }
 
 std::string shape_str(const std::vector<int64_t>& s);
+
+// The shape of an optional input (nullopt when absent).
+std::optional<Dims> shape_of(const Ort::ConstValue& x);
+// Fails naming op and input when a present input's element type is not `want`.
+void check_input_type(const char* op, const Ort::ConstValue& x, const char* name, ONNXTensorElementDataType want);
 
 // Attribute with a default when absent.
 int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t dflt);

@@ -6,6 +6,7 @@
 #include "cuda_dispatch.h"
 #include "ort_utils.h"
 #include "tq_attention_op.h"
+#include "tq_gqa_op.h"
 #include "tq_pack_ops.h"
 
 namespace {
@@ -31,6 +32,7 @@ void add_ops(Ort::CustomOpDomain& domain) {
   static turboquant::ort::UnpackOp<kDevice> unpack;
   domain.Add(&unpack);
   add_float_variants<turboquant::ort::AttentionOp, kDevice>(domain);
+  add_float_variants<turboquant::ort::GqaOp, kDevice>(domain);
 }
 
 }  // namespace

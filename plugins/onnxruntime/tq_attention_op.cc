@@ -2,8 +2,6 @@
 
 #include "cuda_dispatch.h"
 
-#include <optional>
-
 namespace turboquant::ort {
 namespace {
 
@@ -19,15 +17,8 @@ cpu::MaskType mask_type(ONNXTensorElementDataType t) {
   }
 }
 
-std::optional<Dims> shape_of(const Ort::ConstValue& x) {
-  if (!x) return std::nullopt;
-  return x.GetTensorTypeAndShapeInfo().GetShape();
-}
-
 void check_type(const Ort::ConstValue& x, const char* name, ONNXTensorElementDataType want) {
-  if (!x) return;
-  const auto t = x.GetTensorTypeAndShapeInfo().GetElementType();
-  if (t != want) fail(kOp, "input '", name, "' must be ", dtype_name(want), ", got ", dtype_name(t));
+  check_input_type(kOp, x, name, want);
 }
 
 }  // namespace

@@ -143,7 +143,9 @@ def test_unrecognised_form_names_the_node(tmp_path):
         export(_save(m, tmp_path / "relu.onnx"), "turboquant_4bit_nc", tmp_path / "o.onnx", boundary=0)
 
 
-def test_group_query_attention_is_refused_for_now(tmp_path):
+def test_group_query_attention_with_separate_kv_is_rewritten(tmp_path):
+    """A hand-made GroupQueryAttention with separate K and V (the head size from K's shape), no genai
+    folder: rewritten to TQGroupQueryAttention over uint8 caches, and no genai_config.json written."""
     vi = helper.make_tensor_value_info
     ins, outs = _cache_io()
     ins = [vi("q", TensorProto.FLOAT, ["B", 1, 256]), vi("k", TensorProto.FLOAT, ["B", 1, 128]), vi("v", TensorProto.FLOAT, ["B", 1, 128]),
@@ -152,8 +154,11 @@ def test_group_query_attention_is_refused_for_now(tmp_path):
                                                     "total_sequence_length"], ["y", "present.0.key", "present.0.value"],
                             domain="com.microsoft", num_heads=4, kv_num_heads=2, name="gqa0")
     m = _model([node], ins, [vi("y", TensorProto.FLOAT, ["B", 1, 256]), *outs])
-    with pytest.raises(RewriteError, match="GroupQueryAttention.*does not have yet"):
-        export(_save(m, tmp_path / "gqa.onnx"), "turboquant_4bit_nc", tmp_path / "o.onnx", boundary=0)
+    result = export(_save(m, tmp_path / "gqa.onnx"), "turboquant_4bit_nc", tmp_path / "o.onnx", boundary=0)
+    out = onnx.load(result.output)
+    assert [n.op_type for n in out.graph.node] == ["TQGroupQueryAttention"]
+    assert out.graph.input[3].type.tensor_type.elem_type == TensorProto.UINT8
+    assert result.row_bytes == 36 and not (tmp_path / "genai_config.json").exists()
 
 
 def _attention23(extra_attrs=None, extra_inputs=()):

@@ -67,3 +67,33 @@ def test_reference_evaluator_pack_unpack(dtype, rng):
         None, {"packed": packed, "offset": off})[0]
     assert back.dtype == np_dtype
     np.testing.assert_allclose(back.astype(np.float32), x.astype(np.float32), atol=0.5)
+
+
+def test_group_query_attention_schema_and_reference_evaluator(rng, ort_session):
+    """TQGroupQueryAttention passes the checker and shape inference, and ReferenceEvaluator runs it
+    (packed QKV, rotary, per-sequence lengths) with the results of the ORT kernel."""
+    m = models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4", packed_qkv=True,
+                         rotary_dim=64)
+    onnx.checker.check_model(m, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(m)
+    y = inferred.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_value or d.dim_param for d in y] == ["B", "S", 256]
+    width = formats.packed_size("uint4", 64)
+    angles = rng.uniform(0, 6, (32, 32))
+    feeds = {
+        "query": rng.standard_normal((2, 1, 8 * 64)).astype(np.float32),
+        "past_key": np.zeros((2, 2, 16, width), np.uint8),
+        "past_value": np.zeros((2, 2, 16, width), np.uint8),
+        "seqlens_k": np.array([4, 9], np.int32),
+        "total_sequence_length": np.array(10, np.int32),
+        "cos_cache": np.cos(angles).astype(np.float32),
+        "sin_cache": np.sin(angles).astype(np.float32),
+    }
+    keys, values = (rng.standard_normal((2, 2, 16, 64)).astype(np.float32) for _ in range(2))
+    feeds["past_key"][..., :formats.packed_size("mse4", 64)] = formats.pack(keys, "mse4")
+    feeds["past_value"][...] = formats.pack(values, "uint4")
+    got = ReferenceEvaluator(m, new_ops=onnx_ops.REFERENCE_OPS).run(None, feeds)
+    want = ort_session(m).run(None, feeds)
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-4, atol=2e-4)
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(g, w)

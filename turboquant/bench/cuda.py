@@ -5,7 +5,8 @@ present, with the achieved bandwidth (bytes of cache read / time) as a fraction 
 device-to-device copy measured in the same run.
 
 Note: TQAttention has ONNX Attention's semantics, so each call also writes a new present cache
-(past ++ new): a copy of the whole packed cache, which its time includes.
+(past ++ new): a copy of the whole packed cache, which its time includes. TQGroupQueryAttention
+(the `_inplace` columns) writes the new token into a shared buffer in place, as genai runs it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,41 @@ def tq_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, 
         io.bind_ortvalue_input(name, _device_value(a))
     for name in ("Y", "present_key", "present_value"):
         io.bind_output(name, "cuda")
+    return _time_iobinding(sess, io, iters), b * hkv * s * cfg.slot_size
+
+
+def tq_gqa_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tuple[float, int]:
+    """TQGroupQueryAttention over a shared buffer of s + 1 rows (the new token written in place, no
+    cache copy), as a rewritten onnxruntime-genai model runs it; separate Q, K, V and no rotary, as
+    in gqa_step."""
+    cfg = TurboQuantConfig.from_cache_dtype(preset, d)
+    model = models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
+                             value_format=cfg.value_format, dtype=TensorProto.FLOAT16,
+                             norm_correction=int(cfg.norm_correction))
+    so = session_options()
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
+    width = max(cfg.key_packed_size, cfg.value_packed_size)
+    unit = min(s, 1024)
+    reps = -(-(s + 1) // unit)
+    caches = {}
+    for name, fmt in (("past_key", cfg.key_format), ("past_value", cfg.value_format)):
+        packed = formats.pack(rng.standard_normal((b, hkv, unit, d)).astype(np.float32), fmt, cfg.norm_correction)
+        buf = np.zeros((b, hkv, unit * reps, width), np.uint8)
+        buf[..., :packed.shape[-1]] = np.tile(packed, (1, 1, reps, 1))
+        caches[name] = _device_value(buf[:, :, :s + 1])
+    io = sess.io_binding()
+    for name, a in [("query", rng.standard_normal((b, 1, hq * d)).astype(np.float16)),
+                    ("key", rng.standard_normal((b, 1, hkv * d)).astype(np.float16)),
+                    ("value", rng.standard_normal((b, 1, hkv * d)).astype(np.float16)),
+                    ("seqlens_k", np.full((b,), s, np.int32))]:
+        io.bind_ortvalue_input(name, _device_value(a))
+    io.bind_ortvalue_input("total_sequence_length", ort.OrtValue.ortvalue_from_numpy(np.array(s + 1, np.int32)))
+    for name, v in caches.items():
+        io.bind_ortvalue_input(name, v)
+    io.bind_output("output", "cuda")
+    io.bind_ortvalue_output("present_key", caches["past_key"])
+    io.bind_ortvalue_output("present_value", caches["past_value"])
     return _time_iobinding(sess, io, iters), b * hkv * s * cfg.slot_size
 
 
@@ -141,6 +177,11 @@ def run(shapes, presets, iters: int = 50, seed: int = 0) -> list[dict]:
             row[f"{preset}_x_vs_gqa"] = row["ort_gqa_fp16_us"] / row[f"{preset}_us"]
             if bw:
                 row[f"{preset}_bw_fraction"] = nbytes / t / bw
+            t, nbytes = tq_gqa_step(preset, b, hq, hkv, d, s, iters, rng)
+            row[f"{preset}_inplace_us"] = t * 1e6
+            row[f"{preset}_inplace_x_vs_gqa"] = row["ort_gqa_fp16_us"] / row[f"{preset}_inplace_us"]
+            if bw:
+                row[f"{preset}_inplace_bw_fraction"] = nbytes / t / bw
         rows.append(row)
         print(row, flush=True)
     return rows

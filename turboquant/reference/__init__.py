@@ -2,5 +2,6 @@
 
 from .attention import attention
 from .formats import pack, unpack
+from .gqa import group_query_attention
 
-__all__ = ["attention", "pack", "unpack"]
+__all__ = ["attention", "group_query_attention", "pack", "unpack"]

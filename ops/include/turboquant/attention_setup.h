@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -21,6 +22,15 @@ struct InvalidArgument : std::invalid_argument {
 };
 
 std::string dims_str(const Dims& d);
+
+// Throws InvalidArgument("<op>: <args...>").
+template <typename... Args>
+[[noreturn]] void throw_invalid(const char* op, Args&&... args) {
+  std::ostringstream os;
+  os << op << ": ";
+  (os << ... << args);
+  throw InvalidArgument(os.str());
+}
 
 struct AttentionAttrs {
   Format key_format = Format::kMse4, value_format = Format::kUint4;

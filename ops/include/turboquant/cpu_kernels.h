@@ -40,4 +40,11 @@ void attention(const AttentionParams& p, const void* q, const void* k, const voi
                const uint8_t* past_key, const uint8_t* past_value, void* y, uint8_t* present_key,
                uint8_t* present_value, const ParallelFor& pfor);
 
+// TQGroupQueryAttention: rotary (when rot.rotary_dim > 0) on Q and the new K, then attention()
+// with p.past_lens set (host memory, checked by gqa_past_lengths) over buffers that may be shared
+// (present_key == past_key: the new rows are written in place).
+void gqa_attention(const AttentionParams& p, const RotaryParams& rot, const void* q, const void* k, const void* v,
+                   const uint8_t* past_key, const uint8_t* past_value, void* y, uint8_t* present_key,
+                   uint8_t* present_value, const ParallelFor& pfor);
+
 }  // namespace turboquant::cpu

@@ -19,11 +19,19 @@ cudaError_t pack(Format fmt, int d, bool norm_correction, DType dt, const void* 
 cudaError_t unpack(Format fmt, int d, const uint8_t* in, int64_t n, const Offset& offset, DType dt, void* out,
                    cudaStream_t stream);
 
+// Where pack_new_tokens writes: sequence b's new rows start at past_of(b) in a cache of
+// present_rows rows of row_bytes bytes per (b, h); rows beyond the cache are skipped.
+struct NewTokenRows {
+  int64_t present_rows = 0, row_bytes = 0, past_len = 0;
+  const int32_t* past_lens = nullptr;  // device memory, or null: every sequence has past_len
+  TQ_HD int64_t past_of(int64_t b) const { return sequence_past(past_lens, b, past_len); }
+};
+
 // New tokens x [B, H, N, d] (strides st, in elements) minus offset[h] (float32 [H, d], or null),
-// packed into rows past_len .. past_len+N-1 of present [B, H, past_len+N, bytes].
+// packed into rows past_of(b) .. past_of(b)+N-1 of present.
 cudaError_t pack_new_tokens(Format fmt, int d, bool norm_correction, DType dt, const void* x, const BhsStrides& st,
-                            int64_t batch, int64_t heads, int64_t new_len, int64_t past_len, const float* offset,
-                            uint8_t* present, cudaStream_t stream);
+                            int64_t batch, int64_t heads, int64_t new_len, const NewTokenRows& rows,
+                            const float* offset, uint8_t* present, cudaStream_t stream);
 
 // Scratch the attention needs (split-KV partial results), in bytes; 0 means none.
 size_t attention_workspace_bytes(const AttentionParams& p, int num_sms);
@@ -33,5 +41,16 @@ size_t attention_workspace_bytes(const AttentionParams& p, int num_sms);
 cudaError_t attention(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
                       const uint8_t* past_key, const uint8_t* past_value, void* y, uint8_t* present_key,
                       uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream);
+
+// TQGroupQueryAttention: each sequence's past length from seqlens_k (device memory; 0 for a first
+// prompt, else seqlens_k[b] + 1 - S, clamped to the buffers since it cannot be checked before the
+// launch), rotary (when rot.rotary_dim > 0) on Q and the new K, then attention() over buffers that
+// may be shared (present_key == past_key: the new rows are written in place). p.past_lens is set
+// here; p.past_len must be total_sequence_length - S. workspace: gqa_workspace_bytes(...) bytes.
+size_t gqa_workspace_bytes(const AttentionParams& p, const RotaryParams& rot, int num_sms);
+cudaError_t gqa_attention(const AttentionParams& p, const RotaryParams& rot, const int32_t* seqlens_k,
+                          bool first_prompt, const void* q, const void* k, const void* v, const uint8_t* past_key,
+                          const uint8_t* past_value, void* y, uint8_t* present_key, uint8_t* present_value,
+                          void* workspace, int num_sms, cudaStream_t stream);
 
 }  // namespace turboquant::cuda

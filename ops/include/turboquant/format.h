@@ -46,6 +46,8 @@ TQ_HD int format_bits(Format f) {
 
 TQ_HD bool head_dim_supported(int64_t d) { return d % 8 == 0 && d >= kMinHeadDim && d <= kMaxHeadDim; }
 
+TQ_HD int dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+
 // Dp: the next power of two >= d.
 TQ_HD int padded_dim(int d) {
   int p = 1;

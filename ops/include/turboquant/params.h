@@ -16,6 +16,14 @@ struct Offset {
   TQ_HD const float* row_for(int64_t v, int d) const { return data ? data + ((v / period) % rows) * d : nullptr; }
 };
 
+// Sequence b's past length: lens[b] clamped to [0, max_len] (lengths in device memory cannot be
+// checked before a launch, so the kernels clamp them), or max_len when there are no lengths.
+TQ_HD int64_t sequence_past(const int32_t* lens, int64_t b, int64_t max_len) {
+  if (!lens) return max_len;
+  const int64_t n = lens[b];
+  return n < 0 ? 0 : (n > max_len ? max_len : n);
+}
+
 // Strides (in elements) of a [B, H, S, D] view of a tensor stored as [B, H, S, D] or [B, S, H*D].
 struct BhsStrides {
   int64_t b = 0, h = 0, s = 0;
@@ -40,6 +48,33 @@ struct AttentionParams {
   int64_t mask_stride[4] = {0, 0, 0, 0};  // b, hq, q, k strides in elements; 0 where broadcast
   const float* key_offset = nullptr;      // [kv_heads, head_dim] or nullptr
   const float* value_offset = nullptr;    // [kv_heads, v_head_dim] or nullptr
+
+  // Caches in preallocated buffers (GroupQueryAttention's shared past/present): rows per (b, h) of
+  // each buffer, bytes per row (>= the packed size; padding bytes are never interpreted) and each sequence's
+  // own past length (<= past_len, which is then their maximum). Left at 0 / nullptr they mean the
+  // dense TQAttention layout. When present_key == past_key the past rows are not copied: the new
+  // rows are written in place.
+  int64_t past_rows = 0, present_rows = 0;
+  int64_t key_row_bytes = 0, value_row_bytes = 0;
+  const int32_t* past_lens = nullptr;  // [batch]: host memory for the CPU kernels, device for CUDA
+
+  TQ_HD int64_t past_rows_or_len() const { return past_rows ? past_rows : past_len; }
+  TQ_HD int64_t present_rows_or_total() const { return present_rows ? present_rows : past_len + new_len; }
+  TQ_HD int64_t key_row() const { return key_row_bytes ? key_row_bytes : packed_size(key_format, head_dim); }
+  TQ_HD int64_t value_row() const { return value_row_bytes ? value_row_bytes : packed_size(value_format, v_head_dim); }
+  TQ_HD int64_t past_of(int64_t b) const { return sequence_past(past_lens, b, past_len); }
+};
+
+// Rotary embedding of Q and the new K inside the op (GroupQueryAttention's do_rotary), as ORT's
+// RotaryEmbedding: the first rotary_dim elements of each head turn by the angle of the token's
+// position; halves (x[i], x[i + rotary_dim/2]) or, interleaved, neighbours (x[2i], x[2i+1]).
+struct RotaryParams {
+  int rotary_dim = 0;  // 0: no rotary; else 2 * cos_cache.shape[1] (<= head_dim)
+  bool interleaved = false;
+  int64_t max_positions = 0;                  // rows of cos and sin
+  const void* cos = nullptr;                  // [max_positions, rotary_dim / 2], Q's dtype
+  const void* sin = nullptr;
+  const int64_t* position_ids = nullptr;      // [B, S], or null: position = the sequence's past + s
 };
 
 }  // namespace turboquant

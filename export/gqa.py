@@ -1,0 +1,215 @@
+"""The rewrite of onnxruntime-genai models: com.microsoft GroupQueryAttention over a shared,
+preallocated cache becomes turboquant.TQGroupQueryAttention over packed uint8 caches.
+
+onnxruntime-genai allocates every layer's cache with one dtype (that of the first past input) and
+one shape [batch, kv_heads, max_length, head_size] (genai_config.json's head_size), so every layer's
+K and V rows get one common byte width W: the largest packed size among the rewritten layers. The
+compressed layers use the preset's formats; boundary and kept layers use raw16 (their fp16 bits,
+exact for fp16 models) in the same uint8 buffers. With raw16 layers W is 2 * head_size, so the
+buffers are as large as an fp16 cache and the saving is in the bytes attention reads; --boundary 0
+makes W the packed size and shrinks the buffers too (the summary says which).
+Nodes with features the op lacks (sliding window, softcap, smooth softmax, attention bias, head
+sink, QK output) are refused, or with unsupported="leave" kept as they are (the model then mixes
+cache dtypes and is no longer loadable by onnxruntime-genai, which the summary says).
+"""
+
+from __future__ import annotations
+
+import json
+
+import onnx_ir as ir
+
+import turboquant
+from turboquant.config import FORMAT_VERSION, TQ_PRESETS, packed_size
+
+from .cache_io import CacheLayer
+from .errors import RewriteError
+from .plan import RewriteResult, plan_layers
+from .surgery import _replace_graph_output
+
+BOUNDARY_FORMAT = "raw16"
+_NUM_INPUTS = 12  # GroupQueryAttention's inputs, up to head_sink; key_offset/value_offset follow
+_PASS = {"Cast", "Identity"}
+
+
+def is_gqa_node(n: ir.Node) -> bool:
+    return n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"
+
+
+def uses_gqa(model: ir.Model) -> bool:
+    return any(is_gqa_node(n) for n in model.graph)
+
+
+def _attr(n: ir.Node, name: str, default):
+    a = n.attributes.get(name)
+    return default if a is None else a.value
+
+
+def _describe(n: ir.Node) -> str:
+    return f"node {n.name!r} (com.microsoft.GroupQueryAttention)"
+
+
+def gqa_node(layer: CacheLayer) -> ir.Node | None:
+    """The GroupQueryAttention node that takes this layer's past_key and past_value, or None."""
+    for n in layer.past_key.consumers():
+        if is_gqa_node(n) and len(n.inputs) > 4 and n.inputs[3] is layer.past_key:
+            if n.inputs[4] is not layer.past_value:
+                raise RewriteError(f"layer {layer.index}: {_describe(n)} takes {layer.past_key.name!r} "
+                                   f"but not {layer.past_value.name!r}")
+            return n
+    return None
+
+
+def _last_dim(v: ir.Value | None) -> int | None:
+    """The static size of v's last axis, from its shape or from the MatMul that makes it."""
+    for _ in range(8):
+        if v is None:
+            return None
+        if v.shape is not None and len(v.shape) and isinstance(v.shape[-1], int):
+            return v.shape[-1]
+        p = v.producer()
+        if p is None:
+            return None
+        if p.op_type == "MatMul" and p.inputs[1] is not None and p.inputs[1].shape is not None:
+            d = p.inputs[1].shape[-1]
+            return d if isinstance(d, int) else None
+        if p.op_type == "MatMulNBits" and p.domain == "com.microsoft":
+            return _attr(p, "N", None)
+        if p.op_type == "Add":  # a bias after the projection: either input gives the width
+            v = p.inputs[0] if p.inputs[0] is not None and p.inputs[0].const_value is None else p.inputs[1]
+        elif p.op_type in _PASS:
+            v = p.inputs[0]
+        else:
+            return None
+    return None
+
+
+def head_dim(n: ir.Node) -> int | None:
+    hq, hkv = _attr(n, "num_heads", 0), _attr(n, "kv_num_heads", 0)
+    packed = len(n.inputs) < 2 or n.inputs[1] is None
+    if packed:
+        width, heads = _last_dim(n.inputs[0]), hq + 2 * hkv
+    else:
+        width, heads = _last_dim(n.inputs[1]), hkv
+    if not width or not heads or width % heads:
+        return None
+    return width // heads
+
+
+def unsupported_features(n: ir.Node) -> list[str]:
+    found = []
+    if _attr(n, "local_window_size", -1) != -1:
+        found.append(f"local_window_size={_attr(n, 'local_window_size', -1)} (sliding window)")
+    if _attr(n, "softcap", 0.0):
+        found.append(f"softcap={_attr(n, 'softcap', 0.0)}")
+    if _attr(n, "smooth_softmax", 0):
+        found.append("smooth_softmax")
+    if _attr(n, "qk_output", 0) or (len(n.outputs) > 3 and n.outputs[3].uses()):
+        found.append("the QK output")
+    names = {10: "attention_bias", 11: "head_sink"}
+    for i, name in names.items():
+        if len(n.inputs) > i and n.inputs[i] is not None:
+            found.append(f"input {name}")
+    if len(n.inputs) > _NUM_INPUTS:
+        found.append(f"{len(n.inputs)} inputs (quantized-cache inputs)")
+    if n.inputs[3] is not None and n.inputs[3].dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        found.append(f"a {n.inputs[3].dtype} cache")
+    return found
+
+
+def _retype(v: ir.Value, width: int) -> None:
+    dims = list(v.shape) if v.shape is not None else [None, None, None, None]
+    v.dtype = ir.DataType.UINT8
+    v.shape = ir.Shape([*dims[:3], width])
+
+
+def _replace(graph: ir.Graph, old: ir.Node, key_format: str, value_format: str, norm_correction: bool) -> ir.Node:
+    inputs = list(old.inputs)[:_NUM_INPUTS]
+    attrs = {name: a.value for name, a in old.attributes.items()}
+    attrs.update(key_format=key_format, value_format=value_format, norm_correction=int(norm_correction))
+    new = ir.node("TQGroupQueryAttention", inputs, attrs, domain=turboquant.DOMAIN, num_outputs=3,
+                  name=f"{old.name}/turboquant")
+    graph.insert_before(old, new)
+    for o_old, o_new in zip(old.outputs[:3], new.outputs):
+        name = o_old.name
+        if o_old.is_graph_output():
+            _replace_graph_output(graph, o_old, o_new)
+        o_old.replace_all_uses_with(o_new)
+        o_new.name = name
+        o_old.name = f"{name}_replaced"
+    graph.remove(old, safe=True)
+    return new
+
+
+def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
+                      unsupported: str = "refuse") -> RewriteResult:
+    """Rewrites a GroupQueryAttention model in place (module docstring); returns what was done."""
+    if unsupported not in ("refuse", "leave"):
+        raise RewriteError(f"unsupported must be 'refuse' or 'leave', got {unsupported!r}")
+    nodes: dict[int, ir.Node] = {}
+
+    def head_dim_of(layer: CacheLayer) -> int | None:
+        n = gqa_node(layer)
+        if n is None:
+            return None
+        nodes[layer.index] = n
+        d = head_dim(n)
+        if d is None:
+            raise RewriteError(f"layer {layer.index}: cannot tell the head size of {_describe(n)}: its query input's last "
+                               "axis is neither static nor made by a MatMul with a constant weight")
+        return d
+
+    plans, layers = plan_layers(model, preset, boundary, skip_layers, keep_layers, head_dim_of)
+    others = sorted(set(layers) - set(nodes))
+    if others:
+        raise RewriteError(f"layers {others} are not read by GroupQueryAttention while layers {sorted(nodes)} are; "
+                           "a model that mixes attention forms is not supported")
+    cfg = TQ_PRESETS[preset]
+    left, notes = [], []
+    for plan in plans:
+        node = nodes[plan.index]
+        found = unsupported_features(node)
+        if found and unsupported == "refuse":
+            raise RewriteError(f"layer {plan.index}: {_describe(node)} uses {', '.join(found)}, which "
+                               "TQGroupQueryAttention does not support (unsupported='leave' keeps such layers as they are)")
+        if found:
+            left.append(plan.index)
+            plan.compressed = False
+            plan.form = f"GroupQueryAttention, left as it was ({', '.join(found)})"
+            continue
+        plan.form = "GroupQueryAttention"
+        if not plan.compressed:
+            plan.key_format = plan.value_format = BOUNDARY_FORMAT
+    rewritten = [p for p in plans if p.index not in left]
+    if not any(p.compressed for p in rewritten):
+        raise RewriteError("no layer left to compress: every cache layer is a boundary, kept or unsupported layer")
+    width = max(max(packed_size(p.key_format, p.head_dim), packed_size(p.value_format, p.head_dim)) for p in rewritten)
+    graph = model.graph
+    for plan in rewritten:
+        plan.row_bytes = width
+        node = _replace(graph, nodes[plan.index], plan.key_format, plan.value_format, cfg["norm_correction"])
+        layer = layers[plan.index]
+        for v in (layer.past_key, layer.past_value, node.outputs[1], node.outputs[2]):
+            _retype(v, width)
+    model.opset_imports[turboquant.DOMAIN] = turboquant.OPSET_VERSION
+    packed_width = max(max(packed_size(p.key_format, p.head_dim), packed_size(p.value_format, p.head_dim))
+                       for p in rewritten if p.compressed)
+    notes.append(f"onnxruntime-genai cache rows: {width} bytes per token and KV head for K and for V, in every layer")
+    if width > packed_width:
+        notes.append(f"  (set by the {BOUNDARY_FORMAT} boundary layers; the packed layers need {packed_width}: "
+                     "--boundary 0 shrinks the buffers to that)")
+    if left:
+        notes.append(f"layers {left} were left as GroupQueryAttention with float caches: the model mixes cache dtypes, "
+                     "which onnxruntime-genai cannot allocate")
+    model.metadata_props.update({
+        "turboquant.preset": preset,
+        "turboquant.format_version": str(FORMAT_VERSION),
+        "turboquant.version": turboquant.__version__,
+        "turboquant.cache_row_bytes": str(width),
+        "turboquant.layers": json.dumps([{"layer": p.index, "compressed": p.compressed,
+                                          "key_format": p.key_format if p.index not in left else None,
+                                          "value_format": p.value_format if p.index not in left else None,
+                                          "norm_correction": bool(cfg["norm_correction"]) if p.compressed else None,
+                                          "form": p.form} for p in plans]),
+    })
+    return RewriteResult(preset, plans, None, notes, row_bytes=width, left=left)

@@ -1,0 +1,97 @@
+// TQGroupQueryAttention on the GPU: past lengths from seqlens_k and the rotary embedding of Q and
+// the new K into workspace, then the TQAttention launcher with per-sequence past lengths.
+#include "turboquant/cuda_kernels.h"
+#include "turboquant/rotary.h"
+
+namespace turboquant::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+__global__ void past_lengths_kernel(const int32_t* seqlens_k, int64_t batch, int64_t new_len, bool first_prompt,
+                                    int32_t* past) {
+  const int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (b < batch) past[b] = first_prompt ? 0 : static_cast<int32_t>(seqlens_k[b] + 1 - new_len);
+}
+
+// One thread per (b, s, head): x viewed through st, rotated into a dense [B, S, heads, D] copy.
+__global__ void rotary_kernel(AttentionParams p, RotaryParams rot, int64_t heads, BhsStrides st, const void* x,
+                              BhsStrides dense, void* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= p.batch * p.q_len * heads) return;
+  const int64_t h = i % heads, bs = i / heads, b = bs / p.q_len, s = bs % p.q_len;
+  const int64_t pos = rot.position_ids ? rot.position_ids[bs] : p.past_of(b) + s;
+  float row[kMaxHeadDim];
+  load_row(p.dtype, x, b * st.b + h * st.h + s * st.s, p.head_dim, row);
+  rotate_head(rot, p.dtype, p.head_dim, pos, row);
+  const int64_t base = b * dense.b + h * dense.h + s * dense.s;
+  for (int j = 0; j < p.head_dim; ++j) store_float(p.dtype, out, base + j, row[j]);
+}
+
+struct Workspace {
+  int32_t* past = nullptr;
+  uint8_t* q_rot = nullptr;
+  uint8_t* k_rot = nullptr;
+  void* attention = nullptr;
+  size_t bytes = 0;
+};
+
+Workspace carve(const AttentionParams& p, const RotaryParams& rot, int num_sms, void* base) {
+  Workspace w;
+  uint8_t* at = static_cast<uint8_t*>(base);
+  auto take = [&](size_t n) {
+    uint8_t* r = at ? at + w.bytes : nullptr;
+    w.bytes += align256(n);
+    return r;
+  };
+  w.past = reinterpret_cast<int32_t*>(take(static_cast<size_t>(p.batch) * sizeof(int32_t)));
+  if (rot.rotary_dim > 0) {
+    const size_t per_head = static_cast<size_t>(p.batch * p.q_len * p.head_dim * dtype_size(p.dtype));
+    w.q_rot = take(per_head * p.q_heads);
+    w.k_rot = take(per_head * p.kv_heads);
+  }
+  w.attention = take(attention_workspace_bytes(p, num_sms));
+  return w;
+}
+
+cudaError_t rotate(const AttentionParams& p, const RotaryParams& rot, int64_t heads, const BhsStrides& st,
+                   const void* x, uint8_t* out, BhsStrides* dense, cudaStream_t stream) {
+  *dense = {p.q_len * heads * p.head_dim, p.head_dim, heads * p.head_dim};
+  const int64_t n = p.batch * p.q_len * heads;
+  if (n == 0) return cudaSuccess;
+  rotary_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p, rot, heads, st, x,
+                                                                                             *dense, out);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t gqa_workspace_bytes(const AttentionParams& p, const RotaryParams& rot, int num_sms) {
+  return carve(p, rot, num_sms, nullptr).bytes;
+}
+
+cudaError_t gqa_attention(const AttentionParams& p0, const RotaryParams& rot, const int32_t* seqlens_k,
+                          bool first_prompt, const void* q, const void* k, const void* v, const uint8_t* past_key,
+                          const uint8_t* past_value, void* y, uint8_t* present_key, uint8_t* present_value,
+                          void* workspace, int num_sms, cudaStream_t stream) {
+  if (p0.batch == 0) return cudaSuccess;
+  AttentionParams p = p0;
+  const Workspace w = carve(p, rot, num_sms, workspace);
+  past_lengths_kernel<<<static_cast<unsigned>((p.batch + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      seqlens_k, p.batch, p.q_len, first_prompt, w.past);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  p.past_lens = w.past;
+  if (rot.rotary_dim > 0) {
+    if ((e = rotate(p, rot, p.q_heads, p0.q, q, w.q_rot, &p.q, stream)) != cudaSuccess) return e;
+    if ((e = rotate(p, rot, p.kv_heads, p0.k, k, w.k_rot, &p.k, stream)) != cudaSuccess) return e;
+    q = w.q_rot;
+    k = w.k_rot;
+  }
+  return attention(p, q, k, v, nullptr, past_key, past_value, y, present_key, present_value, w.attention, num_sms,
+                   stream);
+}
+
+}  // namespace turboquant::cuda

@@ -1,0 +1,87 @@
+#include "tq_gqa_op.h"
+
+#include "cuda_dispatch.h"
+
+namespace turboquant::ort {
+namespace {
+
+constexpr const char* kOp = "TQGroupQueryAttention";
+
+void check_type(const Ort::ConstValue& x, const char* name, ONNXTensorElementDataType want) {
+  check_input_type(kOp, x, name, want);
+}
+
+}  // namespace
+
+GqaKernel::GqaKernel(const OrtKernelInfo* info, ONNXTensorElementDataType t, Device dev) : type(t), device(dev) {
+  attrs.key_format = attr_format(kOp, info, "key_format", "mse4");
+  attrs.value_format = attr_format(kOp, info, "value_format", "uint4");
+  attrs.norm_correction = attr_bool(kOp, info, "norm_correction", true);
+  attrs.num_heads = attr_int(info, "num_heads", 0);
+  attrs.kv_num_heads = attr_int(info, "kv_num_heads", 0);
+  attrs.scale = attr_float(info, "scale", 0.0f);
+  attrs.do_rotary = attr_bool(kOp, info, "do_rotary", false);
+  attrs.rotary_interleaved = attr_bool(kOp, info, "rotary_interleaved", false);
+  attrs.local_window_size = attr_int(info, "local_window_size", -1);
+  attrs.softcap = attr_float(info, "softcap", 0.0f);
+  attrs.smooth_softmax = attr_bool(kOp, info, "smooth_softmax", false);
+  attrs.qk_output = attr_int(info, "qk_output", 0);
+  attrs.validate();
+}
+
+OrtStatusPtr GqaKernel::ComputeV2(OrtKernelContext* context) {
+  return guarded([&] {
+    Ort::KernelContext ctx(context);
+    Ort::ConstValue in[14];
+    for (size_t i = 0; i < 14; ++i) in[i] = ctx.GetInput(i);
+    const auto& [query, key, value, pk, pv, seqlens, total, cos, sin, pos_ids, bias, sink, koff, voff] = in;
+    check_type(pk, "past_key", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8);
+    check_type(pv, "past_value", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8);
+    check_type(seqlens, "seqlens_k", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
+    check_type(total, "total_sequence_length", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
+    check_type(pos_ids, "position_ids", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    check_type(koff, "key_offset", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+    check_type(voff, "value_offset", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+    const Dims total_shape = *shape_of(total);
+    if (total.GetTensorTypeAndShapeInfo().GetElementCount() != 1) {
+      fail(kOp, "input 'total_sequence_length' must hold one value, got shape ", shape_str(total_shape));
+    }
+    const GqaShapes shapes{*shape_of(query), shape_of(key), shape_of(value), *shape_of(pk), *shape_of(pv),
+                           *shape_of(seqlens), total_shape, shape_of(cos), shape_of(sin), shape_of(pos_ids),
+                           shape_of(bias), shape_of(sink), shape_of(koff), shape_of(voff)};
+    GqaSetup setup = setup_gqa(attrs, shapes, to_dtype(type), *total.GetTensorData<int32_t>());
+    AttentionParams& p = setup.params;
+    p.key_offset = koff ? koff.GetTensorData<float>() : nullptr;
+    p.value_offset = voff ? voff.GetTensorData<float>() : nullptr;
+    RotaryParams& rot = setup.rotary;
+    if (rot.rotary_dim > 0) {
+      rot.cos = cos.GetTensorRawData();
+      rot.sin = sin.GetTensorRawData();
+      rot.position_ids = pos_ids ? pos_ids.GetTensorData<int64_t>() : nullptr;
+    }
+    const size_t es = static_cast<size_t>(dtype_size(p.dtype));
+    const auto* qbase = static_cast<const uint8_t*>(query.GetTensorRawData());
+    const void* q = qbase;
+    const void* k = setup.packed_qkv ? qbase + setup.k_first * es : key.GetTensorRawData();
+    const void* v = setup.packed_qkv ? qbase + setup.v_first * es : value.GetTensorRawData();
+    auto y = ctx.GetOutput(0, setup.y);
+    auto present_key = ctx.GetOutput(1, setup.present_key);
+    auto present_value = ctx.GetOutput(2, setup.present_value);
+    const uint8_t* past_key = pk.GetTensorData<uint8_t>();
+    const uint8_t* past_value = pv.GetTensorData<uint8_t>();
+    if (device == Device::kCuda) {
+      cuda_gqa(context, p, rot, seqlens.GetTensorData<int32_t>(), setup.first_prompt, q, k, v, past_key, past_value,
+               y.GetTensorMutableRawData(), present_key.GetTensorMutableData<uint8_t>(),
+               present_value.GetTensorMutableData<uint8_t>());
+      return;
+    }
+    const std::vector<int32_t> past = gqa_past_lengths(setup, seqlens.GetTensorData<int32_t>());
+    if (rot.position_ids) check_position_ids(setup, rot.position_ids);
+    p.past_lens = past.data();
+    cpu::gqa_attention(p, rot, q, k, v, past_key, past_value, y.GetTensorMutableRawData(),
+                       present_key.GetTensorMutableData<uint8_t>(), present_value.GetTensorMutableData<uint8_t>(),
+                       ort_parallel_for(context));
+  });
+}
+
+}  // namespace turboquant::ort

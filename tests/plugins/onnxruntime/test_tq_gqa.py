@@ -1,0 +1,245 @@
+"""TQGroupQueryAttention in ONNX Runtime (CPU, and CUDA where present) against the numpy reference,
+with the past/present buffer shared in place as onnxruntime-genai shares it."""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto
+
+from turboquant import models
+from turboquant.ort import run
+from turboquant.reference import formats, group_query_attention
+
+NP = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16)}
+TOL = {TensorProto.FLOAT: 2e-4, TensorProto.FLOAT16: 4e-3}
+FORMATS = [("mse4", "uint4"), ("mse3", "uint3"), ("fp8", "uint4"), ("raw16", "raw16")]
+
+
+@st.composite
+def cases(draw):
+    b = draw(st.integers(1, 3))
+    s = draw(st.sampled_from([1, 1, 2, 5]))
+    first = draw(st.booleans())
+    capacity = draw(st.sampled_from([8, 24, 40]))
+    if first:
+        lengths = [draw(st.integers(1, s)) for _ in range(b)]  # right-padded prompts
+        lengths[0] = s
+    else:
+        lengths = [draw(st.integers(s, capacity)) for _ in range(b)]
+    d = draw(st.sampled_from([16, 64, 80, 128]))
+    return {
+        "b": b, "s": s, "first": first, "capacity": capacity, "lengths": lengths, "d": d,
+        "hkv": draw(st.integers(1, 2)), "group": draw(st.sampled_from([1, 2, 4])),
+        "formats": draw(st.sampled_from(FORMATS)), "pad": draw(st.sampled_from([0, 6])),
+        "packed": draw(st.booleans()), "rotary": draw(st.sampled_from([0, d // 2, d])),
+        "interleaved": draw(st.booleans()), "position_ids": draw(st.booleans()),
+        "dtype": draw(st.sampled_from(list(NP))), "nc": draw(st.booleans()), "offsets": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**31)),
+    }
+
+
+def make(c):
+    """(model, feeds) for a case: a past buffer of `capacity` rows holding each sequence's past."""
+    rng = np.random.default_rng(c["seed"])
+    b, s, d, hkv = c["b"], c["s"], c["d"], c["hkv"]
+    hq = hkv * c["group"]
+    kf, vf = c["formats"]
+    dt = NP[c["dtype"]]
+    width = max(formats.packed_size(kf, d), formats.packed_size(vf, d)) + c["pad"]
+    model = models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=kf, value_format=vf, row_bytes=width,
+                             dtype=c["dtype"], packed_qkv=c["packed"], rotary_dim=c["rotary"],
+                             position_ids=c["position_ids"] and c["rotary"] > 0, offsets=c["offsets"],
+                             rotary_interleaved=int(c["interleaved"]), norm_correction=int(c["nc"]))
+    cap = c["capacity"]
+    past = {}
+    for name, fmt in (("past_key", kf), ("past_value", vf)):
+        buf = rng.integers(0, 256, (b, hkv, cap, width), dtype=np.uint8)  # stale bytes everywhere
+        packed = formats.pack(rng.standard_normal((b, hkv, cap, d)).astype(np.float32), fmt, c["nc"])
+        buf[..., :packed.shape[-1]] = packed
+        past[name] = buf
+    total = s if c["first"] else max(c["lengths"])
+    seqlens = np.array(c["lengths"], np.int32) - 1
+    feeds = {**past, "seqlens_k": seqlens, "total_sequence_length": np.array(total, np.int32)}
+    if c["packed"]:
+        feeds["query"] = rng.standard_normal((b, s, (hq + 2 * hkv) * d)).astype(dt)
+    else:
+        feeds["query"] = rng.standard_normal((b, s, hq * d)).astype(dt)
+        feeds["key"] = rng.standard_normal((b, s, hkv * d)).astype(dt)
+        feeds["value"] = rng.standard_normal((b, s, hkv * d)).astype(dt)
+    if c["rotary"]:
+        angles = rng.uniform(0, 6.3, (cap + 4, c["rotary"] // 2))
+        feeds["cos_cache"], feeds["sin_cache"] = np.cos(angles).astype(dt), np.sin(angles).astype(dt)
+        if c["position_ids"]:
+            feeds["position_ids"] = rng.integers(0, cap + 4, (b, s)).astype(np.int64)
+    if c["offsets"]:
+        feeds["key_offset"] = rng.standard_normal((hkv, d)).astype(np.float32)
+        feeds["value_offset"] = rng.standard_normal((hkv, d)).astype(np.float32)
+    return model, feeds
+
+
+def reference(c, feeds):
+    kf, vf = c["formats"]
+    return group_query_attention(
+        feeds["query"], feeds.get("key"), feeds.get("value"), feeds["past_key"], feeds["past_value"],
+        feeds["seqlens_k"], feeds["total_sequence_length"], feeds.get("cos_cache"), feeds.get("sin_cache"),
+        feeds.get("position_ids"), feeds.get("key_offset"), feeds.get("value_offset"), key_format=kf,
+        value_format=vf, norm_correction=c["nc"], num_heads=c["hkv"] * c["group"], kv_num_heads=c["hkv"],
+        do_rotary=c["rotary"] > 0, rotary_interleaved=c["interleaved"])
+
+
+def written_rows(c):
+    """[(b, first row, end row)] of the new tokens."""
+    s = c["s"]
+    return [(i, 0 if c["first"] else n - s, (0 if c["first"] else n - s) + s) for i, n in enumerate(c["lengths"])]
+
+
+def check_outputs(c, y, pk, pv, want):
+    wy, wk, wv = want
+    kf, vf = c["formats"]
+    kb, vb = formats.packed_size(kf, c["d"]), formats.packed_size(vf, c["d"])
+    for got, ref, nb in ((pk, wk, kb), (pv, wv, vb)):
+        assert got.shape == ref.shape
+        cap = c["capacity"]
+        np.testing.assert_array_equal(got[:, :, :cap][..., nb:], ref[:, :, :cap][..., nb:])  # padding untouched
+        for i, lo, hi in written_rows(c):
+            np.testing.assert_array_equal(got[i, :, :lo], ref[i, :, :lo])  # earlier rows untouched
+            np.testing.assert_array_equal(got[i, :, lo:hi, :nb], ref[i, :, lo:hi, :nb])  # new rows packed
+            np.testing.assert_array_equal(got[i, :, hi:cap], ref[i, :, hi:cap])  # later rows untouched
+    valid = np.zeros(y.shape[:2], bool)  # padded prompt positions are unspecified (as in ORT)
+    for i, n in enumerate(c["lengths"]):
+        valid[i, : (n if c["first"] else c["s"])] = True
+    y32, w32 = y.astype(np.float32)[valid], wy.astype(np.float32)[valid]
+    assert np.all(np.isfinite(y32))
+    span = max(1.0, float(np.abs(w32).max()))
+    np.testing.assert_allclose(y32, w32, rtol=TOL[c["dtype"]], atol=TOL[c["dtype"]] * span)
+
+
+def run_shared(session, feeds, device):
+    """One run with present bound to past's own buffers (genai's past_present_share_buffer)."""
+    io = session.io_binding()
+    kind, dev_id = ("cuda", 0) if device == "cuda" else ("cpu", 0)
+    shared = {}
+    for name, x in feeds.items():
+        if name in ("past_key", "past_value"):
+            v = ort.OrtValue.ortvalue_from_numpy(x, kind, dev_id)
+            shared[name] = v
+            io.bind_ortvalue_input(name, v)
+        elif name == "total_sequence_length":
+            io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(x))  # host memory, as in genai
+        else:
+            io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(x, kind, dev_id))
+    io.bind_output("output", kind)
+    io.bind_ortvalue_output("present_key", shared["past_key"])
+    io.bind_ortvalue_output("present_value", shared["past_value"])
+    session.run_with_iobinding(io)
+    y = io.get_outputs()[0].numpy()
+    return y, shared["past_key"].numpy(), shared["past_value"].numpy(), shared
+
+
+@settings(max_examples=150, deadline=None)
+@given(c=cases())
+def test_matches_reference(ort_session, device, c):
+    model, feeds = make(c)
+    y, pk, pv = run(ort_session(model, 2, device), feeds)
+    check_outputs(c, y, pk, pv, reference(c, feeds))
+
+
+@settings(max_examples=40, deadline=None)
+@given(c=cases())
+def test_shared_buffer_is_updated_in_place(ort_session, device, c):
+    """present bound to past's OrtValue: the op writes the new rows into that buffer, leaves every
+    other byte as it was, and gives the same output as with separate buffers."""
+    if not c["first"] and max(c["lengths"]) > c["capacity"]:
+        return
+    model, feeds = make(c)
+    session = ort_session(model, 2, device)
+    y, pk, pv, _ = run_shared(session, feeds, device)
+    check_outputs(c, y, pk, pv, reference(c, feeds))
+
+
+def test_genai_style_decode_loop(ort_session, device):
+    """A prompt of 6 tokens for two sequences of different lengths (right padded), then 12 decode
+    steps, all in one shared buffer of 24 rows with rotary, as onnxruntime-genai drives it; each
+    step equals the reference run on the buffer as it was."""
+    c = dict(b=2, s=6, first=True, capacity=24, lengths=[6, 4], d=64, hkv=2, group=2, formats=("mse4", "uint4"),
+             pad=0, packed=True, rotary=64, interleaved=False, position_ids=False, dtype=TensorProto.FLOAT, nc=True,
+             offsets=False, seed=5)
+    model, feeds = make(c)
+    for name in ("past_key", "past_value"):
+        feeds[name][:] = 0  # genai zeroes its buffers
+    session = ort_session(model, 2, device)
+    io = session.io_binding()
+    kind = "cuda" if device == "cuda" else "cpu"
+    buffers = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n], kind, 0) for n in ("past_key", "past_value")}
+    rng = np.random.default_rng(0)
+    lengths = list(c["lengths"])
+    for step in range(13):
+        if step:
+            c = {**c, "s": 1, "first": False}
+            lengths = [n + 1 for n in lengths]
+            c["lengths"] = lengths
+            feeds["query"] = rng.standard_normal((2, 1, feeds["query"].shape[2])).astype(np.float32)
+            feeds["seqlens_k"] = np.array(lengths, np.int32) - 1
+            feeds["total_sequence_length"] = np.array(max(lengths), np.int32)
+        before = {n: buffers[n].numpy() for n in buffers}
+        want = reference(c, {**feeds, **before})
+        io.clear_binding_inputs()
+        io.clear_binding_outputs()
+        for n in ("query", "seqlens_k", "cos_cache", "sin_cache"):
+            io.bind_ortvalue_input(n, ort.OrtValue.ortvalue_from_numpy(feeds[n], kind, 0))
+        io.bind_ortvalue_input("total_sequence_length", ort.OrtValue.ortvalue_from_numpy(feeds["total_sequence_length"]))
+        for n in buffers:
+            io.bind_ortvalue_input(n, buffers[n])
+        io.bind_output("output", kind)
+        io.bind_ortvalue_output("present_key", buffers["past_key"])
+        io.bind_ortvalue_output("present_value", buffers["past_value"])
+        session.run_with_iobinding(io)
+        check_outputs(c, io.get_outputs()[0].numpy(), buffers["past_key"].numpy(), buffers["past_value"].numpy(), want)
+
+
+BASE = dict(b=2, s=1, first=False, capacity=16, lengths=[5, 9], d=64, hkv=2, group=2, formats=("mse4", "uint4"), pad=0,
+            packed=False, rotary=0, interleaved=False, position_ids=False, dtype=TensorProto.FLOAT, nc=True,
+            offsets=False, seed=1)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"seqlens_k": np.array([4, 20], np.int32)}, "seqlens_k[1] = 20"),
+    ({"seqlens_k": np.array([-1, 8], np.int32)}, "seqlens_k[0] = -1"),
+    ({"total_sequence_length": np.array(40, np.int32), "seqlens_k": np.array([4, 30], np.int32)}, "past buffer of 16 rows"),
+    ({"seqlens_k": np.array([4], np.int32)}, "seqlens_k"),
+])
+def test_bad_lengths_are_refused(ort_session, change, message):
+    model, feeds = make(BASE)
+    with pytest.raises(Exception, match=message.replace("[", r"\[").replace("]", r"\]")):
+        run(ort_session(model), {**feeds, **change})
+
+
+@pytest.mark.parametrize("attrs, message", [
+    ({"softcap": 30.0}, "softcap"),
+    ({"local_window_size": 128}, "local_window_size"),
+    ({"smooth_softmax": 1}, "smooth_softmax"),
+    ({"key_format": "uint4"}, "value format"),
+    ({"kv_num_heads": 3}, "kv_num_heads"),
+])
+def test_unsupported_attributes_are_refused(ort_session, attrs, message):
+    model, feeds = make(BASE)
+    for a in list(model.graph.node[0].attribute):
+        if a.name in attrs:
+            model.graph.node[0].attribute.remove(a)
+    from onnx import helper
+    model.graph.node[0].attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+    with pytest.raises(Exception, match=message):
+        run(ort_session(model), feeds)
+
+
+def test_narrow_cache_rows_are_refused(ort_session):
+    model, feeds = make(BASE)
+    narrow = {n: np.ascontiguousarray(feeds[n][..., :20]) for n in ("past_key", "past_value")}
+    model.graph.input[3].type.tensor_type.shape.dim[3].dim_param = "W"
+    model.graph.input[4].type.tensor_type.shape.dim[3].dim_param = "W"
+    model.graph.output[1].type.tensor_type.shape.dim[3].dim_param = "W"
+    model.graph.output[2].type.tensor_type.shape.dim[3].dim_param = "W"
+    with pytest.raises(Exception, match="W >= 34"):
+        run(ort_session(model), {**feeds, **narrow})

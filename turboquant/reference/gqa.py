@@ -1,0 +1,92 @@
+"""Numpy reference of TQGroupQueryAttention: com.microsoft GroupQueryAttention over packed caches.
+
+Semantics (as ORT's GroupQueryAttention): query [B, S, Hq*D], or Q, K and V packed in query when key
+and value are absent; past_key/past_value uint8 [B, Hkv, max_length, W] with W >= the packed size
+(bytes past it are padding); sequence b has past_b = 0 when S == total_sequence_length (a first
+prompt), else seqlens_k[b] + 1 - S past tokens. With do_rotary, Q and the new K are turned by the
+rotary embedding at positions past_b + s (or position_ids), in float32 and rounded to Q's dtype.
+The new tokens are packed into rows past_b .. past_b + S - 1 of present (the past buffer itself when
+it is shared; present has max(max_length, total_sequence_length) rows), and each query attends
+causally to its sequence's packed past and the exact new tokens, through reference.attention.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import formats
+from .attention import attention
+from .numerics import to_f32
+
+
+def rotary(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    """x [B, S, H, D] turned at positions [B, S]; cos/sin [max_positions, rotary_dim / 2]."""
+    half = cos.shape[1]
+    xf = to_f32(x).copy()
+    c = to_f32(cos)[positions][:, :, None, :]
+    s = to_f32(sin)[positions][:, :, None, :]
+    if interleaved:
+        a, b = xf[..., 0:2 * half:2].copy(), xf[..., 1:2 * half:2].copy()
+        xf[..., 0:2 * half:2], xf[..., 1:2 * half:2] = a * c - b * s, b * c + a * s
+    else:
+        a, b = xf[..., :half].copy(), xf[..., half:2 * half].copy()
+        xf[..., :half], xf[..., half:2 * half] = a * c - b * s, b * c + a * s
+    return xf.astype(x.dtype)
+
+
+def past_lengths(seqlens_k, new_len: int, total: int) -> np.ndarray:
+    seqlens_k = np.asarray(seqlens_k, np.int64).reshape(-1)
+    if new_len == total:
+        return np.zeros_like(seqlens_k)
+    return seqlens_k + 1 - new_len
+
+
+def group_query_attention(
+    query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None, total_sequence_length=None,
+    cos_cache=None, sin_cache=None, position_ids=None, key_offset=None, value_offset=None, *,
+    key_format: str, value_format: str, norm_correction: bool = True, num_heads: int, kv_num_heads: int,
+    scale: float | None = None, do_rotary: bool = False, rotary_interleaved: bool = False,
+):
+    """Returns (output [B, S, Hq*D], present_key, present_value)."""
+    query = np.asarray(query)
+    b, s, hidden = query.shape
+    hq, hkv = num_heads, kv_num_heads
+    if key is None:
+        d = hidden // (hq + 2 * hkv)
+        q = query[..., :hq * d]
+        key, value = query[..., hq * d:(hq + hkv) * d], query[..., (hq + hkv) * d:]
+    else:
+        d = hidden // hq
+        q = query
+    q = q.reshape(b, s, hq, d)
+    k = np.asarray(key).reshape(b, s, hkv, d)
+    v = np.asarray(value).reshape(b, s, hkv, d)
+    total = int(np.asarray(total_sequence_length).reshape(-1)[0])
+    past = past_lengths(seqlens_k, s, total)
+    if do_rotary:
+        positions = (np.asarray(position_ids, np.int64) if position_ids is not None
+                     else past[:, None] + np.arange(s)[None, :])
+        q = rotary(q, positions, cos_cache, sin_cache, rotary_interleaved)
+        k = rotary(k, positions, cos_cache, sin_cache, rotary_interleaved)
+    rows = max(past_key.shape[2], total)
+    width = past_key.shape[3]
+    kb, vb = formats.packed_size(key_format, d), formats.packed_size(value_format, d)
+
+    def grown(cache):
+        out = np.zeros((b, hkv, rows, width), np.uint8)
+        out[:, :, :cache.shape[2]] = cache
+        return out
+
+    present_key, present_value = grown(past_key), grown(past_value)
+    y = np.zeros((b, s, hq, d), query.dtype)
+    for i in range(b):
+        n = int(past[i])
+        yi, pk, pv = attention(
+            q[i:i + 1].transpose(0, 2, 1, 3), k[i:i + 1].transpose(0, 2, 1, 3), v[i:i + 1].transpose(0, 2, 1, 3),
+            None, past_key[i:i + 1, :, :n, :kb], past_value[i:i + 1, :, :n, :vb], key_offset, value_offset,
+            key_format=key_format, value_format=value_format, norm_correction=norm_correction, is_causal=True,
+            scale=scale, q_num_heads=hq, kv_num_heads=hkv)
+        y[i] = yi[0].transpose(1, 0, 2)
+        present_key[i, :, n:n + s, :kb] = pk[0, :, n:]
+        present_value[i, :, n:n + s, :vb] = pv[0, :, n:]
+    return y.reshape(b, s, hq * d), present_key, present_value

@@ -1,0 +1,73 @@
+"""Running a decoder the way onnxruntime-genai does with past_present_share_buffer: one buffer of
+max_length rows per cache tensor, bound as both the past input and the present output of every
+step, so the model (GroupQueryAttention, or turboquant's TQGroupQueryAttention) writes each step's
+tokens into it in place. Plain ONNX Runtime with IO binding, on the CPU or the CUDA provider.
+
+    dec = SharedBufferDecoder("genai_folder/model.onnx", max_length=256)
+    tokens = dec.generate(prompt_ids, max_new_tokens=32)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from .decoder import _NP, DecoderSession
+
+
+class SharedBufferDecoder(DecoderSession):
+    def __init__(self, model: str | os.PathLike, max_length: int, head_size: int | None = None,
+                 providers: Sequence = ("CPUExecutionProvider",), threads: int | None = None,
+                 options: ort.SessionOptions | None = None):
+        """head_size: the caches' last dimension where the model leaves it symbolic (genai models do;
+        default: genai_config.json's decoder.head_size beside the model)."""
+        super().__init__(model, providers, threads, options)
+        self.max_length = int(max_length)
+        self.head_size = head_size or self._config_head_size(pathlib.Path(model))
+        self.device = ("cuda", 0) if self.on_cuda else ("cpu", 0)
+
+    @staticmethod
+    def _config_head_size(model: pathlib.Path) -> int | None:
+        config = model.parent / "genai_config.json"
+        if not config.is_file():
+            return None
+        return json.loads(config.read_text())["model"]["decoder"].get("head_size")
+
+    def empty_cache(self, batch: int = 1) -> dict:
+        """Zeroed buffers [batch, kv_heads, max_length, W] (genai zeroes its buffers too)."""
+        cache = {}
+        for arg in self.cache_inputs.values():
+            heads, last = arg.shape[1], arg.shape[3]
+            last = last if isinstance(last, int) else self.head_size
+            if not isinstance(heads, int) or not isinstance(last, int):
+                raise ValueError(f"cache input {arg.name} has symbolic dims {arg.shape}; pass head_size")
+            buf = np.zeros((batch, heads, self.max_length, last), _NP[arg.type])
+            cache[arg.name] = ort.OrtValue.ortvalue_from_numpy(buf, *self.device)
+        return cache
+
+    def step(self, input_ids: np.ndarray, cache: dict, past_len: int) -> tuple[np.ndarray, dict]:
+        """New tokens input_ids [B, S] after past_len cached ones, written into the same buffers."""
+        b, s = input_ids.shape
+        if past_len + s > self.max_length:
+            raise ValueError(f"{past_len + s} tokens do not fit the buffers' max_length {self.max_length}")
+        io = self.session.io_binding()
+        for name, value in self.feeds(input_ids, {}, past_len).items():
+            io.bind_cpu_input(name, np.ascontiguousarray(value))
+        io.bind_output(self.logits_name, "cpu")  # first: get_outputs() follows the binding order
+        for key, arg in self.cache_inputs.items():
+            io.bind_ortvalue_input(arg.name, cache[arg.name])
+            io.bind_ortvalue_output(self.cache_outputs[key], cache[arg.name])
+        for name in self.output_names:
+            if name != self.logits_name and name not in self.cache_outputs.values():
+                io.bind_output(name, self.device[0])
+        self.session.run_with_iobinding(io)
+        return io.get_outputs()[0].numpy(), cache
+
+    def buffers(self, cache: dict) -> dict[str, np.ndarray]:
+        """Host copies of the cache buffers."""
+        return {name: np.array(v.numpy(), copy=True) for name, v in cache.items()}
