@@ -134,12 +134,29 @@ __device__ void copy_to_shared_async(uint8_t* dst, const uint8_t* src, int64_t n
   for (int64_t i = chunks * width + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
 
+// fp16 values by the hardware's conversion (exact, as codec::load_f16's bit manipulation is, but one
+// instruction): one at p (2-byte aligned, as every fp16 field of a packed vector is), and the
+// scale/zero pair of a uint vector with a single 4-byte load where it is aligned (it is in the
+// presets' layouts: 68- and 52-byte vectors, payloads of 64 and 48 bytes).
+__device__ inline float load_half(const uint8_t* p) {
+  return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(p)));
+}
+__device__ inline float2 load_half2(const uint8_t* p) {
+  if ((reinterpret_cast<uintptr_t>(p) & 3) == 0) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+    return make_float2(__half2float(__ushort_as_half(static_cast<uint16_t>(w & 0xffffu))),
+                       __half2float(__ushort_as_half(static_cast<uint16_t>(w >> 16))));
+  }
+  return make_float2(load_half(p), load_half(p + 2));
+}
+
 // Columns 8*cg .. 8*cg+7 of a packed value vector, as floats. nb: its payload bytes.
 __device__ void decode8(Format fmt, int d, const uint8_t* v, int cg, int nb, float* x) {
   switch (fmt) {
     case Format::kUint4:
     case Format::kUint3: {
-      const float scale = codec::load_f16(v + nb), zero = codec::load_f16(v + nb + 2);
+      const float2 sz = load_half2(v + nb);
+      const float scale = sz.x, zero = sz.y;
       uint32_t w;
       const int bits = fmt == Format::kUint4 ? 4 : 3;
       const uint8_t* g = v + cg * bits;  // 8 codes take `bits` bytes
@@ -158,7 +175,7 @@ __device__ void decode8(Format fmt, int d, const uint8_t* v, int cg, int nb, flo
       break;
     case Format::kRaw16:
 #pragma unroll
-      for (int j = 0; j < 8; ++j) x[j] = codec::load_f16(v + 2 * (cg * 8 + j));
+      for (int j = 0; j < 8; ++j) x[j] = load_half(v + 2 * (cg * 8 + j));
       break;
     default: {  // mse values: decode the whole vector (slow; no preset stores values so)
       float tmp[kMaxHeadDim];
@@ -169,8 +186,16 @@ __device__ void decode8(Format fmt, int d, const uint8_t* v, int cg, int nb, flo
   }
 }
 
+// Blocks per SM the register allocation must leave room for. The kernel is latency-bound: left to
+// itself ptxas gives the 4-row variant 124-135 registers (4 blocks, 25% occupancy); capped for 5
+// blocks (96 registers, no spills) it ran 10-16% faster on the H200 (scripts/cuda_attention_probe.cu,
+// B=8 S=32768: mse4/uint4 902 -> 811 us, fp8/uint4 1335 -> 1176, mse3/uint3 837 -> 733; B=1 and
+// B=32 alike), 6 blocks was no better and 8 spilled and ran slower. The 8-row variant would spill
+// under that cap, so it keeps the 3 blocks it had.
+constexpr int split_min_blocks(int rows) { return rows <= 4 ? 5 : 3; }
+
 template <int kRows>
-__global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layout l, const void* q, const void* mask,
+__global__ void __launch_bounds__(kThreads, split_min_blocks(kRows)) split_kernel(AttentionParams p, Layout l, const void* q, const void* mask,
                                                          const uint8_t* past_key, const uint8_t* past_value,
                                                          float* partial) {
   const int64_t bh = blockIdx.x;
@@ -276,7 +301,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
     if (tid < n) {
       const uint8_t* kr = ktile + static_cast<int64_t>(tid) * kb;
       if (mse) {
-        const float ks = codec::load_f16(kr + dp * bits / 8);
+        const float ks = load_half(kr + dp * bits / 8);
         if (bits == 4) {
           for (int i = 0; i < dp / 2; ++i) {
             const uint8_t byte = kr[i];
@@ -312,7 +337,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(AttentionParams p, Layo
         }
       } else {
         for (int i = 0; i < d; ++i) {
-          const float kv = p.key_format == Format::kFp8 ? fp8_to_f32(kr[i]) : codec::load_f16(kr + 2 * i);
+          const float kv = p.key_format == Format::kFp8 ? fp8_to_f32(kr[i]) : load_half(kr + 2 * i);
 #pragma unroll
           for (int r = 0; r < kRows; ++r) s[r] += qs[i][r] * kv;
         }
