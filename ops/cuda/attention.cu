@@ -17,53 +17,18 @@
 #include <cuda_fp8.h>
 #include <cuda_pipeline.h>
 
+#include "split_common.cuh"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/float_io.h"
 #include "turboquant/vector_codec.h"
 
 namespace turboquant::cuda {
+using namespace detail;
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kTile = 128;  // tokens per tile: one per thread
 constexpr int kMaxCols = kMaxHeadDim / kThreads;  // value columns per thread in the merge kernel
-constexpr int kMaxStageBytes = 32 * 1024;  // one tile's packed K and V, at most
 constexpr int kMaxDynamicShared = 2 * kMaxStageBytes;  // two tiles in flight (raised above the 48 KiB default)
-
-struct Layout {
-  int rows_per_block;  // 1, 2, 4 or 8: the query rows a split block scores together
-  int stage_bytes;  // shared memory staging a tile's packed K and V (0: read them from global memory)
-  int buffers;  // 2: the next tile is fetched (cp.async) while this one is computed
-  int group;  // Hq / Hkv
-  int64_t rows;  // rows per (b, hkv) = q_len * group
-  int row_blocks;
-  int splits;
-  int64_t split_len;
-};
-
-Layout make_layout(const AttentionParams& p, int num_sms) {
-  Layout l;
-  l.group = static_cast<int>(p.q_heads / p.kv_heads);
-  l.rows = p.q_len * l.group;
-  l.rows_per_block = l.rows >= 8 ? 8 : l.rows >= 4 ? 4 : l.rows >= 2 ? 2 : 1;
-  l.rows_per_block = l.rows > 4 && l.rows < 8 ? 8 : l.rows > 2 && l.rows < 4 ? 4 : l.rows_per_block;
-  l.row_blocks = static_cast<int>((l.rows + l.rows_per_block - 1) / l.rows_per_block);
-  const int64_t base = p.batch * p.kv_heads * l.row_blocks;
-  int64_t splits = base > 0 ? (8LL * num_sms + base - 1) / base : 1;
-  const int64_t max_splits = (p.past_len + kTile - 1) / kTile;
-  splits = splits < 1 ? 1 : splits;
-  splits = splits > max_splits ? max_splits : splits;
-  l.splits = static_cast<int>(splits < 1 ? 1 : splits);
-  l.split_len = (p.past_len + l.splits - 1) / l.splits;
-  l.split_len = (l.split_len + kTile - 1) / kTile * kTile;
-  const int64_t stage = static_cast<int64_t>(kTile) * (p.key_row() + p.value_row());
-  l.stage_bytes = stage <= kMaxStageBytes ? static_cast<int>((stage + 15) / 16 * 16) : 0;
-  l.buffers = l.stage_bytes > 0 && l.split_len > kTile ? 2 : 1;  // double-buffer when a block takes several tiles
-  return l;
-}
-
-// Partial results: [B*Hkv][rows][splits] x (max, sum, acc[Dv]).
-__host__ __device__ inline int64_t partial_stride(int dv) { return 2 + dv; }
 
 __device__ float mask_value(const AttentionParams& p, const void* mask, int64_t b, int64_t hq, int64_t pos, int64_t j,
                             bool* allowed) {
@@ -577,11 +542,15 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
     dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
     float* part = static_cast<float*>(workspace);
     const int smem = l.buffers * l.stage_bytes;
-    switch (l.rows_per_block) {
-      case 1: e = launch_split<1>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
-      case 2: e = launch_split<2>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
-      case 4: e = launch_split<4>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
-      default: e = launch_split<8>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
+    if (mma_split_supported(p)) {
+      e = launch_mma_split(p, l, q, past_key, past_value, part, stream);
+    } else {
+      switch (l.rows_per_block) {
+        case 1: e = launch_split<1>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
+        case 2: e = launch_split<2>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
+        case 4: e = launch_split<4>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
+        default: e = launch_split<8>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
+      }
     }
     if (e != cudaSuccess) return e;
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
