@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, kDt <= 16 ? 4 : 2) mma_split_kernel(
   const int dtiles = dv / 8;
 
   float m_run = -INFINITY, l_part = 0.0f, z_part = 0.0f;
-  float o[kDt][4];  // row g, columns 8n + 2t, 8n + 2t + 1 (and the zero rows g + 8)
+  float o[kDt][4];  // row g, stored columns 8n + 2t, 8n + 2t + 1, i.e. columns 8n + t, 8n + t + 4 (rows g + 8: zero)
 #pragma unroll
   for (int n = 0; n < kDt; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
