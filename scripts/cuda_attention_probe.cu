@@ -1,9 +1,9 @@
 // Developer probe: times ops/cuda's TQAttention launcher alone (no ONNX Runtime), for profiling with
 // ncu on the GPU machine, and checks its output against the CPU kernels. Random packed caches (valid
 // scales), one new token, fp16 Q/K/V.
-//   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu ops/cuda/attention_mma.cu \
+//   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu \
 //        ops/cuda/attention.cu ops/cuda/pack.cu ops/cpu/attention.cpp ops/cpu/pack.cpp -o /tmp/probe
-//   /tmp/probe B S key_format value_format [iters]
+//   /tmp/probe B S key_format value_format [iters] [pad]   (pad: rows of capacity past S in the past caches)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -25,10 +25,12 @@ int main(int argc, char** argv) {
   const Format kf = parse_format(argc > 3 ? argv[3] : "mse4"), vf = parse_format(argc > 4 ? argv[4] : "uint4");
   const int64_t Hq = 32, Hkv = 8;
   const int D = 128, iters = argc > 5 ? atoi(argv[5]) : 50;
+  const int64_t pad = argc > 6 ? atoll(argv[6]) : 0, R = S + pad;
   AttentionParams p;
   p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = 1, p.new_len = 1, p.past_len = S;
   p.head_dim = p.v_head_dim = D, p.key_format = kf, p.value_format = vf, p.norm_correction = true;
   p.scale = 0.0883883f, p.dtype = DType::kFloat16;
+  p.past_rows = pad ? R : 0, p.present_rows = pad ? R + 1 : 0;  // present holds all of past's rows
   p.q = {Hq * D, D, D}, p.k = {Hkv * D, D, D}, p.v = p.k, p.y = p.q;
   const int64_t kb = packed_size(kf, D), vb = packed_size(vf, D);
   // packed caches: pack random vectors once into a small block and tile it
@@ -42,10 +44,10 @@ int main(int argc, char** argv) {
   cudaMalloc(&ku, unit * kb), cudaMalloc(&vu, unit * vb);
   cuda::pack(kf, D, true, DType::kFloat16, x, unit, Offset{}, ku, 0);
   cuda::pack(vf, D, true, DType::kFloat16, x, unit, Offset{}, vu, 0);
-  cudaMalloc(&pk, B * Hkv * S * kb), cudaMalloc(&pv, B * Hkv * S * vb);
-  cudaMalloc(&ok, B * Hkv * (S + 1) * kb), cudaMalloc(&ov, B * Hkv * (S + 1) * vb);
-  for (int64_t i = 0; i < B * Hkv * S; i += unit) {
-    const int64_t n = std::min(unit, B * Hkv * S - i);
+  cudaMalloc(&pk, B * Hkv * R * kb), cudaMalloc(&pv, B * Hkv * R * vb);
+  cudaMalloc(&ok, B * Hkv * (R + 1) * kb), cudaMalloc(&ov, B * Hkv * (R + 1) * vb);
+  for (int64_t i = 0; i < B * Hkv * R; i += unit) {
+    const int64_t n = std::min(unit, B * Hkv * R - i);
     cudaMemcpy(pk + i * kb, ku, n * kb, cudaMemcpyDeviceToDevice);
     cudaMemcpy(pv + i * vb, vu, n * vb, cudaMemcpyDeviceToDevice);
   }
@@ -69,7 +71,7 @@ int main(int argc, char** argv) {
   float ms = 0;
   cudaEventElapsedTime(&ms, a, b);
   // check Y against the CPU kernels on the same inputs
-  std::vector<uint8_t> hk(B * Hkv * S * kb), hv(B * Hkv * S * vb), hok(B * Hkv * (S + 1) * kb), hov(B * Hkv * (S + 1) * vb);
+  std::vector<uint8_t> hk(B * Hkv * R * kb), hv(B * Hkv * R * vb), hok(B * Hkv * (R + 1) * kb), hov(B * Hkv * (R + 1) * vb);
   std::vector<__half> hq(B * Hq * D), hkn(B * Hkv * D), hvn(B * Hkv * D), hy(B * Hq * D), ry(B * Hq * D);
   cudaMemcpy(hk.data(), pk, hk.size(), cudaMemcpyDeviceToHost);
   cudaMemcpy(hv.data(), pv, hv.size(), cudaMemcpyDeviceToHost);

@@ -542,7 +542,12 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
     dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
     float* part = static_cast<float*>(workspace);
     const int smem = l.buffers * l.stage_bytes;
-    if (mma_split_supported(p)) {
+    // the tensor-core kernels where they apply (attention_tc.cu for the presets' shapes, then
+    // attention_mma.cu), else the CUDA-core kernel; make_layout sized the splits for the first
+    const bool aligned = ((reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value)) & 15) == 0;
+    if (tc_split_supported(p) && (aligned || p.key_format != Format::kFp8)) {
+      e = launch_tc_split(p, l, q, past_key, past_value, part, stream);
+    } else if (mma_split_supported(p)) {
       e = launch_mma_split(p, l, q, past_key, past_value, part, stream);
     } else {
       switch (l.rows_per_block) {

@@ -1,5 +1,8 @@
-// The split-KV attention kernel on tensor cores, for the presets' formats (MSE keys, uint values):
-// the same blocks and partial results as split_kernel (attention.cu), fewer instructions per token.
+// The first split-KV attention kernel on tensor cores, for MSE keys and uint values: the same blocks
+// and partial results as split_kernel (attention.cu), fewer instructions per token. The presets'
+// usual shapes go to attention_tc.cu; this one keeps what that one does not take (head sizes 80
+// and 96, where the padded key length differs from the value head size; MSE 4-bit keys with uint3
+// values).
 //
 // A block takes one KV head, one slice of the past and up to 8 query rows (the GQA group); each of
 // its 4 warps walks its own 16-token tiles with its own online softmax, and the warps' states are
@@ -59,23 +62,6 @@ __device__ inline float load_half(const uint8_t* p) {
   return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(p)));
 }
 
-// Starts copying n bytes (n even, both addresses 2-byte aligned) into shared memory with the
-// warp's lanes: cp.async of 16 or 4 bytes where both addresses allow, plain 2-byte copies otherwise
-// and for the tail. The caller commits, waits and syncs the warp.
-__device__ void warp_copy_async(uint8_t* dst, const uint8_t* src, int n, int lane) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
-  const int width = (a & 15) == 0 ? 16 : (a & 3) == 0 ? 4 : 0;
-  int done = 0;
-  if (width) {
-    const int chunks = n / width;
-    for (int i = lane; i < chunks; i += 32) __pipeline_memcpy_async(dst + i * width, src + i * width, width);
-    done = chunks * width;
-  }
-  for (int i = done / 2 + lane; i < n / 2; i += 32) {
-    reinterpret_cast<uint16_t*>(dst)[i] = reinterpret_cast<const uint16_t*>(src)[i];
-  }
-}
-
 struct Smem {
   // per k-step and lane: the A fragments (row g, columns 2t..2t+1 and 2t+8..2t+9) of the
   // normalised rotated queries, high and low parts
@@ -106,7 +92,7 @@ __global__ void __launch_bounds__(kThreads, kDt <= 16 ? 4 : 2) mma_split_kernel(
   const int64_t b = bh / p.kv_heads, hkv = bh % p.kv_heads;
   const int64_t row0 = static_cast<int64_t>(blockIdx.z) * l.rows_per_block;
   const int rows = static_cast<int>(min(static_cast<int64_t>(l.rows_per_block), l.rows - row0));
-  const int d = p.head_dim, dv = p.v_head_dim, dp = padded_dim(d), steps = dp / 16;
+  const int dv = p.v_head_dim, dp = padded_dim(p.head_dim), steps = dp / 16;
   const int kb = static_cast<int>(p.key_row()), vb = static_cast<int>(p.value_row());
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
 
@@ -133,24 +119,7 @@ __global__ void __launch_bounds__(kThreads, kDt <= 16 ? 4 : 2) mma_split_kernel(
     }
   }
   __syncthreads();
-  for (int k = tid; k < kMaxRows * dp; k += kThreads) {
-    const int r = k / dp, i = k % dp;
-    float x = 0.0f;
-    if (r < rows && i < d) x = load_float(p.dtype, q, b * p.q.b + sm.row_hq[r] * p.q.h + sm.row_pos[r] * p.q.s + i);
-    qrot[k] = x;
-  }
-  __syncthreads();
-  for (int h = 1; h < dp; h <<= 1) {
-    for (int k = tid; k < kMaxRows * (dp / 2); k += kThreads) {
-      const int r = k / (dp / 2), j = k % (dp / 2);
-      const int i = (j / h) * 2 * h + (j % h);
-      float* x = qrot + r * dp;
-      const float a = x[i], c = x[i + h];
-      x[i] = a + c;
-      x[i + h] = a - c;
-    }
-    __syncthreads();
-  }
+  load_query_rows(p, q, b, sm.row_hq, sm.row_pos, rows, kMaxRows, dp, true, qrot);
   if (warp == 0) {  // each row's largest |q . H|, by the lanes of warp 0
     for (int r = 0; r < kMaxRows; ++r) {
       float m = 0.0f;
@@ -357,23 +326,8 @@ __global__ void __launch_bounds__(kThreads, kDt <= 16 ? 4 : 2) mma_split_kernel(
     }
   }
   __syncthreads();
-  for (int k = tid; k < rows * (dv + 2); k += kThreads) {
-    const int r = k / (dv + 2), c = k % (dv + 2);
-    float mx = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ws[(w * kMaxRows + r) * (3 + dv)]);
-    float acc = 0.0f, zsum = 0.0f;
-    for (int w = 0; w < kWarps; ++w) {
-      const float* st = ws + (w * kMaxRows + r) * (3 + dv);
-      const float f = st[0] == -INFINITY ? 0.0f : __expf(st[0] - mx);
-      if (c == 1) acc += st[1] * f;
-      if (c >= 2) {
-        acc += st[3 + c - 2] * f;
-        zsum += st[2] * f;
-      }
-    }
-    float* out = partial + ((bh * l.rows + row0 + r) * l.splits + split) * partial_stride(dv);
-    out[c] = c == 0 ? mx : (c == 1 ? acc : acc + zsum);
-  }
+  store_warp_states(ws, kWarps, kMaxRows, rows, dv, partial + ((bh * l.rows + row0) * l.splits + split) * partial_stride(dv),
+                    l.splits * partial_stride(dv));
 }
 
 // Dynamic shared memory of a launch.

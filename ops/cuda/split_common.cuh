@@ -1,17 +1,25 @@
-// What the split-KV attention kernels share (ops/cuda/attention.cu and attention_mma.cu): how the
-// past is split into blocks, and the partial results the merge kernel combines.
+// What the split-KV attention kernels share (ops/cuda/attention.cu, attention_mma.cu and
+// attention_tc.cu): how the past is split into blocks, and the partial results the merge kernel
+// combines.
 #pragma once
 
+#include <cuda_pipeline.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "turboquant/float_io.h"
 #include "turboquant/params.h"
 
 namespace turboquant::cuda::detail {
 
 constexpr int kTile = 128;                 // tokens per tile of the CUDA-core kernel; splits are multiples
 constexpr int kMaxStageBytes = 32 * 1024;  // one tile's packed K and V, at most
+
+// The tensor-core split kernel for the presets' format pairs (attention_tc.cu): whether it takes
+// these parameters, and how many of its blocks an SM holds.
+bool tc_split_supported(const AttentionParams& p);
+int tc_blocks_per_sm(const AttentionParams& p);
 
 struct Layout {
   int rows_per_block;  // 1, 2, 4 or 8: the query rows a split block scores together
@@ -32,13 +40,23 @@ inline Layout make_layout(const AttentionParams& p, int num_sms) {
   l.rows_per_block = l.rows > 4 && l.rows < 8 ? 8 : l.rows > 2 && l.rows < 4 ? 4 : l.rows_per_block;
   l.row_blocks = static_cast<int>((l.rows + l.rows_per_block - 1) / l.rows_per_block);
   const int64_t base = p.batch * p.kv_heads * l.row_blocks;
-  int64_t splits = base > 0 ? (8LL * num_sms + base - 1) / base : 1;
-  const int64_t max_splits = (p.past_len + kTile - 1) / kTile;
+  int64_t splits, unit;
+  if (tc_split_supported(p)) {
+    // the tensor-core kernel (attention_tc.cu): 8 warps of 32-token tiles per block and one wave of
+    // blocks (2 per SM, 1 at head size 256), each walking a long slice
+    unit = 2 * kTile;
+    const int64_t slots = static_cast<int64_t>(num_sms) * tc_blocks_per_sm(p);
+    splits = base > 0 ? slots / base : 1;
+  } else {
+    unit = kTile;
+    splits = base > 0 ? (8LL * num_sms + base - 1) / base : 1;
+  }
+  const int64_t max_splits = (p.past_len + unit - 1) / unit;
   splits = splits < 1 ? 1 : splits;
   splits = splits > max_splits ? max_splits : splits;
   l.splits = static_cast<int>(splits < 1 ? 1 : splits);
   l.split_len = (p.past_len + l.splits - 1) / l.splits;
-  l.split_len = (l.split_len + kTile - 1) / kTile * kTile;
+  l.split_len = (l.split_len + unit - 1) / unit * unit;
   const int64_t stage = static_cast<int64_t>(kTile) * (p.key_row() + p.value_row());
   l.stage_bytes = stage <= kMaxStageBytes ? static_cast<int>((stage + 15) / 16 * 16) : 0;
   l.buffers = l.stage_bytes > 0 && l.split_len > kTile ? 2 : 1;  // double-buffer when a block takes several tiles
@@ -48,10 +66,84 @@ inline Layout make_layout(const AttentionParams& p, int num_sms) {
 // Partial results: [B*Hkv][rows][splits] x (max, sum, acc[Dv]).
 __host__ __device__ inline int64_t partial_stride(int dv) { return 2 + dv; }
 
-// The tensor-core split kernel (attention_mma.cu): MSE keys and uint values, no mask, every past
-// token visible to every query row. When it applies it writes the same partials as split_kernel.
+// Launches the tensor-core split kernel (attention_tc.cu) where tc_split_supported; fp8 keys also
+// need 16-byte aligned caches (cudaErrorMisalignedAddress otherwise).
+cudaError_t launch_tc_split(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
+                            const uint8_t* past_value, float* partial, cudaStream_t stream);
+
+// The earlier tensor-core split kernel (attention_mma.cu), for MSE keys and uint values that
+// attention_tc.cu does not take (head sizes 80 and 96, MSE 4-bit keys with uint3 values): no mask,
+// every past token visible to every query row. It writes the same partials as split_kernel.
 bool mma_split_supported(const AttentionParams& p);
 cudaError_t launch_mma_split(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
                              const uint8_t* past_value, float* partial, cudaStream_t stream);
+
+#ifdef __CUDACC__
+// Starts copying n bytes (n even, both addresses 2-byte aligned) into shared memory with the
+// warp's lanes: cp.async of 16 or 4 bytes where both addresses allow, plain 2-byte copies otherwise
+// and for the tail. The caller commits, waits and syncs the warp.
+__device__ inline void warp_copy_async(uint8_t* dst, const uint8_t* src, int n, int lane) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
+  const int width = (a & 15) == 0 ? 16 : (a & 3) == 0 ? 4 : 0;
+  int done = 0;
+  if (width) {
+    const int chunks = n / width;
+    for (int i = lane; i < chunks; i += 32) __pipeline_memcpy_async(dst + i * width, src + i * width, width);
+    done = chunks * width;
+  }
+  for (int i = done / 2 + lane; i < n / 2; i += 32) {
+    reinterpret_cast<uint16_t*>(dst)[i] = reinterpret_cast<const uint16_t*>(src)[i];
+  }
+}
+// The block's query rows (batch b; head row_hq[r] at position row_pos[r] for r < rows) as floats in
+// x[rows_max][dp], zero beyond the head size and the rows, times H (the unnormalised
+// Walsh-Hadamard transform of length dp) when `rotate`: the MSE keys' rotated basis. Syncs the block.
+__device__ inline void load_query_rows(const AttentionParams& p, const void* q, int64_t b, const int64_t* row_hq,
+                                       const int64_t* row_pos, int rows, int rows_max, int dp, bool rotate, float* x) {
+  for (int k = threadIdx.x; k < rows_max * dp; k += blockDim.x) {
+    const int r = k / dp, i = k % dp;
+    float v = 0.0f;
+    if (r < rows && i < p.head_dim) v = load_float(p.dtype, q, b * p.q.b + row_hq[r] * p.q.h + row_pos[r] * p.q.s + i);
+    x[k] = v;
+  }
+  __syncthreads();
+  if (!rotate) return;
+  for (int h = 1; h < dp; h <<= 1) {
+    for (int k = threadIdx.x; k < rows_max * (dp / 2); k += blockDim.x) {
+      const int r = k / (dp / 2), j = k % (dp / 2);
+      const int i = (j / h) * 2 * h + (j % h);
+      float* row = x + r * dp;
+      const float a = row[i], c = row[i + h];
+      row[i] = a + c;
+      row[i + h] = a - c;
+    }
+    __syncthreads();
+  }
+}
+
+// The end of a split block whose warps each kept their own online softmax: ws[warp][row][3 + dv]
+// holds each warp's max (natural-log units), sum of weights, sum of weights x zero point and value
+// accumulators. The block's threads combine them into the partial results of its rows (row r at
+// out + r * row_stride: max, sum, acc + zero sum). Ends with the block's threads only reading ws.
+__device__ inline void store_warp_states(const float* ws, int warps, int rows_max, int rows, int dv, float* out,
+                                         int64_t row_stride) {
+  for (int k = threadIdx.x; k < rows * (dv + 2); k += blockDim.x) {
+    const int r = k / (dv + 2), c = k % (dv + 2);
+    float mx = -INFINITY;
+    for (int w = 0; w < warps; ++w) mx = fmaxf(mx, ws[(w * rows_max + r) * (3 + dv)]);
+    float acc = 0.0f, zsum = 0.0f;
+    for (int w = 0; w < warps; ++w) {
+      const float* st = ws + (w * rows_max + r) * (3 + dv);
+      const float f = st[0] == -INFINITY ? 0.0f : __expf(st[0] - mx);
+      if (c == 1) acc += st[1] * f;
+      if (c >= 2) {
+        acc += st[3 + c - 2] * f;
+        zsum += st[2] * f;
+      }
+    }
+    out[r * row_stride + c] = c == 0 ? mx : (c == 1 ? acc : acc + zsum);
+  }
+}
+#endif
 
 }  // namespace turboquant::cuda::detail
