@@ -109,6 +109,15 @@ __host__ __device__ constexpr float code_weight(int bits, int i) { return static
 __host__ __device__ constexpr uint32_t code_mask(int bits, int i) {
   return (((1u << bits) - 1) << code_shift(bits, i)) * 0x10001u;
 }
+// Every code of a group must lie within its window's low 10 bits (the fp16 mantissa: above, the
+// half is no longer linear in the code), and the windows must start inside the group word.
+constexpr bool codes_fit(int bits) {
+  for (int i = 0; i < 8; ++i) {
+    if (code_shift(bits, i) + bits > 10 || code_byte(bits, i) > 3) return false;
+  }
+  return true;
+}
+static_assert(codes_fit(3) && codes_fit(4), "a value code outside its subnormal window");
 __host__ __device__ constexpr uint32_t window(int byte) {  // bytes byte, byte+1 of x | of y
   return byte | ((byte + 1) << 4) | ((4 + byte) << 8) | ((5 + byte) << 12);
 }

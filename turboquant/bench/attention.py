@@ -73,16 +73,23 @@ def baseline_candidates(shape: Shape, threads: int, rng):
     b, hq, hkv, d, s = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.context
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
-    for name, build, feed, dtype in [
-        ("ort_gqa_fp32", baselines.gqa_model, baselines.gqa_feeds, TensorProto.FLOAT),
-        ("ort_gqa_fp16", baselines.gqa_model, baselines.gqa_feeds, TensorProto.FLOAT16),
-        ("ort_attention23_fp32", baselines.attention23_model, baselines.attention23_feeds, TensorProto.FLOAT),
-        ("ort_attention23_fp16", baselines.attention23_model, baselines.attention23_feeds, TensorProto.FLOAT16),
+    gqa = (baselines.gqa_model, baselines.gqa_feeds)
+    att23 = (baselines.attention23_model, baselines.attention23_feeds)
+    for name, (build, feed), dtype, cache in [
+        ("ort_gqa_fp32", gqa, TensorProto.FLOAT, None),
+        ("ort_gqa_fp16", gqa, TensorProto.FLOAT16, None),
+        # ORT's own quantized caches (fp16 queries), where this build has them
+        *[(f"ort_gqa_{c}", gqa, TensorProto.FLOAT16, c) for c in baselines.QUANT_CACHES],
+        ("ort_attention23_fp32", att23, TensorProto.FLOAT, None),
+        ("ort_attention23_fp16", att23, TensorProto.FLOAT16, None),
     ]:
-        elem = 4 if dtype == TensorProto.FLOAT else 2
+        extra = {"cache": cache} if cache else {}
         try:
-            sess = ort.InferenceSession(build(hq, hkv, d, dtype).SerializeToString(), so, providers=["CPUExecutionProvider"])
-            yield name, sess, feed(rng, b, hq, hkv, d, s, dtype), 2 * b * hkv * s * d * elem, None
+            sess = ort.InferenceSession(build(hq, hkv, d, dtype, **extra).SerializeToString(), so,
+                                        providers=["CPUExecutionProvider"])
+            feeds = feed(rng, b, hq, hkv, d, s, dtype, **extra)
+            sess.run(None, feeds)  # a kernel this build lacks may only fail here
+            yield name, sess, feeds, 2 * b * hkv * s * baselines.cache_bytes_per_row(d, dtype, cache), None
         except Exception as e:  # noqa: BLE001 - a baseline this ORT build lacks is reported, not fatal
             yield name, None, None, None, str(e).splitlines()[0][:160]
 

@@ -97,10 +97,15 @@ def tq_gqa_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: i
     return _time_iobinding(sess, io, iters), b * hkv * s * cfg.slot_size
 
 
-def gqa_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tuple[float, int]:
-    sess = ort.InferenceSession(baselines.gqa_model(hq, hkv, d, TensorProto.FLOAT16).SerializeToString(),
-                                providers=["CUDAExecutionProvider"])
-    f = baselines.gqa_feeds(rng, b, hq, hkv, d, s + 1, TensorProto.FLOAT16)
+def gqa_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng, cache: str | None = None) -> tuple[float, int]:
+    """ORT's GroupQueryAttention on an fp16 cache, or on its own quantized cache (cache = int8, int4,
+    fp8), the new token written into a shared buffer in place."""
+    extra = {"cache": cache} if cache else {}
+    model = baselines.gqa_model(hq, hkv, d, TensorProto.FLOAT16, **extra)
+    so = session_options()
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")  # GPU kernels or nothing
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
+    f = baselines.gqa_feeds(rng, b, hq, hkv, d, s + 1, TensorProto.FLOAT16, **extra)
     f["seqlens_k"] = np.full((b,), s, np.int32)
     io = sess.io_binding()
     vals = {k: _device_value(v) for k, v in f.items() if k != "total_sequence_length"}
@@ -110,7 +115,7 @@ def gqa_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tupl
     io.bind_output("out", "cuda")
     io.bind_ortvalue_output("present_key", vals["past_key"])  # shared buffer, updated in place
     io.bind_ortvalue_output("present_value", vals["past_value"])
-    return _time_iobinding(sess, io, iters), 2 * b * hkv * s * d * 2
+    return _time_iobinding(sess, io, iters), 2 * b * hkv * s * baselines.cache_bytes_per_row(d, TensorProto.FLOAT16, cache)
 
 
 def torch_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int):
@@ -166,6 +171,13 @@ def run(shapes, presets, iters: int = 50, seed: int = 0) -> list[dict]:
         t, nbytes = gqa_step(b, hq, hkv, d, s, iters, rng)
         row["ort_gqa_fp16_us"] = t * 1e6
         row["ort_gqa_fp16_bytes"] = nbytes
+        for cache in baselines.QUANT_CACHES:  # ORT's own quantized caches, where this build has them on CUDA
+            try:
+                t, nbytes = gqa_step(b, hq, hkv, d, s, iters, rng, cache)
+                row[f"ort_gqa_{cache}_us"] = t * 1e6
+                row[f"ort_gqa_{cache}_bytes"] = nbytes
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                row[f"ort_gqa_{cache}_error"] = str(e).splitlines()[0][:160]
         ts = torch_step(b, hq, hkv, d, s, iters)
         if ts:
             row["torch_sdpa_us"] = ts[0] * 1e6
@@ -180,6 +192,9 @@ def run(shapes, presets, iters: int = 50, seed: int = 0) -> list[dict]:
             t, nbytes = tq_gqa_step(preset, b, hq, hkv, d, s, iters, rng)
             row[f"{preset}_inplace_us"] = t * 1e6
             row[f"{preset}_inplace_x_vs_gqa"] = row["ort_gqa_fp16_us"] / row[f"{preset}_inplace_us"]
+            for cache in baselines.QUANT_CACHES:
+                if f"ort_gqa_{cache}_us" in row:
+                    row[f"{preset}_inplace_x_vs_gqa_{cache}"] = row[f"ort_gqa_{cache}_us"] / row[f"{preset}_inplace_us"]
             if bw:
                 row[f"{preset}_inplace_bw_fraction"] = nbytes / t / bw
         rows.append(row)

@@ -54,8 +54,12 @@ def measure(device: str, contexts: list[int], batches: list[int], presets: list[
     return points
 
 
+INPLACE = "_inplace"  # the CUDA bench's TQGroupQueryAttention (shared buffer) variant of a preset
+
+
 def is_baseline(name: str) -> bool:
-    return name not in TQ_PRESETS
+    """ORT's and torch's attention; everything named after a preset (its in-place variant too) is ours."""
+    return name.removesuffix(INPLACE) not in TQ_PRESETS
 
 
 def markdown(points: list[Point]) -> str:

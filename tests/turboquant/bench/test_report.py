@@ -2,6 +2,7 @@
 
 import json
 
+from turboquant.bench import report
 from turboquant.bench.__main__ import main
 
 
@@ -20,3 +21,14 @@ def test_report_on_a_tiny_grid(tmp_path, capsys):
     assert all(p["ms"] > 0 for p in points) and len(points) == 4 * len(names)
     for what in ("time", "bandwidth"):
         assert (out / f"attention-cpu-{what}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_in_place_variants_are_ours_not_baselines():
+    # the CUDA bench names TQGroupQueryAttention's runs "<preset>_inplace"; the table compares our best
+    # against the fastest baseline, which must be ORT's or torch's
+    points = [report.Point("cuda", 8, 32768, n, ms, None) for n, ms in
+              [("ort_gqa_fp16", 0.289), ("torch_sdpa", 0.252), ("turboquant_k8v4", 0.658),
+               ("turboquant_k8v4_inplace", 0.187), ("turboquant_3bit_nc_inplace", 0.200)]]
+    assert not report.is_baseline("turboquant_k8v4_inplace") and report.is_baseline("ort_gqa_fp16")
+    row = [line for line in report.markdown(points).splitlines() if line.startswith("| 8 |")][0]
+    assert row.endswith("| turboquant_k8v4_inplace 1.35x vs torch_sdpa |")
