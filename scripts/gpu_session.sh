@@ -45,6 +45,7 @@ if [ "$step" = check ]; then  # sanitizers, the benchmark and a kernel profile, 
   done | tee "$OUT/probe_sanitizers.log"
   timeout 200 python3 -m turboquant.bench attention --device cuda --repeat 30 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   python3 "$root/scripts/gpu_bench_table.py" "$OUT/bench.json"
+  timeout 120 python3 -m turboquant.bench pack --device cuda --json "$OUT/pack.json" 2>&1 | tee "$OUT/pack.log" | tail -8
   timeout 240 python3 -m turboquant.bench report --device cuda --batch 1 8 --context 2048 8192 32768 --repeat 20 \
     --out "$OUT/report" > "$OUT/report.log" 2>&1; echo "report rc=$?"
   printf 'import numpy as np, onnxruntime as ort\nort.preload_dlls()\nfrom turboquant.bench import cuda as c\nprint(c.tq_step("turboquant_4bit_nc", 8, 32, 8, 128, 32768, 3, np.random.default_rng(0)))\n' > /tmp/one.py

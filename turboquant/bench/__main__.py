@@ -1,4 +1,4 @@
-"""python -m turboquant.bench attention --device cpu [options]
+"""python -m turboquant.bench attention|report|pack --device cpu|cuda [options]
 
 Times one decode step (one new token) of TQAttention for each preset and of ONNX Runtime's own
 attention (GroupQueryAttention and ONNX Attention-23 on fp32 and fp16 caches) on the same shape,
@@ -41,7 +41,23 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--repeat", type=int, default=20)
     r.add_argument("--presets", nargs="+", default=list(TQ_PRESETS), choices=list(TQ_PRESETS))
     r.add_argument("--out", default="bench-report", help="folder for the table, JSON and plots (default ./bench-report)")
+    k = sub.add_parser("pack", help="TQPack throughput per format, against a copy in the same run")
+    k.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    k.add_argument("--vectors", type=int, default=1 << 21, help="fp16 vectors per call (default 2097152: 512 MiB)")
+    k.add_argument("--head-dim", type=int, default=128)
+    k.add_argument("--threads", type=int, default=os.cpu_count())
+    k.add_argument("--repeat", type=int, default=20)
+    k.add_argument("--json", help="write the results here as JSON")
     args = p.parse_args(argv)
+    if args.what == "pack":
+        from . import pack
+
+        rows = pack.run(args.device, args.vectors, args.head_dim, args.threads, args.repeat)
+        print(pack.report(rows, args.device))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     if args.what == "report":
         from . import report
 

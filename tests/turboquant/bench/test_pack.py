@@ -1,0 +1,20 @@
+"""The TQPack throughput bench on the CPU: every preset format timed against a copy of the same run."""
+
+import json
+
+from turboquant.bench.__main__ import main
+from turboquant.config import packed_size
+
+
+def test_pack_bench_times_every_format(tmp_path, capsys):
+    out = tmp_path / "pack.json"
+    assert main(["pack", "--device", "cpu", "--vectors", "512", "--head-dim", "64", "--threads", "1",
+                 "--repeat", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["format"] for r in rows] == ["mse4", "mse3", "fp8", "uint4", "uint3"]
+    for r in rows:
+        assert r["bytes_moved"] == 512 * (2 * 64 + packed_size(r["format"], 64))
+        assert r["seconds"] > 0 and r["copy_fraction"] > 0
+        assert abs(r["copy_fraction"] - r["GBps"] / r["copy_GBps"]) < 1e-9 * r["copy_fraction"]
+    printed = capsys.readouterr().out
+    assert "copy rate" in printed and all(f in printed for f in ("mse4", "uint3"))

@@ -1,0 +1,99 @@
+"""TQPack throughput: fp16 vectors in, packed bytes out, against a plain copy measured in the same
+process (on the GPU a device-to-device copy, on the CPU a numpy copy of the same kind of buffer).
+
+The fraction reported is (bytes read + bytes written) / time, over the copy's (bytes read + bytes
+written) / time: a pack at 0.5 moves its data at half the speed of copying it.
+
+    python -m turboquant.bench pack --device cuda --vectors 2097152
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto
+
+from .. import models
+from ..config import packed_size
+from ..ort import session_options
+
+FORMATS = ["mse4", "mse3", "fp8", "uint4", "uint3"]  # the presets' key and value formats
+
+
+def _median_seconds(run, repeat: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cpu_copy_rate(nbytes: int, repeat: int) -> float:
+    """Bytes read plus written per second of a numpy copy of nbytes."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    return 2 * nbytes / _median_seconds(lambda: np.copyto(dst, src), repeat)
+
+
+def _session(fmt: str, d: int, device: str, threads: int | None) -> ort.InferenceSession:
+    so = session_options(threads)
+    providers = ["CPUExecutionProvider"]
+    if device == "cuda":
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")  # the CUDA kernel or nothing
+        providers = ["CUDAExecutionProvider"]
+    model = models.pack_model(fmt, d, TensorProto.FLOAT16, rank=2)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+
+
+def run(device: str, vectors: int, head_dim: int = 128, threads: int | None = None, repeat: int = 20,
+        formats: list[str] | None = None, seed: int = 0) -> list[dict]:
+    """One row per format: seconds per TQPack call over `vectors` vectors, bytes moved, and the
+    fraction of the copy rate measured in the same run."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((vectors, head_dim)).astype(np.float16)
+    if device == "cuda":
+        if hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
+        from .cuda import copy_bandwidth
+
+        rate = copy_bandwidth()
+        x_dev = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
+    else:
+        rate = cpu_copy_rate(x.nbytes, repeat)
+    rows = []
+    for fmt in formats or FORMATS:
+        sess = _session(fmt, head_dim, device, threads)
+        if device == "cuda":
+            io = sess.io_binding()
+            io.bind_ortvalue_input("x", x_dev)
+            io.bind_output("packed", "cuda")
+
+            def call(sess=sess, io=io):
+                sess.run_with_iobinding(io)
+                io.synchronize_outputs()
+        else:
+            def call(sess=sess):
+                sess.run(None, {"x": x})
+        seconds = _median_seconds(call, repeat)
+        moved = x.nbytes + vectors * packed_size(fmt, head_dim)
+        rows.append({"format": fmt, "vectors": vectors, "head_dim": head_dim, "seconds": seconds, "bytes_moved": moved,
+                     "GBps": moved / seconds / 1e9, "copy_GBps": rate / 1e9 if rate else None,
+                     "copy_fraction": moved / seconds / rate if rate else None})
+    return rows
+
+
+def report(rows: list[dict], device: str) -> str:
+    lines = [f"TQPack on {device}: {rows[0]['vectors']} fp16 vectors of {rows[0]['head_dim']}; "
+             f"copy rate {rows[0]['copy_GBps']:.1f} GB/s (read + write, same run)" if rows and rows[0]["copy_GBps"]
+             else f"TQPack on {device}"]
+    lines.append(f"{'format':<8}{'ms/call':>10}{'GB/s':>10}{'x copy rate':>13}")
+    for r in rows:
+        frac = f"{r['copy_fraction']:.2f}" if r["copy_fraction"] else "n/a"
+        lines.append(f"{r['format']:<8}{r['seconds'] * 1e3:>10.3f}{r['GBps']:>10.1f}{frac:>13}")
+    return "\n".join(lines)
