@@ -102,8 +102,9 @@ def gqa_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng, cache: 
     fp8), the new token written into a shared buffer in place."""
     extra = {"cache": cache} if cache else {}
     model = baselines.gqa_model(hq, hkv, d, TensorProto.FLOAT16, **extra)
-    so = session_options()
-    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")  # GPU kernels or nothing
+    so = ort.SessionOptions()
+    if cache:  # a quantized cache this build has no CUDA kernel for must fail, not run on the CPU
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
     f = baselines.gqa_feeds(rng, b, hq, hkv, d, s + 1, TensorProto.FLOAT16, **extra)
     f["seqlens_k"] = np.full((b,), s, np.int32)
