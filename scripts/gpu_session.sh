@@ -35,7 +35,7 @@ if [ "$step" = check ]; then  # sanitizers, the benchmark and a kernel profile, 
   timeout 150 $CS --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" \
     -k "cuda and (generation or presets_every or offsets or mqa or pack or genai_style)" > "$OUT/racecheck.log" 2>&1
   echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|passed|failed' "$OUT/racecheck.log" | tr '\n' ' ')"
-  ( cd /tmp/tqsrc && nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu \
+  ( cd /tmp/tqsrc && /usr/local/cuda/bin/nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu \
       ops/cuda/attention.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/pack.cu ops/cpu/attention.cpp \
       ops/cpu/pack.cpp -o /tmp/probe ) > "$OUT/probe_build.log" 2>&1
   for tool in memcheck racecheck; do
