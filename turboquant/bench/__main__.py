@@ -1,8 +1,9 @@
 """python -m turboquant.bench attention|report|pack --device cpu|cuda [options]
 
 Times one decode step (one new token) of TQAttention for each preset and of ONNX Runtime's own
-attention (GroupQueryAttention and ONNX Attention-23 on fp32 and fp16 caches) on the same shape,
-with the same thread count, in one process, and prints each preset's speed-up over each baseline.
+attention (GroupQueryAttention on fp32, fp16 and its own int8/int4/fp8 caches, ONNX Attention-23)
+on the same shape, with the same thread count, in one process, and prints each preset's speed-up
+over each baseline; `pack` times TQPack against a copy.
 """
 
 from __future__ import annotations
