@@ -35,21 +35,20 @@ if [ "$step" = check ]; then  # sanitizers, the benchmark and a kernel profile, 
   timeout 150 $CS --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" \
     -k "cuda and (generation or presets_every or offsets or mqa or pack or genai_style)" > "$OUT/racecheck.log" 2>&1
   echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|passed|failed' "$OUT/racecheck.log" | tr '\n' ' ')"
-  ( cd /tmp/tqsrc && /usr/local/cuda/bin/nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu \
-      ops/cuda/attention.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/pack.cu ops/cpu/attention.cpp \
-      ops/cpu/pack.cpp -o /tmp/probe ) > "$OUT/probe_build.log" 2>&1
+  ( cd /tmp/tqsrc && NVCC=/usr/local/cuda/bin/nvcc bash scripts/build_probe.sh /tmp/probe ) > "$OUT/probe_build.log" 2>&1
   for tool in memcheck racecheck; do
-    for a in "2 37 mse4 uint4 1 0" "2 999 mse4 uint4 1 1" "1 300 fp8 uint4 1 1" "2 999 mse3 uint3 1 1" "1 513 mse3 uint4 1 5"; do
-      echo "probe $tool $a: $(timeout 60 $CS --tool $tool --error-exitcode 9 /tmp/probe $a 2>&1 | grep -E 'max |ERROR SUMMARY|RACECHECK SUMMARY' | tr '\n' ' ')"
+    for a in "2 37 mse4 uint4 1 0" "2 999 mse4 uint4 1 1" "1 300 fp8 uint4 1 1" "2 999 mse3 uint3 1 1" "1 513 mse3 uint4 1 5" \
+             "2 999 mse4 uint4 1 0 68 1" "2 999 mse3 uint4 1 1 0 1" "3 1000 fp8 uint4 1 0 0 1"; do
+      echo "probe $tool $a: $(timeout 60 $CS --tool $tool --error-exitcode 9 /tmp/probe $a 2>&1 | grep -E 'max |differing|ERROR SUMMARY|RACECHECK SUMMARY' | tr '\n' ' ')"
     done
   done | tee "$OUT/probe_sanitizers.log"
-  timeout 200 python3 -m turboquant.bench attention --device cuda --repeat 30 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-  python3 "$root/scripts/gpu_bench_table.py" "$OUT/bench.json"
+  timeout 300 python3 -m turboquant.bench attention --device cuda --repeat 30 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  grep -v "^{" "$OUT/bench.log"
   timeout 120 python3 -m turboquant.bench pack --device cuda --json "$OUT/pack.json" 2>&1 | tee "$OUT/pack.log" | tail -8
   timeout 240 python3 -m turboquant.bench report --device cuda --batch 1 8 --context 2048 8192 32768 --repeat 20 \
     --out "$OUT/report" > "$OUT/report.log" 2>&1; echo "report rc=$?"
   printf 'import numpy as np, onnxruntime as ort\nort.preload_dlls()\nfrom turboquant.bench import cuda as c\nprint(c.tq_step("turboquant_4bit_nc", 8, 32, 8, 128, 32768, 3, np.random.default_rng(0)))\n' > /tmp/one.py
   timeout 120 /usr/local/cuda/bin/ncu --clock-control none --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed \
-    --kernel-name regex:"split|merge|pack" --launch-skip 4 --launch-count 4 python3 /tmp/one.py 2>&1 | grep -E "kernel|gpu__time|sm__" > "$OUT/ncu.log"
+    --kernel-name regex:"split|finish|pack" --launch-skip 4 --launch-count 4 python3 /tmp/one.py 2>&1 | grep -E "kernel|gpu__time|sm__" > "$OUT/ncu.log"
   cat "$OUT/ncu.log"
 fi

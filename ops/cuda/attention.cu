@@ -8,8 +8,9 @@
 //    the codebook centroids, without dequantizing; fp8/raw16 keys against q. A block-wide online
 //    softmax follows, then every thread owns head-size columns and adds the tile's values,
 //    dequantized in registers. It writes (max, sum, acc[Dv]) per row and split.
-// 3. merge_kernel: one block per query row merges the splits with log-sum-exp, adds the new tokens
-//    exactly (float K/V, key offset removed), restores the value offset and writes Y.
+// 3. finish_kernel: one block per query row merges the splits with log-sum-exp, adds the new tokens
+//    exactly (float K/V, key offset removed), restores the value offset and writes Y; in the same
+//    launch, other blocks pack the new tokens into the present caches (pack_device.cuh).
 #include <cfloat>
 #include <cmath>
 
@@ -17,6 +18,7 @@
 #include <cuda_fp8.h>
 #include <cuda_pipeline.h>
 
+#include "pack_device.cuh"
 #include "split_common.cuh"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/float_io.h"
@@ -416,16 +418,13 @@ __device__ float block_sum(float v, float* red) {
   return total;
 }
 
-__global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p, Layout l, const void* q, const void* k,
-                                                         const void* v, const void* mask, const float* partial,
-                                                         void* y) {
-  const int64_t gr = blockIdx.x;  // (b, hkv, row)
+// Query row gr = (b, hkv, row) by the block's threads: red and qrow are the block's scratch.
+__device__ void merge_row(const AttentionParams& p, const Layout& l, const void* q, const void* k, const void* v,
+                          const void* mask, const float* partial, void* y, int64_t gr, float* red, float* qrow) {
   const int64_t bh = gr / l.rows, row = gr % l.rows;
   const int64_t b = bh / p.kv_heads, hkv = bh % p.kv_heads;
   const int64_t pos = row / l.group, hq = hkv * l.group + row % l.group;
   const int d = p.head_dim, dv = p.v_head_dim, tid = threadIdx.x;
-  __shared__ float red[kThreads / 32];
-  __shared__ float qrow[kMaxHeadDim];
 
   float m = -INFINITY, sum = 0.0f, acc[kMaxCols];
   for (int c = 0; c < kMaxCols; ++c) acc[c] = 0.0f;
@@ -484,6 +483,39 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttentionParams p, Layo
   }
 }
 
+static_assert(kThreads == kPackThreads, "the finish kernel's merge and packing blocks share a size");
+
+// The last launch of a step: blocks [0, merge_blocks) merge one query row each, the next
+// kj.blocks pack the new keys, the rest the new values. FK, FV: the caches' formats, or any pair
+// (chosen at run time) when kAny.
+template <Format FK, Format FV, bool kAny>
+__global__ void __launch_bounds__(kThreads)
+    finish_kernel(AttentionParams p, Layout l, const void* q, const void* k, const void* v, const void* mask,
+                  const float* partial, void* y, uint32_t merge_blocks, PackJob kj, PackJob vj) {
+  __shared__ float red[kThreads / 32];
+  __shared__ float qrow[kMaxHeadDim];
+  __shared__ float z[kPackWarps][kMaxHeadDim];
+  __shared__ uint8_t idx[kPackWarps][kMaxHeadDim];
+  __shared__ double cent[16];
+  const uint32_t block = blockIdx.x;
+  if (block < merge_blocks) {
+    merge_row(p, l, q, k, v, mask, partial, y, block, red, qrow);
+  } else if (block - merge_blocks < kj.blocks) {
+    if constexpr (kAny) {
+      pack_block_any(kj, block - merge_blocks, p.norm_correction, p.dtype, cent, z, idx);
+    } else {
+      pack_block<FK>(kj, block - merge_blocks, p.norm_correction, p.dtype, cent, z, idx);
+    }
+  } else {
+    const uint32_t vb = block - merge_blocks - static_cast<uint32_t>(kj.blocks);
+    if constexpr (kAny) {
+      pack_block_any(vj, vb, p.norm_correction, p.dtype, cent, z, idx);
+    } else {
+      pack_block<FV>(vj, vb, p.norm_correction, p.dtype, cent, z, idx);
+    }
+  }
+}
+
 template <int kRows>
 cudaError_t launch_split(dim3 grid, int smem, cudaStream_t stream, const AttentionParams& p, const Layout& l,
                          const void* q, const void* mask, const uint8_t* past_key, const uint8_t* past_value,
@@ -500,23 +532,56 @@ cudaError_t launch_split(dim3 grid, int smem, cudaStream_t stream, const Attenti
   return cudaGetLastError();
 }
 
-// present = past (unless it is the same buffer) with the new tokens packed after each sequence's past.
-cudaError_t write_present(const AttentionParams& p, Format fmt, int d, int64_t row_bytes, const BhsStrides& st,
-                          const void* x, const float* offset, const uint8_t* past, uint8_t* present,
-                          cudaStream_t stream) {
+// present = past, unless it is the same buffer (the new tokens are packed after each sequence's past
+// by the finish kernel).
+cudaError_t copy_past(const AttentionParams& p, int64_t row_bytes, const uint8_t* past, uint8_t* present,
+                      cudaStream_t stream) {
   const int64_t past_rows = p.past_rows_or_len(), present_rows = p.present_rows_or_total();
-  if (past != nullptr && past != present && past_rows > 0 && p.batch * p.kv_heads > 0) {
-    cudaError_t e = cudaMemcpy2DAsync(present, present_rows * row_bytes, past, past_rows * row_bytes,
-                                      past_rows * row_bytes, p.batch * p.kv_heads, cudaMemcpyDeviceToDevice, stream);
-    if (e != cudaSuccess) return e;
-  }
+  if (past == nullptr || past == present || past_rows == 0 || p.batch * p.kv_heads == 0) return cudaSuccess;
+  return cudaMemcpy2DAsync(present, present_rows * row_bytes, past, past_rows * row_bytes, past_rows * row_bytes,
+                           p.batch * p.kv_heads, cudaMemcpyDeviceToDevice, stream);
+}
+
+PackJob new_token_job(const AttentionParams& p, Format fmt, int d, int64_t row_bytes, const BhsStrides& st,
+                      const void* x, const float* offset, uint8_t* present) {
   NewTokenRows rows;
-  rows.present_rows = present_rows;
+  rows.present_rows = p.present_rows_or_total();
   rows.row_bytes = row_bytes;
   rows.past_len = p.past_len;
   rows.past_lens = p.past_lens;
-  return pack_new_tokens(fmt, d, p.norm_correction, p.dtype, x, st, p.batch, p.kv_heads, p.new_len, rows, offset,
-                         present, stream);
+  rows.past_lens_bias = p.past_lens_bias;
+  return detail::new_token_job(fmt, d, x, st, p.batch, p.kv_heads, p.new_len, rows, offset, present);
+}
+
+template <Format FK, Format FV, bool kAny = false>
+cudaError_t launch_finish(unsigned blocks, const AttentionParams& p, const Layout& l, const void* q, const void* k,
+                          const void* v, const void* mask, const float* partial, void* y, uint32_t merge_blocks,
+                          const PackJob& kj, const PackJob& vj, cudaStream_t stream) {
+  finish_kernel<FK, FV, kAny><<<blocks, kThreads, 0, stream>>>(p, l, q, k, v, mask, partial, y, merge_blocks, kj, vj);
+  return cudaGetLastError();
+}
+
+// The merge of the query rows and the packing of the new tokens, in one launch: a kernel
+// specialised for the presets' format pairs, a general one for the others.
+cudaError_t finish(const AttentionParams& p, const Layout& l, const void* q, const void* k, const void* v,
+                   const void* mask, const float* partial, void* y, uint8_t* present_key, uint8_t* present_value,
+                   cudaStream_t stream) {
+  const PackJob kj = new_token_job(p, p.key_format, p.head_dim, p.key_row(), p.k, k, p.key_offset, present_key);
+  const PackJob vj = new_token_job(p, p.value_format, p.v_head_dim, p.value_row(), p.v, v, p.value_offset, present_value);
+  const int64_t merges = p.q_len > 0 ? p.batch * p.kv_heads * l.rows : 0;
+  const int64_t blocks = merges + kj.blocks + vj.blocks;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT32_MAX || kj.n > INT32_MAX || vj.n > INT32_MAX) return cudaErrorInvalidValue;
+  const auto m = static_cast<uint32_t>(merges);
+  const auto n = static_cast<unsigned>(blocks);
+  using F = Format;
+  const F kf = p.key_format, vf = p.value_format;
+  if (kf == F::kMse4 && vf == F::kUint4) return launch_finish<F::kMse4, F::kUint4>(n, p, l, q, k, v, mask, partial, y, m, kj, vj, stream);
+  if (kf == F::kFp8 && vf == F::kUint4) return launch_finish<F::kFp8, F::kUint4>(n, p, l, q, k, v, mask, partial, y, m, kj, vj, stream);
+  if (kf == F::kMse3 && vf == F::kUint4) return launch_finish<F::kMse3, F::kUint4>(n, p, l, q, k, v, mask, partial, y, m, kj, vj, stream);
+  if (kf == F::kMse3 && vf == F::kUint3) return launch_finish<F::kMse3, F::kUint3>(n, p, l, q, k, v, mask, partial, y, m, kj, vj, stream);
+  if (kf == F::kRaw16 && vf == F::kRaw16) return launch_finish<F::kRaw16, F::kRaw16>(n, p, l, q, k, v, mask, partial, y, m, kj, vj, stream);
+  return launch_finish<F::kMse4, F::kUint4, true>(n, p, l, q, k, v, mask, partial, y, m, kj, vj, stream);
 }
 
 }  // namespace
@@ -530,15 +595,12 @@ size_t attention_workspace_bytes(const AttentionParams& p, int num_sms) {
 cudaError_t attention(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
                       const uint8_t* past_key, const uint8_t* past_value, void* y, uint8_t* present_key,
                       uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream) {
-  cudaError_t e = write_present(p, p.key_format, p.head_dim, p.key_row(), p.k, k, p.key_offset, past_key, present_key,
-                                stream);
+  cudaError_t e = copy_past(p, p.key_row(), past_key, present_key, stream);
   if (e != cudaSuccess) return e;
-  e = write_present(p, p.value_format, p.v_head_dim, p.value_row(), p.v, v, p.value_offset, past_value, present_value,
-                    stream);
-  if (e != cudaSuccess) return e;
-  if (p.q_len == 0 || p.batch == 0) return cudaSuccess;
-  const Layout l = make_layout(p, num_sms);
-  if (p.past_len > 0) {
+  if ((e = copy_past(p, p.value_row(), past_value, present_value, stream)) != cudaSuccess) return e;
+  if (p.batch == 0) return cudaSuccess;
+  const Layout l = make_layout(p, num_sms);  // of the query rows: none when q_len is 0
+  if (p.q_len > 0 && p.past_len > 0) {
     dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
     float* part = static_cast<float*>(workspace);
     const int smem = l.buffers * l.stage_bytes;
@@ -560,9 +622,7 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
     if (e != cudaSuccess) return e;
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
   }
-  merge_kernel<<<static_cast<unsigned>(p.batch * p.kv_heads * l.rows), kThreads, 0, stream>>>(
-      p, l, q, k, v, mask, static_cast<const float*>(workspace), y);
-  return cudaGetLastError();
+  return finish(p, l, q, k, v, mask, static_cast<const float*>(workspace), y, present_key, present_value, stream);
 }
 
 }  // namespace turboquant::cuda

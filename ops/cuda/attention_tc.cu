@@ -27,20 +27,26 @@
 #include <atomic>
 #include <cfloat>
 #include <cmath>
+#include <type_traits>
 
 #include "split_common.cuh"
 #include "turboquant/float_io.h"
 #include "turboquant/vector_codec.h"
 
+// The split kernel's dynamic shared memory, under a plain name so that inline PTX can take its
+// shared-space address as a constant (the table lookups then add their offset inside the load).
+extern "C" __shared__ __align__(16) unsigned char turboquant_tc_smem[];
+
 namespace turboquant::cuda::detail {
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
 constexpr int kTok = 32;       // tokens per warp tile (two m16 row tiles)
 constexpr int kRowsMax = 8;    // query rows per block: the N of the products
 constexpr int kCopies = 32;    // copies of the byte table, one per lane
 constexpr int kMaxDevices = 64;
+
+// One block per SM: 16 warps, or 8 at head size 256 (whose double buffers are twice as large).
+__host__ __device__ constexpr int warps_for(int kd) { return kd >= 256 ? 8 : 16; }
 constexpr float kCodeUnit = 16777216.0f;  // 2^24: value codes enter the products as fp16 subnormals
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -67,6 +73,48 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; 2^-inf = 0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// Hopper's bulk copies (cp.async.bulk): one instruction moves a tile into shared memory and
+// signals an mbarrier, where per-lane cp.async took ~160 instructions per tile (address arithmetic
+// and loop control). Before sm_90 the tiles keep per-lane cp.async.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TQ_BULK_COPY 1
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+// Barriers and buffers by their 32-bit shared-window addresses, worked out once per warp.
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also expects `bytes` of bulk copies before the phase completes.
+__device__ __forceinline__ void mbar_arrive_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// The buffer's earlier reads are ordered before the copy by the warp's own __syncwarp; earlier
+// writes through the generic proxy need a fence.proxy.async (see copy_exact).
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+#endif
+
+// A 32-bit load from a shared-memory address (as the table lookups form it: base + offset, which
+// the load instruction can add itself).
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
 }
 
 // Two e4m3 codes (low byte first) as a half2. From sm_89 the hardware converts them exactly; before,
@@ -123,16 +171,72 @@ __host__ __device__ constexpr uint32_t window(int byte) {  // bytes byte, byte+1
 }
 
 __host__ __device__ constexpr int round16(int n) { return (n + 15) / 16 * 16; }
-__host__ __device__ inline int key_tile_bytes(int kb) { return round16(kTok * kb + 16); }  // +16: funnel-shift over-read
-__host__ __device__ inline int value_tile_bytes(int vb) { return round16(kTok * vb); }
+// A tile's rows land at its buffer's byte (source address mod 16), plus 4 bytes that a funnel shift
+// may read past the last row.
+__host__ __device__ inline int key_tile_bytes(int kb) { return round16(kTok * kb + 16 + 4); }
+__host__ __device__ inline int value_tile_bytes(int vb) { return round16(kTok * vb + 16 + 4); }
 __host__ __device__ inline int warp_stage_bytes(int kb, int vb) { return 2 * (key_tile_bytes(kb) + value_tile_bytes(vb)); }
+
+// The byte table of centroid pairs: one copy per lane of a row per pair value (256 pairs of MSE
+// 4-bit codes, 64 of 3-bit ones). Up to head size 128, MSE 4-bit rows are 256 bytes (the first
+// 128 used) and the table starts at a 64 KiB boundary of the block's shared-memory window, so that
+// a lookup's address is one byte permute of (table | lane * 4) and the code byte, taken by the load
+// as it is; otherwise rows are 128 bytes and the address a shift and a masked or.
+__host__ __device__ constexpr bool permuted_table(int key_bits, int kd) { return key_bits == 4 && kd <= 128; }
+__host__ __device__ constexpr int table_row_bytes(int key_bits, int kd) { return permuted_table(key_bits, kd) ? 256 : 128; }
+__host__ __device__ constexpr int table_bytes(int key_bits, int kd) {
+  return key_bits == 8 ? 0 : (key_bits == 4 ? 256 : 64) * table_row_bytes(key_bits, kd);
+}
+__host__ __device__ constexpr int fragment_bytes(int kd) { return kd / 16 * 32 * 16; }
+__host__ __device__ constexpr int query_bytes(int kd) { return kRowsMax * kd * 4; }
+constexpr int kWindow = 65536;
+constexpr int kDynStartMax = 4096;  // where the dynamic part starts in the window at most: 1 KiB reserved + static arrays
+
+// Byte offsets within the block's dynamic shared memory, which starts `start` bytes into a 64 KiB
+// window: the query fragments and rows, the warps' double buffers (the first low_warps below a
+// permuted table, the others above it), the warps' states at the end (over the buffers), the table.
+struct SmemLayout {
+  int table, fragments, queries, low_warps, low_stages, high_stages, states, bytes;
+};
+__host__ __device__ inline SmemLayout smem_layout(int key_bits, int kd, int kb, int vb, int start) {
+  SmemLayout s{};
+  const int warps = warps_for(kd), stage = warp_stage_bytes(kb, vb);
+  const int states = warps * kRowsMax * (3 + kd) * 4;
+  if (permuted_table(key_bits, kd)) {
+    s.fragments = 0;
+    s.queries = fragment_bytes(kd);
+    s.low_stages = s.queries + query_bytes(kd);
+    s.table = kWindow - start;
+    const int room = kWindow - kDynStartMax - s.low_stages;  // below the table, wherever it starts
+    s.low_warps = room / stage < warps ? room / stage : warps;
+    s.high_stages = s.table + table_bytes(key_bits, kd);
+    s.states = s.high_stages;
+    const int high = (warps - s.low_warps) * stage;
+    s.bytes = s.high_stages + (high > states ? high : states);
+  } else {
+    s.table = 0;
+    s.fragments = table_bytes(key_bits, kd);
+    s.queries = s.fragments + fragment_bytes(kd);
+    s.low_stages = s.high_stages = s.states = s.queries + query_bytes(kd);
+    s.low_warps = warps;
+    s.bytes = s.low_stages + (warps * stage > states ? warps * stage : states);
+  }
+  return s;
+}
+// What the launch asks for: the layout of the earliest start (its table lies highest).
+__host__ __device__ inline int dynamic_bytes(int key_bits, int kd, int kb, int vb) {
+  return smem_layout(key_bits, kd, kb, vb, 0).bytes;
+}
 
 // kKeyBits: 4 or 3 (MSE keys) or 8 (fp8 keys); kValBits: 4 or 3 (uint values); kD: the key
 // product's length (MSE: the padded head size; fp8: the head size) and the value head size.
-template <int kKeyBits, int kValBits, int kD>
-__global__ void __launch_bounds__(kThreads, kD >= 256 ? 1 : 2)
+// kKeyWords4: every key row starts 4-byte aligned in shared memory (rows of a multiple of 4 bytes,
+// as onnxruntime-genai's shared buffers have), so code groups are read without funnel shifts.
+template <int kKeyBits, int kValBits, int kD, bool kKeyWords4>
+__global__ void __launch_bounds__(warps_for(kD) * 32, 1)
     tc_split_kernel(AttentionParams p, Layout l, const void* q, const uint8_t* past_key, const uint8_t* past_value,
                     float* partial) {
+  constexpr int kWarps = warps_for(kD), kThreads = kWarps * 32;
   constexpr bool kFp8 = kKeyBits == 8;
   constexpr int kSteps = kD / 16;                     // k-steps of the score product
   constexpr int kKeyWords = kFp8 ? kSteps : kD / 32;  // code groups (4 or 3 bytes) of a key row per lane
@@ -140,29 +244,151 @@ __global__ void __launch_bounds__(kThreads, kD >= 256 ? 1 : 2)
   constexpr int kMt = 4 * kValWords;                  // m16 tiles of O^T (dv / 16)
   constexpr int kPairs = kKeyBits == 3 ? 64 : 256;    // code pairs the table holds
   constexpr int kKeyPayload = kD * kKeyBits / 8, kValPayload = kD * kValBits / 8;
-  __shared__ uint32_t lut[kFp8 ? 1 : kPairs * kCopies];  // [pair][lane]: half2 (centroid of the first code, of the second)
-  __shared__ uint4 qf[kSteps][32];  // per k-step and lane: B fragments (hi b0, hi b1, lo b0, lo b1)
   __shared__ float row_factor[kRowsMax];
   __shared__ int64_t row_pos[kRowsMax], row_hq[kRowsMax];
-  extern __shared__ __align__(16) uint8_t dyn[];
+  constexpr bool kPermuted = permuted_table(kKeyBits, kD);
+  uint8_t* dyn = turboquant_tc_smem;
+  uint32_t dyn_at;  // the dynamic part's shared-window address
+  asm("mov.u32 %0, turboquant_tc_smem;\n" : "=r"(dyn_at));
+  const int kb = static_cast<int>(p.key_row()), vb = static_cast<int>(p.value_row());
+  const SmemLayout sl = smem_layout(kKeyBits, kD, kb, vb, static_cast<int>(dyn_at % kWindow));
+  if (kPermuted && dyn_at % kWindow > kDynStartMax) __trap();  // cannot happen: 1 KiB reserved + < 1 KiB static
+  uint32_t* lut = reinterpret_cast<uint32_t*>(dyn + sl.table);  // [pair][lane]: half2 (centroids of the two codes)
+  uint4* qf = reinterpret_cast<uint4*>(dyn + sl.fragments);  // [k-step][lane]: hi b0, hi b1, lo b0, lo b1
+  float* qv = reinterpret_cast<float*>(dyn + sl.queries);    // [kRowsMax][kD]
 
   const int64_t bh = blockIdx.x;
   const int split = blockIdx.y;
   const int64_t b = bh / p.kv_heads, hkv = bh % p.kv_heads;
   const int64_t row0 = static_cast<int64_t>(blockIdx.z) * l.rows_per_block;
   const int rows = static_cast<int>(min(static_cast<int64_t>(l.rows_per_block), l.rows - row0));
-  const int kb = static_cast<int>(p.key_row()), vb = static_cast<int>(p.value_row());
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
 
+  // --- this warp's tiles: the first one is fetched before the block's set-up ---
+  const int ktile = key_tile_bytes(kb), tile = ktile + value_tile_bytes(vb);
+  uint8_t* stage = warp < sl.low_warps ? dyn + sl.low_stages + warp * 2 * tile
+                                       : dyn + sl.high_stages + (warp - sl.low_warps) * 2 * tile;
+  const int64_t begin = static_cast<int64_t>(split) * l.split_len;
+  const int len = static_cast<int>(max(static_cast<int64_t>(0), min(p.past_of(b), begin + l.split_len) - begin));
+  const uint8_t* keys = past_key + (bh * p.past_rows_or_len() + begin) * kb;  // this split's rows
+  const uint8_t* vals = past_value + (bh * p.past_rows_or_len() + begin) * vb;
+  constexpr int kChunks = kD / 16;  // fp8 rows: 16-byte chunks
+
+  // Full tiles are copied as the 16-byte chunks that cover them (16-byte aligned, which rows of 66
+  // or 68 bytes rarely start at) into their buffer from byte (source address mod 16): the same for
+  // every tile of the warp, since a tile is 32 rows, a multiple of 16 bytes. On sm_90 one bulk copy
+  // per cache and tile, else per-lane cp.async. Chunks would leave a cache only at its first or last
+  // bytes: those tiles, and the partial ones at the end, are copied exactly. Value rows must stay
+  // 4-byte aligned: if the value cache is not, its tiles are copied exactly to the buffer's start.
+  const uint8_t* key_end = past_key + p.batch * p.kv_heads * p.past_rows_or_len() * kb;
+  const uint8_t* val_end = past_value + p.batch * p.kv_heads * p.past_rows_or_len() * vb;
+  const int kdelta = kFp8 ? 0 : static_cast<int>(reinterpret_cast<uintptr_t>(keys) & 15);
+  const int vdelta_raw = static_cast<int>(reinterpret_cast<uintptr_t>(vals) & 15);
+  const int vdelta = vdelta_raw % 4 == 0 ? vdelta_raw : 0;
+  const int kspan = round16(kdelta + kTok * kb), vspan = round16(vdelta + kTok * vb);
+#ifdef TQ_BULK_COPY
+  __shared__ __align__(8) uint64_t bars[kWarps][2];  // per warp and buffer: its bulk copies landed
+  const uint32_t bar_at = smem_u32(&bars[warp][0]), stage_at = smem_u32(stage);
+  if (lane == 0) {
+    mbar_init(bar_at);
+    mbar_init(bar_at + 8);
+  }
+  __syncwarp();
+#endif
+  // Tile r0's chunks start at from0 + r0 * row. Tiles r0 in [lo, hi] are full and their chunks lie
+  // inside the cache: worked out once, so that a tile's copy costs a few instructions.
+  const uint8_t* kfrom0 = keys - kdelta;
+  const uint8_t* vfrom0 = vals - vdelta;
+  auto span_tiles = [&](const uint8_t* from0, const uint8_t* base, const uint8_t* end, int row, int span, int* lo) {
+    *lo = from0 < base ? kTok : 0;
+    const int64_t room = (end - from0) - span;  // r0 * row <= room
+    return static_cast<int>(min(room < 0 ? int64_t{-1} : room / row, static_cast<int64_t>(len) - kTok));
+  };
+  int k_lo = 0, v_lo = 0;
+  const int k_hi = kFp8 ? -1 : span_tiles(kfrom0, past_key, key_end, kb, kspan, &k_lo);
+  const int v_hi = vdelta == vdelta_raw ? span_tiles(vfrom0, past_value, val_end, vb, vspan, &v_lo) : -1;
+  auto key_spans = [&](int r0) { return r0 >= k_lo && r0 <= k_hi; };
+  auto value_spans = [&](int r0) { return r0 >= v_lo && r0 <= v_hi; };
+  // The other copies: fp8 keys (swizzled chunks, asynchronous), and the tiles copied exactly
+  // (complete on return: rare, and bulk copies may write the buffer later, which needs the
+  // generic-proxy writes fenced first).
+  auto copy_exact = [&](int r0, uint8_t* dst, bool kspans, bool vspans) {
+    const int n = min(kTok, len - r0);
+    const uint8_t* ksrc = keys + static_cast<int64_t>(r0) * kb;
+    if (kFp8) {
+      for (int i = lane; i < n * kChunks; i += 32) {
+        const int u = i / kChunks, c = i % kChunks;
+        __pipeline_memcpy_async(dst + u * kb + 16 * (c ^ fp8_swizzle(u, kChunks)), ksrc + u * kb + 16 * c, 16);
+      }
+    }
+    if ((!kFp8 && !kspans) || !vspans) {
+      if (!kFp8 && !kspans) warp_copy_async(dst + kdelta, ksrc, n * kb, lane);
+      if (!vspans) warp_copy_async(dst + ktile + vdelta, vals + static_cast<int64_t>(r0) * vb, n * vb, lane);
+      __pipeline_commit();
+      __pipeline_wait_prior(0);
+      __syncwarp();
+#ifdef TQ_BULK_COPY
+      if (lane == 0) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+    }
+  };
+  // The usual tile (full, both caches' chunks inside them): no other check.
+  const int fast_lo = max(k_lo, v_lo), fast_hi = min(k_hi, v_hi);
+  auto fetch = [&](int r0, int buf) {  // start copying the tile of rows r0.. into buffer buf
+    uint8_t* dst = stage + buf * tile;
+    const bool fast = r0 >= fast_lo && r0 <= fast_hi;
+    const bool kspans = fast || key_spans(r0), vspans = fast || value_spans(r0);
+    if (!fast) copy_exact(r0, dst, kspans, vspans);
+#ifdef TQ_BULK_COPY
+    if (lane == 0) {
+      const uint32_t bar = bar_at + 8 * buf, dst_at = stage_at + buf * tile;
+      if (fast) {
+        mbar_arrive_expect(bar, kspan + vspan);
+        bulk_copy(dst_at, kfrom0 + r0 * kb, kspan, bar);
+        bulk_copy(dst_at + ktile, vfrom0 + r0 * vb, vspan, bar);
+      } else {
+        mbar_arrive_expect(bar, (kspans ? kspan : 0) + (vspans ? vspan : 0));
+        if (kspans) bulk_copy(dst_at, kfrom0 + r0 * kb, kspan, bar);
+        if (vspans) bulk_copy(dst_at + ktile, vfrom0 + r0 * vb, vspan, bar);
+      }
+    }
+#else
+    if (kspans) {
+      const uint8_t* from = kfrom0 + r0 * kb;
+      for (int i = lane; i < kspan / 16; i += 32) __pipeline_memcpy_async(dst + 16 * i, from + 16 * i, 16);
+    }
+    if (vspans) {
+      const uint8_t* from = vfrom0 + r0 * vb;
+      for (int i = lane; i < vspan / 16; i += 32) __pipeline_memcpy_async(dst + ktile + 16 * i, from + 16 * i, 16);
+    }
+#endif
+    __pipeline_commit();
+  };
+  // Waits for the copies into buffer buf (its use-th fill) and makes them visible to the warp.
+  auto landed = [&](int buf, int use, bool newer_pending) {
+    if (newer_pending) {
+      __pipeline_wait_prior(1);
+    } else {
+      __pipeline_wait_prior(0);
+    }
+#ifdef TQ_BULK_COPY
+    mbar_wait(bar_at + 8 * buf, use & 1);
+#endif
+    __syncwarp();
+  };
+  const int stride = kWarps * kTok;
+  if (warp * kTok < len) fetch(warp * kTok, 0);
+
   if (!kFp8) {
+    constexpr int kRowWords = table_row_bytes(kKeyBits, kD) / 4;
     const double* c = codec::centroids(kKeyBits);
     for (int i = tid; i < kPairs * kCopies; i += kThreads) {
       const int e = i / kCopies, mask = (1 << kKeyBits) - 1;
-      lut[i] = pack_half2(static_cast<float>(c[e & mask]), static_cast<float>(c[e >> kKeyBits]));
+      lut[e * kRowWords + i % kCopies] =
+          pack_half2(static_cast<float>(c[e & mask]), static_cast<float>(c[e >> kKeyBits]));
     }
   }
   // --- the block's query rows: rotated (MSE), normalised per row, split into fp16 hi + lo ---
-  float* qv = reinterpret_cast<float*>(dyn);  // [kRowsMax][kD], before the stages use the space
   if (tid < kRowsMax) {
     const int64_t row = row0 + tid;
     row_pos[tid] = row / l.group;
@@ -170,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, kD >= 256 ? 1 : 2)
   }
   __syncthreads();
   load_query_rows(p, q, b, row_hq, row_pos, rows, kRowsMax, kD, !kFp8, qv);
-  {  // warp r: row r's largest magnitude
+  if (warp < kRowsMax) {  // warp r: row r's largest magnitude
     float m = 0.0f;
     for (int i = lane; i < kD; i += 32) m = fmaxf(m, fabsf(qv[warp * kD + i]));
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -189,64 +415,12 @@ __global__ void __launch_bounds__(kThreads, kD >= 256 ? 1 : 2)
       hi[j] = __half2float(__float2half_rn(x));
       lo[j] = x - hi[j];
     }
-    qf[s][ln] = make_uint4(pack_half2(hi[0], hi[1]), pack_half2(hi[2], hi[3]), pack_half2(lo[0], lo[1]),
-                           pack_half2(lo[2], lo[3]));
+    qf[s * 32 + ln] = make_uint4(pack_half2(hi[0], hi[1]), pack_half2(hi[2], hi[3]), pack_half2(lo[0], lo[1]),
+                                 pack_half2(lo[2], lo[3]));
   }
   __syncthreads();
   const float fold = kFp8 ? p.scale * fp8_unit() : p.scale / static_cast<float>(kD);
   const float fac[2] = {row_factor[2 * t] * fold, row_factor[2 * t + 1] * fold};  // this lane's columns
-  __syncthreads();  // qv's space is reused below
-
-  // --- this warp's tiles ---
-  const int ktile = key_tile_bytes(kb), tile = ktile + value_tile_bytes(vb);
-  uint8_t* stage = dyn + warp * 2 * tile;
-  const int64_t begin = static_cast<int64_t>(split) * l.split_len;
-  const int len = static_cast<int>(max(static_cast<int64_t>(0), min(p.past_of(b), begin + l.split_len) - begin));
-  const uint8_t* keys = past_key + (bh * p.past_rows_or_len() + begin) * kb;  // this split's rows
-  const uint8_t* vals = past_value + (bh * p.past_rows_or_len() + begin) * vb;
-  constexpr int kChunks = kD / 16;  // fp8 rows: 16-byte chunks
-
-  // A full tile is 32 rows, a multiple of 16 bytes; its start is as aligned as the split's first
-  // row (tiles start at multiples of 32 rows), so each cache's tiles are copied in chunks of the
-  // widest size that alignment allows, without the general case's checks.
-  auto chunk_width = [](const uint8_t* base) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(base);
-    return (a & 15) == 0 ? 16 : (a & 7) == 0 ? 8 : (a & 3) == 0 ? 4 : 0;
-  };
-  const int kwidth = chunk_width(keys), vwidth = chunk_width(vals);
-  auto copy_tile = [&](uint8_t* dst, const uint8_t* src, int bytes, int width) {
-    if (width == 16) {
-      for (int i = lane; i < bytes / 16; i += 32) __pipeline_memcpy_async(dst + 16 * i, src + 16 * i, 16);
-    } else if (width == 8) {
-      for (int i = lane; i < bytes / 8; i += 32) __pipeline_memcpy_async(dst + 8 * i, src + 8 * i, 8);
-    } else if (width == 4) {
-      for (int i = lane; i < bytes / 4; i += 32) __pipeline_memcpy_async(dst + 4 * i, src + 4 * i, 4);
-    } else {
-      warp_copy_async(dst, src, bytes, lane);
-    }
-  };
-  auto fetch = [&](int r0, int buf) {  // start copying the tile of rows r0.. into buffer buf
-    const int n = min(kTok, len - r0);
-    uint8_t* dst = stage + buf * tile;
-    const uint8_t* ksrc = keys + static_cast<int64_t>(r0) * kb;
-    const uint8_t* vsrc = vals + static_cast<int64_t>(r0) * vb;
-    if (kFp8) {
-      for (int i = lane; i < n * kChunks; i += 32) {
-        const int u = i / kChunks, c = i % kChunks;
-        __pipeline_memcpy_async(dst + u * kb + 16 * (c ^ fp8_swizzle(u, kChunks)), ksrc + u * kb + 16 * c, 16);
-      }
-    } else if (n == kTok) {
-      copy_tile(dst, ksrc, kTok * kb, kwidth);
-    } else {
-      warp_copy_async(dst, ksrc, n * kb, lane);
-    }
-    if (n == kTok) {
-      copy_tile(dst + ktile, vsrc, kTok * vb, vwidth);
-    } else {
-      warp_copy_async(dst + ktile, vsrc, n * vb, lane);
-    }
-    __pipeline_commit();
-  };
 
   // Scores are kept in base 2 (log2 e folded into the factors) for ex2.approx.
   const float l2fac[2] = {fac[0] * 1.44269504f, fac[1] * 1.44269504f};
@@ -255,7 +429,8 @@ __global__ void __launch_bounds__(kThreads, kD >= 256 ? 1 : 2)
 #pragma unroll
   for (int i = 0; i < kMt; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   const uint32_t lut_lane = lane * 4;  // this lane's copy: byte offset within a table row
-  const char* lut_base = reinterpret_cast<const char*>(lut);
+  const uint32_t lut_base = dyn_at + sl.table;
+  const uint32_t lut_lane_at = lut_base | lut_lane;  // permuted table: a 64 KiB boundary
 
   // Tile-invariant byte offsets within a buffer. Score rows: tokens tok(nu, e) = tile_token(g + 8e, nu).
   int key_off[2][2], key_sh[2][2], norm_off[2][2], sz_off[2][2];
@@ -264,11 +439,11 @@ __global__ void __launch_bounds__(kThreads, kD >= 256 ? 1 : 2)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int u = tile_token(g + 8 * e, nu);
-      const int off = u * kb + (kFp8 ? 4 : kKeyBits) * t;  // the lane's first code group
+      const int off = kdelta + u * kb + (kFp8 ? 4 : kKeyBits) * t;  // the lane's first code group
       key_off[nu][e] = kFp8 ? off : off & ~3;
       key_sh[nu][e] = (off & 3) * 8;
-      norm_off[nu][e] = u * kb + kKeyPayload;
-      sz_off[nu][e] = ktile + u * vb + kValPayload;
+      norm_off[nu][e] = kdelta + u * kb + kKeyPayload;
+      sz_off[nu][e] = ktile + vdelta + u * vb + kValPayload;
     }
   // Value rows of the K positions 2t, 2t+1 (row a, a + 1) and 2t+8, 2t+9 (row c, c + 1), code
   // group g (4-bit: the aligned word g; 3-bit: bytes 3g..3g+2, funnel-shifted out of two words).
@@ -276,34 +451,28 @@ __global__ void __launch_bounds__(kThreads, kD >= 256 ? 1 : 2)
   const int val_sh = (kValBits * g & 3) * 8;
 #pragma unroll
   for (int nu = 0; nu < 2; ++nu) {
-    val_off[nu][0] = ktile + tile_token(2 * t, nu) * vb + (kValBits * g & ~3);
-    val_off[nu][1] = ktile + tile_token(2 * t + 8, nu) * vb + (kValBits * g & ~3);
+    val_off[nu][0] = ktile + vdelta + tile_token(2 * t, nu) * vb + (kValBits * g & ~3);
+    val_off[nu][1] = ktile + vdelta + tile_token(2 * t + 8, nu) * vb + (kValBits * g & ~3);
   }
 
-  const int stride = kWarps * kTok;
-  if (warp * kTok < len) fetch(warp * kTok, 0);
   int it = 0;
   for (int r0 = warp * kTok; r0 < len; r0 += stride, ++it) {
     const int n_tok = min(kTok, len - r0);
-    if (r0 + stride < len) {  // the other buffer was last read by the previous tile, finished by every lane
-      fetch(r0 + stride, (it + 1) & 1);
-      __pipeline_wait_prior(1);
-    } else {
-      __pipeline_wait_prior(0);
-    }
-    __syncwarp();
+    const bool more = r0 + stride < len;
+    if (more) fetch(r0 + stride, (it + 1) & 1);  // the other buffer: read by the previous tile, by every lane
+    landed(it & 1, it >> 1, more);
     const uint8_t* buf = stage + (it & 1) * tile;
 
-    // 1. scores: acc[nu][0] the products with the queries' high parts, acc[nu][1] with the low
-    float acc[2][2][4];
+    // 1. scores: the products with the queries' high and low parts, in one accumulator
+    float acc[2][4];
 #pragma unroll
     for (int nu = 0; nu < 2; ++nu)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) acc[nu][0][j] = acc[nu][1][j] = 0.0f;
+      for (int j = 0; j < 4; ++j) acc[nu][j] = 0.0f;
     if (kFp8) {
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        const uint4 bq = qf[s][lane];
+        const uint4 bq = qf[s * 32 + lane];
 #pragma unroll
         for (int nu = 0; nu < 2; ++nu) {
           const int ua = tile_token(g, nu), ub = tile_token(g + 8, nu);
@@ -311,39 +480,51 @@ __global__ void __launch_bounds__(kThreads, kD >= 256 ? 1 : 2)
           const uint32_t wb = *reinterpret_cast<const uint32_t*>(buf + key_off[nu][1] + 16 * (s ^ fp8_swizzle(ub, kChunks)));
           const uint32_t a0 = fp8x2_to_half2(wa & 0xffffu), a2 = fp8x2_to_half2(wa >> 16);
           const uint32_t a1 = fp8x2_to_half2(wb & 0xffffu), a3 = fp8x2_to_half2(wb >> 16);
-          mma16816(acc[nu][0], a0, a1, a2, a3, bq.x, bq.y);
-          mma16816(acc[nu][1], a0, a1, a2, a3, bq.z, bq.w);
+          mma16816(acc[nu], a0, a1, a2, a3, bq.x, bq.y);
+          mma16816(acc[nu], a0, a1, a2, a3, bq.z, bq.w);
         }
       }
     } else {
 #pragma unroll
       for (int m = 0; m < kKeyWords; ++m) {
-        // code group t + 4m of each row (4 or 3 bytes; rows kb bytes apart are not always
-        // 4-aligned): two aligned words, funnel-shifted
+        // code group t + 4m of each row (4 or 3 bytes): a word, or (rows not 4-byte aligned, or
+        // 3-byte groups) two aligned words funnel-shifted
         uint32_t w[2][2];
 #pragma unroll
         for (int nu = 0; nu < 2; ++nu)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const uint32_t* kw = reinterpret_cast<const uint32_t*>(buf + key_off[nu][e]) + kKeyBits * m;
-            w[nu][e] = __funnelshift_r(kw[0], kw[1], key_sh[nu][e]);
+            if (kKeyWords4 && kKeyBits == 4) {
+              w[nu][e] = kw[0];
+            } else {
+              w[nu][e] = __funnelshift_r(kw[0], kw[1], key_sh[nu][e]);
+            }
           }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint4 bq = qf[2 * m + h][lane];
+          const uint4 bq = qf[(2 * m + h) * 32 + lane];
 #pragma unroll
           for (int nu = 0; nu < 2; ++nu) {
-            // a0/a1: code pair 2h of rows g/g+8, a2/a3: pair 2h+1; table offset = pair * 128 + lane copy
+            // a0/a1: code pair 2h of rows g/g+8, a2/a3: pair 2h+1. Table offset = pair value *
+            // row bytes + this lane's copy: 4-bit, one byte permute ((byte << 8) | lane * 4); 3-bit,
+            // a shift and a masked or
             uint32_t v[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               const int pair = 2 * h + j / 2, e = j % 2;
-              const int sft = 2 * kKeyBits * pair - 7;
-              const uint32_t x = sft < 0 ? (w[nu][e] << -sft) : (w[nu][e] >> sft);
-              v[j] = *reinterpret_cast<const uint32_t*>(lut_base + ((x & ((kPairs - 1) << 7)) | lut_lane));
+              uint32_t at;
+              if (kPermuted) {  // bytes: lane * 4, the code byte, the table's upper half
+                at = __byte_perm(w[nu][e], lut_lane_at, 0x7604 | (pair << 4));
+              } else {
+                const int sft = 2 * kKeyBits * pair - 7;
+                const uint32_t x = sft < 0 ? (w[nu][e] << -sft) : (w[nu][e] >> sft);
+                at = lut_base + ((x & ((kPairs - 1) << 7)) | lut_lane);
+              }
+              v[j] = lds32(at);
             }
-            mma16816(acc[nu][0], v[0], v[1], v[2], v[3], bq.x, bq.y);
-            mma16816(acc[nu][1], v[0], v[1], v[2], v[3], bq.z, bq.w);
+            mma16816(acc[nu], v[0], v[1], v[2], v[3], bq.x, bq.y);
+            mma16816(acc[nu], v[0], v[1], v[2], v[3], bq.z, bq.w);
           }
         }
       }
@@ -351,20 +532,25 @@ __global__ void __launch_bounds__(kThreads, kD >= 256 ? 1 : 2)
 
     // 2. online softmax: lane (g, t) holds tokens tile_token(g + 8e, nu) of columns 2t, 2t+1
     float sc[2][4], vs[2][2], vz[2][2];
+    auto scale_scores = [&](auto partial) {  // partial tile: rows past its end hold stale bytes
 #pragma unroll
-    for (int nu = 0; nu < 2; ++nu)
+      for (int nu = 0; nu < 2; ++nu)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool ok = tile_token(g + 8 * e, nu) < n_tok;  // rows past the end hold stale bytes
-        const float ks = kFp8 ? 1.0f : __half2float(*reinterpret_cast<const __half*>(buf + norm_off[nu][e]));
-        const __half2 sz = *reinterpret_cast<const __half2*>(buf + sz_off[nu][e]);
-        vs[nu][e] = ok ? __low2float(sz) : 0.0f;
-        vz[nu][e] = ok ? __high2float(sz) : 0.0f;
+        for (int e = 0; e < 2; ++e) {
+          const bool ok = !decltype(partial)::value || tile_token(g + 8 * e, nu) < n_tok;
+          const float ks = kFp8 ? 1.0f : __half2float(*reinterpret_cast<const __half*>(buf + norm_off[nu][e]));
+          const __half2 sz = *reinterpret_cast<const __half2*>(buf + sz_off[nu][e]);
+          vs[nu][e] = ok ? __low2float(sz) : 0.0f;
+          vz[nu][e] = ok ? __high2float(sz) : 0.0f;
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          sc[nu][2 * e + c] = ok ? (acc[nu][0][2 * e + c] + acc[nu][1][2 * e + c]) * (ks * l2fac[c]) : -INFINITY;
+          for (int c = 0; c < 2; ++c) sc[nu][2 * e + c] = ok ? acc[nu][2 * e + c] * (ks * l2fac[c]) : -INFINITY;
         }
-      }
+    };
+    if (n_tok == kTok) {
+      scale_scores(std::false_type{});
+    } else {
+      scale_scores(std::true_type{});
+    }
     float rescale[2], m_use[2];
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
@@ -448,7 +634,7 @@ __global__ void __launch_bounds__(kThreads, kD >= 256 ? 1 : 2)
   }
   const int dv = kD;
   __syncthreads();  // every warp is done with its stage
-  float* ws = reinterpret_cast<float*>(dyn);  // [warp][row][3 + dv]: max, sum, zero sum, acc
+  float* ws = reinterpret_cast<float*>(dyn + sl.states);  // [warp][row][3 + dv]: max, sum, zero sum, acc
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     float* mine = ws + (warp * kRowsMax + 2 * t + c) * (3 + dv);
@@ -471,29 +657,36 @@ __global__ void __launch_bounds__(kThreads, kD >= 256 ? 1 : 2)
                     l.splits * partial_stride(dv));
 }
 
-int tc_dynamic_bytes(const AttentionParams& p, int kd) {
-  const int kb = static_cast<int>(p.key_row()), vb = static_cast<int>(p.value_row());
-  int smem = kWarps * warp_stage_bytes(kb, vb);
-  smem = max(smem, kWarps * kRowsMax * (3 + kd) * 4);  // the final merge
-  return max(smem, kRowsMax * kd * 4);                  // the query rows
-}
-
 int tc_kd(const AttentionParams& p) { return p.key_format == Format::kFp8 ? p.head_dim : padded_dim(p.head_dim); }
+int tc_key_bits(const AttentionParams& p) { return p.key_format == Format::kFp8 ? 8 : format_bits(p.key_format); }
 
-// Shared memory of a block: the stages (dynamic), the byte table and the query fragments (static).
-int tc_block_bytes(const AttentionParams& p) {
-  const int kd = tc_kd(p);
-  const int pairs = p.key_format == Format::kFp8 ? 0 : p.key_format == Format::kMse3 ? 64 : 256;
-  return tc_dynamic_bytes(p, kd) + pairs * kCopies * 4 + kd / 16 * 512 + 256;
+int tc_dynamic_bytes(const AttentionParams& p, int kd) {
+  return dynamic_bytes(tc_key_bits(p), kd, static_cast<int>(p.key_row()), static_cast<int>(p.value_row()));
 }
 
-template <int kKeyBits, int kValBits, int kD>
+// Shared memory of a block: the dynamic part and, at most, the static one (row arrays, barriers).
+int tc_block_bytes(const AttentionParams& p) { return tc_dynamic_bytes(p, tc_kd(p)) + 1024; }
+
+// The most shared memory a block of this device may opt in to (227 KiB on sm_90, 163 on sm_80,
+// 99 on sm_86/89), asked once per device.
+int device_block_smem() {
+  static std::atomic<int> known[kMaxDevices];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (dev < kMaxDevices && known[dev].load() > 0) return known[dev].load();
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 0;
+  if (dev < kMaxDevices) known[dev].store(n);
+  return n;
+}
+
+template <int kKeyBits, int kValBits, int kD, bool kKeyWords4>
 cudaError_t launch(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
                    const uint8_t* past_value, float* partial, cudaStream_t stream) {
   const int smem = tc_dynamic_bytes(p, kD);
   // Beyond 48 KiB per block (static + dynamic) a kernel has to opt in, once per device for the
   // largest size asked so far.
-  auto kernel = tc_split_kernel<kKeyBits, kValBits, kD>;
+  auto kernel = tc_split_kernel<kKeyBits, kValBits, kD, kKeyWords4>;
   static std::atomic<int> opted[kMaxDevices];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
@@ -504,17 +697,17 @@ cudaError_t launch(const AttentionParams& p, const Layout& l, const void* q, con
     if (dev < kMaxDevices) opted[dev].store(smem);
   }
   dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
-  kernel<<<grid, kThreads, smem, stream>>>(p, l, q, past_key, past_value, partial);
+  kernel<<<grid, warps_for(kD) * 32, smem, stream>>>(p, l, q, past_key, past_value, partial);
   return cudaGetLastError();
 }
 
-template <int kKeyBits, int kValBits>
+template <int kKeyBits, int kValBits, bool kKeyWords4 = false>
 cudaError_t launch_d(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
                      const uint8_t* past_value, float* partial, cudaStream_t stream) {
   switch (tc_kd(p)) {
-    case 64: return launch<kKeyBits, kValBits, 64>(p, l, q, past_key, past_value, partial, stream);
-    case 128: return launch<kKeyBits, kValBits, 128>(p, l, q, past_key, past_value, partial, stream);
-    default: return launch<kKeyBits, kValBits, 256>(p, l, q, past_key, past_value, partial, stream);
+    case 64: return launch<kKeyBits, kValBits, 64, kKeyWords4>(p, l, q, past_key, past_value, partial, stream);
+    case 128: return launch<kKeyBits, kValBits, 128, kKeyWords4>(p, l, q, past_key, past_value, partial, stream);
+    default: return launch<kKeyBits, kValBits, 256, kKeyWords4>(p, l, q, past_key, past_value, partial, stream);
   }
 }
 
@@ -533,17 +726,14 @@ bool tc_split_supported(const AttentionParams& p) {
   if (p.v_head_dim != kd) return false;
   if (kf == Format::kFp8 && p.key_row() != kd) return false;  // swizzled 16-byte chunks
   if (p.value_row() % 4 != 0) return false;                   // aligned value words
+  if (p.key_row() % 2 != 0) return false;                     // 2-byte copies of unaligned rows
   // The weights p * value scale enter the value product in fp16 (relative 2^-11): within the
   // tolerance of fp16/bf16 outputs, not of float32 ones, which keep the CUDA-core kernel.
   if (p.dtype == DType::kFloat32) return false;
-  // Rows much wider than the packed vectors (an onnxruntime-genai cache with raw16 layers) would not
-  // fit 8 warps' double buffers; they keep the other kernels.
-  return tc_block_bytes(p) <= 200 * 1024;
-}
-
-int tc_blocks_per_sm(const AttentionParams& p) {
-  if (tc_kd(p) >= 256) return 1;                                   // registers
-  return tc_block_bytes(p) + 1024 <= 228 * 1024 / 2 ? 2 : 1;      // shared memory
+  // One block fills an SM's shared memory (the MSE 4-bit table alone is 64 KiB). Rows much wider
+  // than the packed vectors (an onnxruntime-genai cache with raw16 layers), or devices with less
+  // shared memory than sm_90, keep the other kernels.
+  return tc_block_bytes(p) <= device_block_smem();
 }
 
 cudaError_t launch_tc_split(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
@@ -553,7 +743,11 @@ cudaError_t launch_tc_split(const AttentionParams& p, const Layout& l, const voi
     if ((a & 15) != 0) return cudaErrorMisalignedAddress;  // the caller routes these to the other kernels
     return launch_d<8, 4>(p, l, q, past_key, past_value, partial, stream);
   }
-  if (p.key_format == Format::kMse4) return launch_d<4, 4>(p, l, q, past_key, past_value, partial, stream);
+  if (p.key_format == Format::kMse4) {
+    const bool words = p.key_row() % 4 == 0 && (reinterpret_cast<uintptr_t>(past_key) & 3) == 0;
+    return words ? launch_d<4, 4, true>(p, l, q, past_key, past_value, partial, stream)
+                 : launch_d<4, 4>(p, l, q, past_key, past_value, partial, stream);
+  }
   return p.value_format == Format::kUint4 ? launch_d<3, 4>(p, l, q, past_key, past_value, partial, stream)
                                           : launch_d<3, 3>(p, l, q, past_key, past_value, partial, stream);
 }

@@ -1,5 +1,5 @@
-// TQGroupQueryAttention on the GPU: past lengths from seqlens_k and the rotary embedding of Q and
-// the new K into workspace, then the TQAttention launcher with per-sequence past lengths.
+// TQGroupQueryAttention on the GPU: past lengths read from seqlens_k where they are used, the rotary
+// embedding of Q and the new K into workspace, then the TQAttention launcher.
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/rotary.h"
 
@@ -9,12 +9,6 @@ namespace {
 constexpr int kThreads = 128;
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
-
-__global__ void past_lengths_kernel(const int32_t* seqlens_k, int64_t batch, int64_t new_len, bool first_prompt,
-                                    int32_t* past) {
-  const int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (b < batch) past[b] = first_prompt ? 0 : static_cast<int32_t>(seqlens_k[b] + 1 - new_len);
-}
 
 // One thread per (b, s, head): x viewed through st, rotated into a dense [B, S, heads, D] copy.
 __global__ void rotary_kernel(AttentionParams p, RotaryParams rot, int64_t heads, BhsStrides st, const void* x,
@@ -79,11 +73,14 @@ cudaError_t gqa_attention(const AttentionParams& p0, const RotaryParams& rot, co
   if (p0.batch == 0) return cudaSuccess;
   AttentionParams p = p0;
   const Workspace w = carve(p, rot, num_sms, workspace);
-  past_lengths_kernel<<<static_cast<unsigned>((p.batch + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      seqlens_k, p.batch, p.q_len, first_prompt, w.past);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  p.past_lens = w.past;
+  cudaError_t e = cudaSuccess;
+  if (first_prompt) {  // no past
+    if ((e = cudaMemsetAsync(w.past, 0, p.batch * sizeof(int32_t), stream)) != cudaSuccess) return e;
+    p.past_lens = w.past;
+  } else {  // seqlens_k[b] = total - 1, so the past is seqlens_k[b] + 1 - S, read where it is used
+    p.past_lens = seqlens_k;
+    p.past_lens_bias = 1 - p.q_len;
+  }
   if (rot.rotary_dim > 0) {
     if ((e = rotate(p, rot, p.q_heads, p0.q, q, w.q_rot, &p.q, stream)) != cudaSuccess) return e;
     if ((e = rotate(p, rot, p.kv_heads, p0.k, k, w.k_rot, &p.k, stream)) != cudaSuccess) return e;

@@ -17,9 +17,8 @@ constexpr int kTile = 128;                 // tokens per tile of the CUDA-core k
 constexpr int kMaxStageBytes = 32 * 1024;  // one tile's packed K and V, at most
 
 // The tensor-core split kernel for the presets' format pairs (attention_tc.cu): whether it takes
-// these parameters, and how many of its blocks an SM holds.
+// these parameters (on this device). Its blocks fill an SM each.
 bool tc_split_supported(const AttentionParams& p);
-int tc_blocks_per_sm(const AttentionParams& p);
 
 struct Layout {
   int rows_per_block;  // 1, 2, 4 or 8: the query rows a split block scores together
@@ -42,11 +41,10 @@ inline Layout make_layout(const AttentionParams& p, int num_sms) {
   const int64_t base = p.batch * p.kv_heads * l.row_blocks;
   int64_t splits, unit;
   if (tc_split_supported(p)) {
-    // the tensor-core kernel (attention_tc.cu): 8 warps of 32-token tiles per block and one wave of
-    // blocks (2 per SM, 1 at head size 256), each walking a long slice
+    // the tensor-core kernel (attention_tc.cu): 16 (or 8) warps of 32-token tiles per block and one
+    // wave of blocks, one per SM, each walking a long slice
     unit = 2 * kTile;
-    const int64_t slots = static_cast<int64_t>(num_sms) * tc_blocks_per_sm(p);
-    splits = base > 0 ? slots / base : 1;
+    splits = base > 0 ? num_sms / base : 1;
   } else {
     unit = kTile;
     splits = base > 0 ? (8LL * num_sms + base - 1) / base : 1;

@@ -4,6 +4,13 @@ TQAttention (CUDA execution provider) for each preset against ORT's fp16 GroupQu
 present, with the achieved bandwidth (bytes of cache read / time) as a fraction of a
 device-to-device copy measured in the same run.
 
+Two times per step and candidate: `_us`, a step run and waited for (Run with IO binding, then the
+outputs synchronised: the per-call cost of ONNX Runtime's Run on a one-node graph included), and
+`_pipelined_us`, steps run back to back without waiting in between (ORT's end-of-run stream
+synchronisation turned off, `disable_synchronize_execution_providers`), total time / steps: what
+the kernels of a step take on the GPU, as the layers of a real model's step follow each other.
+torch SDPA is timed pipelined (CUDA events around a loop).
+
 Note: TQAttention has ONNX Attention's semantics, so each call also writes a new present cache
 (past ++ new): a copy of the whole packed cache, which its time includes. TQGroupQueryAttention
 (the `_inplace` columns) writes the new token into a shared buffer in place, as genai runs it.
@@ -28,7 +35,9 @@ def _device_value(a: np.ndarray) -> ort.OrtValue:
     return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), "cuda", 0)
 
 
-def _time_iobinding(sess, io, iters: int) -> float:
+def _time_iobinding(sess, io, iters: int) -> tuple[float, float]:
+    """Seconds per step: the median of steps each waited for, and steps run back to back (the
+    stream synchronised once, at the end)."""
     for _ in range(5):
         sess.run_with_iobinding(io)
     io.synchronize_outputs()
@@ -38,10 +47,19 @@ def _time_iobinding(sess, io, iters: int) -> float:
         sess.run_with_iobinding(io)
         io.synchronize_outputs()
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    back_to_back = ort.RunOptions()
+    back_to_back.add_run_config_entry("disable_synchronize_execution_providers", "1")
+    for _ in range(3):
+        sess.run_with_iobinding(io, back_to_back)
+    io.synchronize_outputs()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        sess.run_with_iobinding(io, back_to_back)
+    io.synchronize_outputs()
+    return float(np.median(times)), (time.perf_counter() - t0) / iters
 
 
-def tq_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tuple[float, int]:
+def tq_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tuple[tuple[float, float], int]:
     cfg = TurboQuantConfig.from_cache_dtype(preset, d)
     model = models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
                                    value_format=cfg.value_format, dtype=TensorProto.FLOAT16,
@@ -62,7 +80,7 @@ def tq_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, 
     return _time_iobinding(sess, io, iters), b * hkv * s * cfg.slot_size
 
 
-def tq_gqa_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tuple[float, int]:
+def tq_gqa_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tuple[tuple[float, float], int]:
     """TQGroupQueryAttention over a shared buffer of s + 1 rows (the new token written in place, no
     cache copy), as a rewritten onnxruntime-genai model runs it; separate Q, K, V and no rotary, as
     in gqa_step."""
@@ -97,7 +115,8 @@ def tq_gqa_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: i
     return _time_iobinding(sess, io, iters), b * hkv * s * cfg.slot_size
 
 
-def gqa_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng, cache: str | None = None) -> tuple[float, int]:
+def gqa_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng,
+             cache: str | None = None) -> tuple[tuple[float, float], int]:
     """ORT's GroupQueryAttention on an fp16 cache, or on its own quantized cache (cache = int8, int4,
     fp8), the new token written into a shared buffer in place."""
     extra = {"cache": cache} if cache else {}
@@ -160,6 +179,26 @@ def copy_bandwidth() -> float | None:
     return 2 * x.numel() * 10 / (st.elapsed_time(en) / 1e3)
 
 
+def _record(row: dict, name: str, times: tuple[float, float], nbytes: int, bw: float | None) -> None:
+    """name_us and name_pipelined_us, the bytes read, and the bandwidth fractions."""
+    for suffix, t in zip(("", "_pipelined"), times):
+        row[f"{name}{suffix}_us"] = t * 1e6
+        if bw:
+            row[f"{name}{suffix}_bw_fraction"] = nbytes / t / bw
+    row[f"{name}_bytes"] = nbytes
+    row[f"{name}_pipelined_bytes"] = nbytes
+
+
+def _ratios(row: dict, name: str) -> None:
+    """name_x_vs_gqa[_cache][_pipelined]: ORT GQA's time / ours, same timing, same run."""
+    for suffix in ("", "_pipelined"):
+        for cache in ("fp16", *baselines.QUANT_CACHES):
+            base = row.get(f"ort_gqa_{cache}{suffix}_us")
+            if base:
+                tail = "" if cache == "fp16" else f"_{cache}"
+                row[f"{name}_x_vs_gqa{tail}{suffix}"] = base / row[f"{name}{suffix}_us"]
+
+
 def run(shapes, presets, iters: int = 50, seed: int = 0) -> list[dict]:
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
@@ -169,35 +208,63 @@ def run(shapes, presets, iters: int = 50, seed: int = 0) -> list[dict]:
     for b, s in shapes:
         hq, hkv, d = 32, 8, 128
         row = {"B": b, "S": s, "copy_GBps": bw / 1e9 if bw else None}
-        t, nbytes = gqa_step(b, hq, hkv, d, s, iters, rng)
-        row["ort_gqa_fp16_us"] = t * 1e6
-        row["ort_gqa_fp16_bytes"] = nbytes
+        _record(row, "ort_gqa_fp16", *gqa_step(b, hq, hkv, d, s, iters, rng), bw)
         for cache in baselines.QUANT_CACHES:  # ORT's own quantized caches, where this build has them on CUDA
             try:
-                t, nbytes = gqa_step(b, hq, hkv, d, s, iters, rng, cache)
-                row[f"ort_gqa_{cache}_us"] = t * 1e6
-                row[f"ort_gqa_{cache}_bytes"] = nbytes
+                _record(row, f"ort_gqa_{cache}", *gqa_step(b, hq, hkv, d, s, iters, rng, cache), bw)
             except Exception as e:  # noqa: BLE001 - reported, not fatal
                 row[f"ort_gqa_{cache}_error"] = str(e).splitlines()[0][:160]
         ts = torch_step(b, hq, hkv, d, s, iters)
         if ts:
-            row["torch_sdpa_us"] = ts[0] * 1e6
-            row["torch_sdpa_bytes"] = ts[1]
+            row["torch_sdpa_pipelined_us"] = ts[0] * 1e6
+            row["torch_sdpa_pipelined_bytes"] = ts[1]
         for preset in presets:
-            t, nbytes = tq_step(preset, b, hq, hkv, d, s, iters, rng)
-            row[f"{preset}_us"] = t * 1e6
-            row[f"{preset}_bytes"] = nbytes
-            row[f"{preset}_x_vs_gqa"] = row["ort_gqa_fp16_us"] / row[f"{preset}_us"]
-            if bw:
-                row[f"{preset}_bw_fraction"] = nbytes / t / bw
-            t, nbytes = tq_gqa_step(preset, b, hq, hkv, d, s, iters, rng)
-            row[f"{preset}_inplace_us"] = t * 1e6
-            row[f"{preset}_inplace_x_vs_gqa"] = row["ort_gqa_fp16_us"] / row[f"{preset}_inplace_us"]
-            for cache in baselines.QUANT_CACHES:
-                if f"ort_gqa_{cache}_us" in row:
-                    row[f"{preset}_inplace_x_vs_gqa_{cache}"] = row[f"ort_gqa_{cache}_us"] / row[f"{preset}_inplace_us"]
-            if bw:
-                row[f"{preset}_inplace_bw_fraction"] = nbytes / t / bw
+            _record(row, preset, *tq_step(preset, b, hq, hkv, d, s, iters, rng), bw)
+            _ratios(row, preset)
+            _record(row, f"{preset}_inplace", *tq_gqa_step(preset, b, hq, hkv, d, s, iters, rng), bw)
+            _ratios(row, f"{preset}_inplace")
         rows.append(row)
         print(row, flush=True)
     return rows
+
+
+def _cell(row: dict, name: str, suffix: str) -> str:
+    us = row.get(f"{name}{suffix}_us")
+    if us is None:
+        return "n/a"
+    parts = [f"{row.get(f'{name}_x_vs_gqa{suffix}'):.2f}x"] if f"{name}_x_vs_gqa{suffix}" in row else []
+    if f"{name}_x_vs_gqa_int4{suffix}" in row:
+        parts.append(f"{row[f'{name}_x_vs_gqa_int4{suffix}']:.2f}x int4")
+    if f"{name}{suffix}_bw_fraction" in row:
+        parts.append(f"bw {row[f'{name}{suffix}_bw_fraction']:.2f}")
+    return f"{us:.0f}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def report(rows: list[dict], presets: list[str]) -> str:
+    """Markdown tables of a run: microseconds per decode step, our ratio to ORT's fp16 and int4 GQA
+    (their time / ours, same timing) and the bandwidth on the bytes read as a fraction of the copy
+    rate; waited-for steps and back-to-back steps, TQGroupQueryAttention (in place) and TQAttention
+    (which also copies the cache into its present output)."""
+    if not rows:
+        return "no measurements"
+    caches = ["fp16", *baselines.QUANT_CACHES]
+    out = [f"copy rate {rows[0]['copy_GBps']:.0f} GB/s (read + write, same run)" if rows[0].get("copy_GBps") else ""]
+    for suffix, what in (("", "steps run and waited for"), ("_pipelined", "steps run back to back (GPU time)")):
+        for variant, title in (("_inplace", "TQGroupQueryAttention, in place"), ("", "TQAttention, present copied")):
+            out.append(f"\n{title}, {what}: us per step (x vs ORT GQA fp16, x vs GQA int4, bw fraction)")
+            head = ["B", "S", *(f"GQA {c}" for c in caches)] + (["torch SDPA"] if suffix else [])
+            out.append("| " + " | ".join(head + [p.removeprefix("turboquant_") for p in presets]) + " |")
+            out.append("|" + "---:|" * (len(head) + len(presets)))
+            for r in rows:
+                cells = [str(r["B"]), str(r["S"])]
+                cells += [_cell(r, f"ort_gqa_{c}", suffix) if f"ort_gqa_{c}_error" not in r else "n/a" for c in caches]
+                if suffix:
+                    cells.append(_cell(r, "torch_sdpa", suffix))
+                cells += [_cell(r, f"{p}{variant}", suffix) for p in presets]
+                out.append("| " + " | ".join(cells) + " |")
+    for c in baselines.QUANT_CACHES:
+        errors = {r.get(f"ort_gqa_{c}_error") for r in rows} - {None}
+        if errors:
+            out.append(f"ORT GQA on its {c} cache unavailable: {errors.pop()}")
+    return "\n".join(out)
+

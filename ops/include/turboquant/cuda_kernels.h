@@ -19,19 +19,14 @@ cudaError_t pack(Format fmt, int d, bool norm_correction, DType dt, const void* 
 cudaError_t unpack(Format fmt, int d, const uint8_t* in, int64_t n, const Offset& offset, DType dt, void* out,
                    cudaStream_t stream);
 
-// Where pack_new_tokens writes: sequence b's new rows start at past_of(b) in a cache of
+// Where the attention writes the new tokens: sequence b's new rows start at past_of(b) in a cache of
 // present_rows rows of row_bytes bytes per (b, h); rows beyond the cache are skipped.
 struct NewTokenRows {
   int64_t present_rows = 0, row_bytes = 0, past_len = 0;
   const int32_t* past_lens = nullptr;  // device memory, or null: every sequence has past_len
-  TQ_HD int64_t past_of(int64_t b) const { return sequence_past(past_lens, b, past_len); }
+  int64_t past_lens_bias = 0;
+  TQ_HD int64_t past_of(int64_t b) const { return sequence_past(past_lens, b, past_len, past_lens_bias); }
 };
-
-// New tokens x [B, H, N, d] (strides st, in elements) minus offset[h] (float32 [H, d], or null),
-// packed into rows past_of(b) .. past_of(b)+N-1 of present.
-cudaError_t pack_new_tokens(Format fmt, int d, bool norm_correction, DType dt, const void* x, const BhsStrides& st,
-                            int64_t batch, int64_t heads, int64_t new_len, const NewTokenRows& rows,
-                            const float* offset, uint8_t* present, cudaStream_t stream);
 
 // Scratch the attention needs (split-KV partial results), in bytes; 0 means none.
 size_t attention_workspace_bytes(const AttentionParams& p, int num_sms);

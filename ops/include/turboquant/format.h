@@ -38,9 +38,9 @@ inline Format parse_format(const char* s) {
   return Format::kInvalid;
 }
 
-TQ_HD bool is_mse(Format f) { return f == Format::kMse3 || f == Format::kMse4; }
-TQ_HD bool is_uint(Format f) { return f == Format::kUint3 || f == Format::kUint4; }
-TQ_HD int format_bits(Format f) {
+TQ_HD constexpr bool is_mse(Format f) { return f == Format::kMse3 || f == Format::kMse4; }
+TQ_HD constexpr bool is_uint(Format f) { return f == Format::kUint3 || f == Format::kUint4; }
+TQ_HD constexpr int format_bits(Format f) {
   return (f == Format::kMse3 || f == Format::kUint3) ? 3 : (f == Format::kMse4 || f == Format::kUint4) ? 4 : 8;
 }
 

@@ -16,11 +16,12 @@ struct Offset {
   TQ_HD const float* row_for(int64_t v, int d) const { return data ? data + ((v / period) % rows) * d : nullptr; }
 };
 
-// Sequence b's past length: lens[b] clamped to [0, max_len] (lengths in device memory cannot be
-// checked before a launch, so the kernels clamp them), or max_len when there are no lengths.
-TQ_HD int64_t sequence_past(const int32_t* lens, int64_t b, int64_t max_len) {
+// Sequence b's past length: lens[b] + bias clamped to [0, max_len] (lengths in device memory cannot
+// be checked before a launch, so the kernels clamp them), or max_len when there are no lengths.
+// The bias lets GroupQueryAttention's seqlens_k (total length - 1) serve as they are.
+TQ_HD int64_t sequence_past(const int32_t* lens, int64_t b, int64_t max_len, int64_t bias = 0) {
   if (!lens) return max_len;
-  const int64_t n = lens[b];
+  const int64_t n = lens[b] + bias;
   return n < 0 ? 0 : (n > max_len ? max_len : n);
 }
 
@@ -57,12 +58,13 @@ struct AttentionParams {
   int64_t past_rows = 0, present_rows = 0;
   int64_t key_row_bytes = 0, value_row_bytes = 0;
   const int32_t* past_lens = nullptr;  // [batch]: host memory for the CPU kernels, device for CUDA
+  int64_t past_lens_bias = 0;          // added to each past_lens[b]
 
   TQ_HD int64_t past_rows_or_len() const { return past_rows ? past_rows : past_len; }
   TQ_HD int64_t present_rows_or_total() const { return present_rows ? present_rows : past_len + new_len; }
   TQ_HD int64_t key_row() const { return key_row_bytes ? key_row_bytes : packed_size(key_format, head_dim); }
   TQ_HD int64_t value_row() const { return value_row_bytes ? value_row_bytes : packed_size(value_format, v_head_dim); }
-  TQ_HD int64_t past_of(int64_t b) const { return sequence_past(past_lens, b, past_len); }
+  TQ_HD int64_t past_of(int64_t b) const { return sequence_past(past_lens, b, past_len, past_lens_bias); }
 };
 
 // Rotary embedding of Q and the new K inside the op (GroupQueryAttention's do_rotary), as ORT's

@@ -1,7 +1,10 @@
 // Encoding and decoding of one vector in every format of DESIGN.md section 2, shared by the CPU
 // and CUDA kernels (host and device), so that both produce the same bytes. Every operation that
-// decides a stored bit runs in the order the Python reference fixes: compile users of this header
-// without floating-point contraction (-ffp-contract=off, nvcc -fmad=false).
+// decides a stored bit runs in one fixed order: compile users of this header without
+// floating-point contraction (-ffp-contract=off, nvcc -fmad=false). The float64 sums of squares
+// (norm, norm correction) use the order a CUDA warp computes them in parallel (sum_squares); the
+// Python reference sums pairwise, which differs only in the last bits of a float64 and so almost
+// never in the float32 or fp16 that is stored.
 #pragma once
 
 #include <cstdint>
@@ -53,6 +56,27 @@ TQ_HD void unpack_indices(const uint8_t* in, int n, int bits, uint8_t* idx) {
   }
 }
 
+// Sums of float64 terms in the order of a warp: lane l sums the terms i = l, l + 32, ... in
+// ascending order, then the 32 partial sums combine in a butterfly (at distance 16, 8, 4, 2, 1:
+// every lane adds its partner's sum to its own, so all lanes end with the same total).
+constexpr int kSumLanes = 32;
+
+TQ_HD double butterfly_total(double* part) {  // part[kSumLanes], overwritten
+  for (int o = kSumLanes / 2; o > 0; o >>= 1) {
+    double next[kSumLanes];
+    for (int l = 0; l < kSumLanes; ++l) next[l] = part[l] + part[l ^ o];
+    for (int l = 0; l < kSumLanes; ++l) part[l] = next[l];
+  }
+  return part[0];
+}
+
+// sum over i < n of x[i]^2, each square in float64
+TQ_HD double sum_squares(const float* x, int n) {
+  double part[kSumLanes] = {};
+  for (int i = 0; i < n; ++i) part[i % kSumLanes] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  return butterfly_total(part);
+}
+
 TQ_HD const double* centroids(int bits) {
 #if defined(__CUDA_ARCH__)
   return bits == 3 ? codebook::kCentroids3Device : codebook::kCentroids4Device;
@@ -83,9 +107,7 @@ TQ_HD uint8_t codebook_index(int bits, float z) {
 
 TQ_HD void encode_mse(int bits, int d, bool norm_correction, const float* x, uint8_t* out) {
   const int dp = padded_dim(d);
-  double n2 = 0.0;
-  for (int i = 0; i < d; ++i) n2 += static_cast<double>(x[i]) * static_cast<double>(x[i]);
-  const float n = static_cast<float>(sqrt(n2));
+  const float n = static_cast<float>(sqrt(sum_squares(x, d)));
   const float denom = n + 1e-8f;
   float z[kMaxHeadDim];
   for (int i = 0; i < d; ++i) z[i] = x[i] / denom;
@@ -97,8 +119,9 @@ TQ_HD void encode_mse(int bits, int d, bool norm_correction, const float* x, uin
   float s = n;
   if (norm_correction) {
     const double* c = centroids(bits);
-    double cn2 = 0.0;
-    for (int i = 0; i < dp; ++i) cn2 += c[idx[i]] * c[idx[i]];
+    double part[kSumLanes] = {};
+    for (int i = 0; i < dp; ++i) part[i % kSumLanes] += c[idx[i]] * c[idx[i]];
+    const double cn2 = butterfly_total(part);
     s = static_cast<float>(static_cast<double>(n) * sqrt(static_cast<double>(dp)) / sqrt(cn2));
   }
   store_f16(out + dp * bits / 8, f32_to_f16_sat(s));

@@ -32,3 +32,15 @@ def test_in_place_variants_are_ours_not_baselines():
     assert not report.is_baseline("turboquant_k8v4_inplace") and report.is_baseline("ort_gqa_fp16")
     row = [line for line in report.markdown(points).splitlines() if line.startswith("| 8 |")][0]
     assert row.endswith("| turboquant_k8v4_inplace 1.35x vs torch_sdpa |")
+
+
+def test_ratios_compare_candidates_timed_alike():
+    # waited-for steps against waited-for steps, back-to-back steps against back-to-back ones
+    points = [report.Point("cuda", 8, 32768, n, ms, None) for n, ms in
+              [("ort_gqa_fp16", 0.280), ("ort_gqa_fp16_pipelined", 0.250), ("torch_sdpa_pipelined", 0.240),
+               ("turboquant_4bit_nc_inplace", 0.140), ("turboquant_4bit_nc_inplace_pipelined", 0.100)]]
+    assert not report.is_baseline("turboquant_4bit_nc_inplace_pipelined")
+    assert report.is_baseline("torch_sdpa_pipelined")
+    row = [line for line in report.markdown(points).splitlines() if line.startswith("| 8 |")][0]
+    assert row.endswith("| turboquant_4bit_nc_inplace 2.00x vs ort_gqa_fp16; "
+                        "turboquant_4bit_nc_inplace_pipelined 2.40x vs torch_sdpa_pipelined |")

@@ -1,0 +1,237 @@
+// Packing of vectors on the GPU, one warp per vector, shared by TQPack (pack.cu) and the packing
+// of the new tokens into the present cache (attention.cu): the same operations in the same order as
+// the CPU codec (turboquant/vector_codec.h), the butterflies of the rotation spread over the lanes,
+// the float64 sums (norm, norm correction) as lane partial sums and a shuffle butterfly, the order
+// the codec fixes; so the bytes are identical to the CPU kernels'.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "turboquant/cuda_kernels.h"
+#include "turboquant/float_io.h"
+#include "turboquant/vector_codec.h"
+
+namespace turboquant::cuda::detail {
+
+constexpr int kPackThreads = 128;
+constexpr int kPackWarps = kPackThreads / 32;
+constexpr unsigned kPackLanes = 0xffffffffu;
+
+// Where vector v comes from and goes to. Vector indices fit 32 bits (the launcher checks), so the
+// divisions are 32-bit ones.
+struct VectorMap {
+  // TQPack: x[v*d ..], out[v*bytes ..], offset row (v / period) % rows. Present: x[b*sb + h*sh +
+  // n*ss ..] for v = (b*H + h)*N + n, out at row past(b) + n of (b, h) in a cache of
+  // rows.present_rows rows of rows.row_bytes bytes, offset row h.
+  bool present = false;
+  BhsStrides st;
+  uint32_t heads = 1, new_len = 1;
+  NewTokenRows rows;
+
+  struct Where {
+    int64_t in, out;
+    uint32_t offset_row;
+    bool inside;  // false: a row past the buffer's end (a device-side length out of range), not written
+  };
+  __device__ Where locate(uint32_t v, int d, int bytes, const Offset& offset) const {
+    if (!present) {
+      const uint32_t row = offset.data ? (v / static_cast<uint32_t>(offset.period)) % static_cast<uint32_t>(offset.rows) : 0;
+      return {static_cast<int64_t>(v) * d, static_cast<int64_t>(v) * bytes, row, true};
+    }
+    const uint32_t n = v % new_len, bh = v / new_len, b = bh / heads, h = bh % heads;
+    const int64_t row = rows.past_of(b) + n;
+    return {b * st.b + h * st.h + n * st.s,
+            static_cast<int64_t>(bh) * rows.present_rows * rows.row_bytes + row * rows.row_bytes, h,
+            row < rows.present_rows};
+  }
+};
+
+// codec::butterfly_total over the lanes' partial sums: every lane gets the total.
+__device__ inline double warp_total(double x) {
+  for (int o = codec::kSumLanes / 2; o > 0; o >>= 1) x = x + __shfl_xor_sync(kPackLanes, x, o);
+  return x;
+}
+
+// The warp's vector z (shared memory, d floats) encoded in format F into out. Templated on the
+// format so that a kernel holds only the code its formats run: the new tokens' packing runs once
+// per decode step, after the attention has streamed the cache through L2, so its instructions come
+// from DRAM and a large kernel spends most of its time waiting for them. The float64 products are
+// explicit roundings (__dmul_rn), so the bytes do not depend on the compiler's contraction.
+template <Format F>
+__device__ inline void encode_warp(int d, bool nc, const double* centroids, float* z, uint8_t* idx, uint8_t* out) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (F == Format::kFp8 || F == Format::kRaw16) {
+    for (int i = lane; i < d; i += 32) {
+      if constexpr (F == Format::kFp8) {
+        out[i] = f32_to_fp8(z[i]);
+      } else {
+        codec::store_f16(out + 2 * i, f32_to_f16(z[i]));
+      }
+    }
+    return;
+  } else {
+    constexpr int bits = format_bits(F);
+    int n_codes = d;
+    float scale_out = 0.0f, zero_out = 0.0f;
+    if constexpr (is_mse(F)) {
+      const int dp = padded_dim(d);
+      n_codes = dp;
+      double n2 = 0.0;
+      for (int i = lane; i < d; i += 32) n2 += __dmul_rn(static_cast<double>(z[i]), static_cast<double>(z[i]));
+      const float n = static_cast<float>(sqrt(warp_total(n2)));
+      const float denom = n + 1e-8f;
+      __syncwarp();
+      for (int i = lane; i < dp; i += 32) z[i] = i < d ? z[i] / denom : 0.0f;
+      __syncwarp();
+#pragma unroll 1  // the levels: one copy of the butterfly loop
+      for (int lv = 0; (1 << lv) < dp; ++lv) {  // butterflies at distance h = 2^lv
+        const int h = 1 << lv;
+        for (int k = lane; k < dp / 2; k += 32) {
+          const int i = ((k >> lv) << (lv + 1)) | (k & (h - 1));
+          const float a = z[i], b = z[i + h];
+          z[i] = a + b;
+          z[i + h] = a - b;
+        }
+        __syncwarp();
+      }
+      for (int i = lane; i < dp; i += 32) idx[i] = codec::codebook_index(bits, z[i]);
+      __syncwarp();
+      scale_out = n;
+      if (nc) {
+        const double* c = centroids;  // a shared copy: lanes read different entries, which constant memory serialises
+        double cn2 = 0.0;
+        for (int i = lane; i < dp; i += 32) cn2 += __dmul_rn(c[idx[i]], c[idx[i]]);
+        scale_out = static_cast<float>(static_cast<double>(n) * sqrt(static_cast<double>(dp)) / sqrt(warp_total(cn2)));
+      }
+    } else {  // uint3 / uint4: min and max are order-free
+      float mn = z[0], mx = z[0];
+      for (int i = lane; i < d; i += 32) {
+        mn = z[i] < mn ? z[i] : mn;
+        mx = z[i] > mx ? z[i] : mx;
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        const float a = __shfl_xor_sync(kPackLanes, mn, o), b = __shfl_xor_sync(kPackLanes, mx, o);
+        mn = a < mn ? a : mn;
+        mx = b > mx ? b : mx;
+      }
+      const float levels = static_cast<float>((1 << bits) - 1);
+      const float range = (mx - mn) / levels;
+      const uint16_t s16 = f32_to_f16_sat(range > 1e-8f ? range : 1e-8f), z16 = f32_to_f16_sat(mn);
+      const float sc = f16_to_f32(s16), zr = f16_to_f32(z16);
+      for (int i = lane; i < d; i += 32) {
+        float v = sc > 0.0f ? floorf((z[i] - zr) / sc + 0.5f) : 0.0f;
+        v = v < 0.0f ? 0.0f : (v > levels ? levels : v);
+        idx[i] = static_cast<uint8_t>(v);
+      }
+      __syncwarp();
+      scale_out = sc;
+      zero_out = zr;
+    }
+    const int nbytes = n_codes * bits / 8;
+    if constexpr (bits == 4) {
+      for (int j = lane; j < nbytes; j += 32) out[j] = static_cast<uint8_t>(idx[2 * j] | (idx[2 * j + 1] << 4));
+    } else {
+      for (int g = lane; g < n_codes / 8; g += 32) {
+        uint32_t w = 0;
+        for (int k = 0; k < 8; ++k) w |= static_cast<uint32_t>(idx[8 * g + k]) << (3 * k);
+        out[3 * g] = static_cast<uint8_t>(w);
+        out[3 * g + 1] = static_cast<uint8_t>(w >> 8);
+        out[3 * g + 2] = static_cast<uint8_t>(w >> 16);
+      }
+    }
+    if (lane == 0) {
+      codec::store_f16(out + nbytes, f32_to_f16_sat(scale_out));
+      if constexpr (is_uint(F)) codec::store_f16(out + nbytes + 2, f32_to_f16_sat(zero_out));
+    }
+  }
+}
+
+// One format's vectors: n of them, x and out addressed through map, over `blocks` blocks.
+struct PackJob {
+  Format fmt = Format::kMse4;
+  int d = 0, bytes = 0;
+  const void* x = nullptr;
+  int64_t n = 0, blocks = 0;
+  Offset offset;
+  VectorMap map;
+  uint8_t* out = nullptr;
+};
+
+inline PackJob make_job(Format fmt, int d, const void* x, int64_t n, const Offset& offset, const VectorMap& map, uint8_t* out) {
+  PackJob j;
+  j.fmt = fmt, j.d = d, j.bytes = static_cast<int>(packed_size(fmt, d)), j.x = x, j.n = n;
+  j.blocks = (n + kPackWarps - 1) / kPackWarps, j.offset = offset, j.map = map, j.out = out;
+  return j;
+}
+
+template <Format F>
+__device__ inline void pack_vector(const PackJob& j, uint32_t block, bool nc, DType dt, const double* centroids, float* z,
+                            uint8_t* idx) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const uint32_t v = block * kPackWarps + warp;
+  if (v >= j.n) return;  // whole warps leave together
+  const VectorMap::Where at = j.map.locate(v, j.d, j.bytes, j.offset);
+  const float* off = j.offset.data ? j.offset.data + static_cast<int64_t>(at.offset_row) * j.d : nullptr;
+  for (int i = lane; i < j.d; i += 32) {
+    float xi = load_float(dt, j.x, at.in + i);
+    if (off) xi -= off[i];
+    z[i] = xi;
+  }
+  __syncwarp();
+  if (!at.inside) return;
+  encode_warp<F>(j.d, nc, centroids, z, idx, j.out + at.out);
+}
+
+// The new tokens of one cache (x [B, H, N, d], minus offset[h]) as a job for the rows after each
+// sequence's past.
+inline PackJob new_token_job(Format fmt, int d, const void* x, const BhsStrides& st, int64_t batch, int64_t heads,
+                             int64_t new_len, const NewTokenRows& rows, const float* offset, uint8_t* present) {
+  VectorMap map;
+  map.present = true;
+  map.st = st;
+  map.heads = static_cast<uint32_t>(heads);
+  map.new_len = static_cast<uint32_t>(new_len);
+  map.rows = rows;
+  Offset off;
+  off.data = offset;  // row = head, chosen by the kernel
+  off.rows = heads;
+  off.period = 1;
+  return make_job(fmt, d, x, batch * heads * new_len, off, map, present);
+}
+
+// Fills cent[0..16) with the codebook of F (MSE formats) for the block's warps; syncs the block.
+template <Format F>
+__device__ inline void load_centroids(double* cent) {
+  if constexpr (is_mse(F)) {
+    constexpr int kBits = format_bits(F);
+    if (threadIdx.x < 16) cent[threadIdx.x] = codec::centroids(kBits)[threadIdx.x % (1 << kBits)];
+  }
+  __syncthreads();
+}
+
+// Block `block` of a job: its kPackWarps warps pack one vector each (z, idx: per-warp scratch).
+template <Format F>
+__device__ inline void pack_block(const PackJob& j, uint32_t block, bool nc, DType dt, double* cent, float (*z)[kMaxHeadDim],
+                                  uint8_t (*idx)[kMaxHeadDim]) {
+  load_centroids<F>(cent);
+  const int warp = threadIdx.x / 32;
+  pack_vector<F>(j, block, nc, dt, cent, z[warp], idx[warp]);
+}
+
+// pack_block for a format known only at run time (pairs of formats no kernel is specialised for).
+__device__ inline void pack_block_any(const PackJob& j, uint32_t block, bool nc, DType dt, double* cent,
+                                      float (*z)[kMaxHeadDim], uint8_t (*idx)[kMaxHeadDim]) {
+  switch (j.fmt) {
+    case Format::kMse3: pack_block<Format::kMse3>(j, block, nc, dt, cent, z, idx); break;
+    case Format::kMse4: pack_block<Format::kMse4>(j, block, nc, dt, cent, z, idx); break;
+    case Format::kUint3: pack_block<Format::kUint3>(j, block, nc, dt, cent, z, idx); break;
+    case Format::kUint4: pack_block<Format::kUint4>(j, block, nc, dt, cent, z, idx); break;
+    case Format::kFp8: pack_block<Format::kFp8>(j, block, nc, dt, cent, z, idx); break;
+    case Format::kRaw16: pack_block<Format::kRaw16>(j, block, nc, dt, cent, z, idx); break;
+    default: break;
+  }
+}
+
+}  // namespace turboquant::cuda::detail
