@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU machine (see the device tool): build the package with its CUDA kernels, then run the
-# ORT op tests on the CUDA execution provider, the TensorRT plugins' enqueue tests, compute-sanitizer
-# on a subset, the CUDA bench and its report (table and plots).
+# On the GPU machine (see the device tool): build the package with its CUDA kernels (build), run the
+# ORT op tests on the CUDA execution provider, the TensorRT plugins' enqueue tests and the genai test
+# (test), compute-sanitizer on a subset and on the kernel probe (check), the CUDA benchmarks, the
+# report's table and plots and a kernel profile (bench). One step per call of the device tool.
 # Expects onnxruntime-gpu under /tmp/site (shared/device/prepare-ortgpu.sh) and the ONNX Runtime
 # headers in third_party/ (scripts/fetch_headers.sh). Logs go to $OUT.
 set -uo pipefail
@@ -24,15 +25,15 @@ if [ "$step" = test ] || [ "$step" = all ]; then
   # onnxruntime-genai models on the CUDA provider (needs onnxruntime-genai under /tmp/site for its builder)
   timeout 300 python3 -m pytest -q -s -p no:cacheprovider "$root/tests/export/test_genai.py" -k cuda -rs 2>&1 | tee "$OUT/genai_tests.log" | tail -8
 fi
-if [ "$step" = check ]; then  # sanitizers, the benchmark and a kernel profile, after `test`
+if [ "$step" = check ]; then  # sanitizers on the op tests and on the kernel probe, after `test`
   cd /tmp
   CS=/usr/local/cuda/bin/compute-sanitizer
-  # the tensor-core kernel is slow under memcheck: a smaller subset of the op tests, then the kernel
-  # probe (every format pair the kernel takes, odd lengths, aligned and unaligned capacities)
-  timeout 240 $CS --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" \
-    -k "cuda and (generation or presets_every or genai_style)" > "$OUT/memcheck.log" 2>&1
+  # the op tests are slow under memcheck: a subset of them, then the kernel probe (every format pair
+  # the tensor-core kernel takes, odd lengths, aligned and unaligned capacities, in place)
+  timeout 170 $CS --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" \
+    -k "cuda and (presets_every or genai_style or pack)" > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$? $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/memcheck.log" | tr '\n' ' ')"
-  timeout 150 $CS --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" \
+  timeout 110 $CS --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" \
     -k "cuda and (generation or presets_every or offsets or mqa or pack or genai_style)" > "$OUT/racecheck.log" 2>&1
   echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|passed|failed' "$OUT/racecheck.log" | tr '\n' ' ')"
   ( cd /tmp/tqsrc && NVCC=/usr/local/cuda/bin/nvcc bash scripts/build_probe.sh /tmp/probe ) > "$OUT/probe_build.log" 2>&1
@@ -42,13 +43,16 @@ if [ "$step" = check ]; then  # sanitizers, the benchmark and a kernel profile, 
       echo "probe $tool $a: $(timeout 60 $CS --tool $tool --error-exitcode 9 /tmp/probe $a 2>&1 | grep -E 'max |differing|ERROR SUMMARY|RACECHECK SUMMARY' | tr '\n' ' ')"
     done
   done | tee "$OUT/probe_sanitizers.log"
-  timeout 300 python3 -m turboquant.bench attention --device cuda --repeat 30 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-  grep -v "^{" "$OUT/bench.log"
-  timeout 120 python3 -m turboquant.bench pack --device cuda --json "$OUT/pack.json" 2>&1 | tee "$OUT/pack.log" | tail -8
-  timeout 240 python3 -m turboquant.bench report --device cuda --batch 1 8 --context 2048 8192 32768 --repeat 20 \
+fi
+if [ "$step" = bench ]; then  # the benchmarks (attention, TQPack, the report's plots) and a kernel profile
+  cd /tmp
+  timeout 280 python3 -m turboquant.bench attention --device cuda --repeat 30 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"; grep -v "^{" "$OUT/bench.log"
+  timeout 100 python3 -m turboquant.bench pack --device cuda --json "$OUT/pack.json" 2>&1 | tee "$OUT/pack.log" | tail -8
+  timeout 150 python3 -m turboquant.bench report --device cuda --batch 8 --context 2048 8192 32768 --repeat 20 \
     --out "$OUT/report" > "$OUT/report.log" 2>&1; echo "report rc=$?"
-  printf 'import numpy as np, onnxruntime as ort\nort.preload_dlls()\nfrom turboquant.bench import cuda as c\nprint(c.tq_step("turboquant_4bit_nc", 8, 32, 8, 128, 32768, 3, np.random.default_rng(0)))\n' > /tmp/one.py
-  timeout 120 /usr/local/cuda/bin/ncu --clock-control none --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed \
-    --kernel-name regex:"split|finish|pack" --launch-skip 4 --launch-count 4 python3 /tmp/one.py 2>&1 | grep -E "kernel|gpu__time|sm__" > "$OUT/ncu.log"
+  printf 'import numpy as np, onnxruntime as ort\nort.preload_dlls()\nfrom turboquant.bench import cuda as c\nprint(c.tq_gqa_step("turboquant_4bit_nc", 8, 32, 8, 128, 32768, 3, np.random.default_rng(0)))\n' > /tmp/one.py
+  timeout 60 /usr/local/cuda/bin/ncu --clock-control none --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+    --kernel-name regex:"split|finish" --launch-skip 4 --launch-count 4 python3 /tmp/one.py 2>&1 | grep -E "kernel|gpu__time|dram__" > "$OUT/ncu.log"
   cat "$OUT/ncu.log"
 fi

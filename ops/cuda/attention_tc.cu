@@ -1,6 +1,7 @@
-// The split-KV decode kernel for the 4-bit value presets on tensor cores: MSE 4-bit or fp8 keys,
-// uint4 values, key and value head size 64, 128 or 256. It writes the same partial results as
-// split_kernel (attention.cu); the merge kernel combines them.
+// The split-KV decode kernel for the presets' format pairs on tensor cores: MSE 4-bit, MSE 3-bit or
+// fp8 keys with uint4 values, MSE 3-bit keys with uint3 values, key and value head size 64, 128 or
+// 256. It writes the same partial results as split_kernel (attention.cu); the finish kernel merges
+// them.
 //
 // Tokens are the M dimension of every product, so a 16-token tile fills the m16n8k16 rows and the
 // (up to 8) query rows of the GQA group are its N columns:
@@ -18,8 +19,9 @@
 // Tile rows are a fixed permutation of each 32-token warp tile (rho below), chosen so that the
 // lanes' 32-bit loads of a tile's value words hit 32 different banks.
 //
-// A warp walks its own 32-token tiles, double-buffered in shared memory with cp.async; 8 warps per
-// block share the byte table and the query fragments, and are merged at the end.
+// A warp walks its own 32-token tiles, double-buffered in shared memory (bulk copies on sm_90,
+// cp.async before); the block's 16 (or 8) warps, one block per SM, share the byte table and the
+// query fragments, and are merged at the end.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_pipeline.h>
@@ -44,9 +46,6 @@ constexpr int kTok = 32;       // tokens per warp tile (two m16 row tiles)
 constexpr int kRowsMax = 8;    // query rows per block: the N of the products
 constexpr int kCopies = 32;    // copies of the byte table, one per lane
 constexpr int kMaxDevices = 64;
-
-// One block per SM: 16 warps, or 8 at head size 256 (whose double buffers are twice as large).
-__host__ __device__ constexpr int warps_for(int kd) { return kd >= 256 ? 8 : 16; }
 constexpr float kCodeUnit = 16777216.0f;  // 2^24: value codes enter the products as fp16 subnormals
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -198,9 +197,9 @@ constexpr int kDynStartMax = 4096;  // where the dynamic part starts in the wind
 struct SmemLayout {
   int table, fragments, queries, low_warps, low_stages, high_stages, states, bytes;
 };
-__host__ __device__ inline SmemLayout smem_layout(int key_bits, int kd, int kb, int vb, int start) {
+__host__ __device__ inline SmemLayout smem_layout(int key_bits, int kd, int kb, int vb, int warps, int start) {
   SmemLayout s{};
-  const int warps = warps_for(kd), stage = warp_stage_bytes(kb, vb);
+  const int stage = warp_stage_bytes(kb, vb);
   const int states = warps * kRowsMax * (3 + kd) * 4;
   if (permuted_table(key_bits, kd)) {
     s.fragments = 0;
@@ -224,19 +223,19 @@ __host__ __device__ inline SmemLayout smem_layout(int key_bits, int kd, int kb, 
   return s;
 }
 // What the launch asks for: the layout of the earliest start (its table lies highest).
-__host__ __device__ inline int dynamic_bytes(int key_bits, int kd, int kb, int vb) {
-  return smem_layout(key_bits, kd, kb, vb, 0).bytes;
+__host__ __device__ inline int dynamic_bytes(int key_bits, int kd, int kb, int vb, int warps) {
+  return smem_layout(key_bits, kd, kb, vb, warps, 0).bytes;
 }
 
 // kKeyBits: 4 or 3 (MSE keys) or 8 (fp8 keys); kValBits: 4 or 3 (uint values); kD: the key
 // product's length (MSE: the padded head size; fp8: the head size) and the value head size.
 // kKeyWords4: every key row starts 4-byte aligned in shared memory (rows of a multiple of 4 bytes,
 // as onnxruntime-genai's shared buffers have), so code groups are read without funnel shifts.
-template <int kKeyBits, int kValBits, int kD, bool kKeyWords4>
-__global__ void __launch_bounds__(warps_for(kD) * 32, 1)
+template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, 1)
     tc_split_kernel(AttentionParams p, Layout l, const void* q, const uint8_t* past_key, const uint8_t* past_value,
                     float* partial) {
-  constexpr int kWarps = warps_for(kD), kThreads = kWarps * 32;
+  constexpr int kThreads = kWarps * 32;
   constexpr bool kFp8 = kKeyBits == 8;
   constexpr int kSteps = kD / 16;                     // k-steps of the score product
   constexpr int kKeyWords = kFp8 ? kSteps : kD / 32;  // code groups (4 or 3 bytes) of a key row per lane
@@ -251,7 +250,7 @@ __global__ void __launch_bounds__(warps_for(kD) * 32, 1)
   uint32_t dyn_at;  // the dynamic part's shared-window address
   asm("mov.u32 %0, turboquant_tc_smem;\n" : "=r"(dyn_at));
   const int kb = static_cast<int>(p.key_row()), vb = static_cast<int>(p.value_row());
-  const SmemLayout sl = smem_layout(kKeyBits, kD, kb, vb, static_cast<int>(dyn_at % kWindow));
+  const SmemLayout sl = smem_layout(kKeyBits, kD, kb, vb, kWarps, static_cast<int>(dyn_at % kWindow));
   if (kPermuted && dyn_at % kWindow > kDynStartMax) __trap();  // cannot happen: 1 KiB reserved + < 1 KiB static
   uint32_t* lut = reinterpret_cast<uint32_t*>(dyn + sl.table);  // [pair][lane]: half2 (centroids of the two codes)
   uint4* qf = reinterpret_cast<uint4*>(dyn + sl.fragments);  // [k-step][lane]: hi b0, hi b1, lo b0, lo b1
@@ -660,12 +659,11 @@ __global__ void __launch_bounds__(warps_for(kD) * 32, 1)
 int tc_kd(const AttentionParams& p) { return p.key_format == Format::kFp8 ? p.head_dim : padded_dim(p.head_dim); }
 int tc_key_bits(const AttentionParams& p) { return p.key_format == Format::kFp8 ? 8 : format_bits(p.key_format); }
 
-int tc_dynamic_bytes(const AttentionParams& p, int kd) {
-  return dynamic_bytes(tc_key_bits(p), kd, static_cast<int>(p.key_row()), static_cast<int>(p.value_row()));
+// Shared memory of a block of `warps` warps: the dynamic part and, at most, the static one.
+int tc_block_bytes(const AttentionParams& p, int warps) {
+  return dynamic_bytes(tc_key_bits(p), tc_kd(p), static_cast<int>(p.key_row()), static_cast<int>(p.value_row()), warps) +
+         1024;
 }
-
-// Shared memory of a block: the dynamic part and, at most, the static one (row arrays, barriers).
-int tc_block_bytes(const AttentionParams& p) { return tc_dynamic_bytes(p, tc_kd(p)) + 1024; }
 
 // The most shared memory a block of this device may opt in to (227 KiB on sm_90, 163 on sm_80,
 // 99 on sm_86/89), asked once per device.
@@ -680,13 +678,21 @@ int device_block_smem() {
   return n;
 }
 
-template <int kKeyBits, int kValBits, int kD, bool kKeyWords4>
+// One block per SM: 16 warps where their buffers fit, else 8 (head size 256, whose registers allow
+// no more, and caches with rows much wider than the packed vectors); 0: neither fits this device.
+int tc_warps(const AttentionParams& p) {
+  const int limit = device_block_smem();
+  if (tc_kd(p) <= 128 && tc_block_bytes(p, 16) <= limit) return 16;
+  return tc_block_bytes(p, 8) <= limit ? 8 : 0;
+}
+
+template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps>
 cudaError_t launch(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
                    const uint8_t* past_value, float* partial, cudaStream_t stream) {
-  const int smem = tc_dynamic_bytes(p, kD);
+  const int smem = tc_block_bytes(p, kWarps) - 1024;
   // Beyond 48 KiB per block (static + dynamic) a kernel has to opt in, once per device for the
   // largest size asked so far.
-  auto kernel = tc_split_kernel<kKeyBits, kValBits, kD, kKeyWords4>;
+  auto kernel = tc_split_kernel<kKeyBits, kValBits, kD, kKeyWords4, kWarps>;
   static std::atomic<int> opted[kMaxDevices];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
@@ -697,17 +703,22 @@ cudaError_t launch(const AttentionParams& p, const Layout& l, const void* q, con
     if (dev < kMaxDevices) opted[dev].store(smem);
   }
   dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
-  kernel<<<grid, warps_for(kD) * 32, smem, stream>>>(p, l, q, past_key, past_value, partial);
+  kernel<<<grid, kWarps * 32, smem, stream>>>(p, l, q, past_key, past_value, partial);
   return cudaGetLastError();
 }
 
 template <int kKeyBits, int kValBits, bool kKeyWords4 = false>
 cudaError_t launch_d(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
                      const uint8_t* past_value, float* partial, cudaStream_t stream) {
+  const bool wide = tc_warps(p) == 16;
   switch (tc_kd(p)) {
-    case 64: return launch<kKeyBits, kValBits, 64, kKeyWords4>(p, l, q, past_key, past_value, partial, stream);
-    case 128: return launch<kKeyBits, kValBits, 128, kKeyWords4>(p, l, q, past_key, past_value, partial, stream);
-    default: return launch<kKeyBits, kValBits, 256, kKeyWords4>(p, l, q, past_key, past_value, partial, stream);
+    case 64:
+      return wide ? launch<kKeyBits, kValBits, 64, kKeyWords4, 16>(p, l, q, past_key, past_value, partial, stream)
+                  : launch<kKeyBits, kValBits, 64, kKeyWords4, 8>(p, l, q, past_key, past_value, partial, stream);
+    case 128:
+      return wide ? launch<kKeyBits, kValBits, 128, kKeyWords4, 16>(p, l, q, past_key, past_value, partial, stream)
+                  : launch<kKeyBits, kValBits, 128, kKeyWords4, 8>(p, l, q, past_key, past_value, partial, stream);
+    default: return launch<kKeyBits, kValBits, 256, kKeyWords4, 8>(p, l, q, past_key, past_value, partial, stream);
   }
 }
 
@@ -733,7 +744,7 @@ bool tc_split_supported(const AttentionParams& p) {
   // One block fills an SM's shared memory (the MSE 4-bit table alone is 64 KiB). Rows much wider
   // than the packed vectors (an onnxruntime-genai cache with raw16 layers), or devices with less
   // shared memory than sm_90, keep the other kernels.
-  return tc_block_bytes(p) <= device_block_smem();
+  return tc_warps(p) > 0;
 }
 
 cudaError_t launch_tc_split(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,

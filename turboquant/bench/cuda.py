@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 
+import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto
@@ -31,8 +32,14 @@ from ..reference import formats
 from . import baselines
 
 
-def _device_value(a: np.ndarray) -> ort.OrtValue:
-    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), "cuda", 0)
+def _device_value(a: np.ndarray, device: str = "cuda") -> ort.OrtValue:
+    a = np.ascontiguousarray(a)
+    if a.dtype == ml_dtypes.float8_e4m3fn:  # numpy has no fp8: its bytes typed for ONNX, copied over
+        host = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(np.uint8), TensorProto.FLOAT8E4M3FN)
+        dev = ort.OrtValue.ortvalue_from_shape_and_type(a.shape, TensorProto.FLOAT8E4M3FN, device, 0)
+        dev.update_inplace(host)
+        return dev
+    return ort.OrtValue.ortvalue_from_numpy(a, device, 0)
 
 
 def _time_iobinding(sess, io, iters: int) -> tuple[float, float]:

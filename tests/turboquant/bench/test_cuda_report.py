@@ -34,3 +34,12 @@ def test_report_tables():
     assert "100 (2.50x, 2.70x int4, bw 0.70)" in rows[2]  # in place, back to back
     assert "| 240 |" in rows[2]  # torch SDPA only among the back-to-back timings
     assert "n/a" in rows[0] and "ORT GQA on its int8 cache unavailable: no CUDA kernel" in text
+
+
+def test_fp8_caches_become_typed_values():
+    # numpy has no fp8 type: ORT's fp8 cache baseline feeds its bytes typed FLOAT8E4M3FN
+    import ml_dtypes
+    import numpy as np
+
+    v = cuda._device_value(np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.float8_e4m3fn), "cpu")
+    assert v.data_type() == "tensor(float8e4m3fn)" and v.shape() == [2, 3]
