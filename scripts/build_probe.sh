@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds scripts/cuda_attention_probe.cu (the TQAttention launcher alone, against the CPU kernels)
 # with the flags CMake gives each file: the packing code without contraction, so the new rows it
-# writes are byte-identical to the CPU's.   bash scripts/build_probe.sh OUT [ARCH]   (ARCH: 90)
+# writes are byte-identical to the CPU's; and scripts/cuda_pack_probe.cu (TQPack's kernels against
+# the CPU's, and their throughput) as OUT.pack.   bash scripts/build_probe.sh OUT [ARCH]   (ARCH: 90)
 set -euo pipefail
 out=$1
 arch=${2:-90}
@@ -16,5 +17,8 @@ for f in attention attention_mma attention_tc; do
 done
 "$nvcc" "${flags[@]}" -x c++ -c ops/cpu/attention.cpp -o "$tmp/attention_cpp.o" &
 "$nvcc" "${flags[@]}" -c scripts/cuda_attention_probe.cu -o "$tmp/probe.o" &
+"$nvcc" "${flags[@]}" -c scripts/cuda_pack_probe.cu -o "$tmp/pack_probe.o" &
 wait
+"$nvcc" -arch=sm_$arch "$tmp/pack_probe.o" "$tmp/pack_cu.o" "$tmp/pack_cpp.o" -o "$out.pack"
+rm "$tmp/pack_probe.o"
 "$nvcc" -arch=sm_$arch "$tmp"/*.o -o "$out"

@@ -31,6 +31,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "device_attributes.h"
 #include "split_common.cuh"
 #include "turboquant/float_io.h"
 #include "turboquant/vector_codec.h"
@@ -45,7 +46,6 @@ namespace {
 constexpr int kTok = 32;       // tokens per warp tile (two m16 row tiles)
 constexpr int kRowsMax = 8;    // query rows per block: the N of the products
 constexpr int kCopies = 32;    // copies of the byte table, one per lane
-constexpr int kMaxDevices = 64;
 constexpr float kCodeUnit = 16777216.0f;  // 2^24: value codes enter the products as fp16 subnormals
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -666,17 +666,8 @@ int tc_block_bytes(const AttentionParams& p, int warps) {
 }
 
 // The most shared memory a block of this device may opt in to (227 KiB on sm_90, 163 on sm_80,
-// 99 on sm_86/89), asked once per device.
-int device_block_smem() {
-  static std::atomic<int> known[kMaxDevices];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  if (dev < kMaxDevices && known[dev].load() > 0) return known[dev].load();
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 0;
-  if (dev < kMaxDevices) known[dev].store(n);
-  return n;
-}
+// 99 on sm_86/89).
+int device_block_smem() { return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
 
 // One block per SM: 16 warps where their buffers fit, else 8 (head size 256, whose registers allow
 // no more, and caches with rows much wider than the packed vectors); 0: neither fits this device.

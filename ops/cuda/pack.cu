@@ -1,6 +1,11 @@
-// TQPack / TQUnpack on the GPU. Packing: one warp per vector (pack_device.cuh), byte-identical to
-// the CPU kernels; unpacking: one thread per vector.
+// TQPack / TQUnpack on the GPU. Packing: four lanes per vector (pack_stream.cuh) where the head size
+// and alignments allow, else one warp per vector (pack_device.cuh), both byte-identical to the CPU
+// kernels; unpacking: one thread per vector.
+#include <algorithm>
+
+#include "device_attributes.h"
 #include "pack_device.cuh"
+#include "pack_stream.cuh"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/float_io.h"
 #include "turboquant/vector_codec.h"
@@ -30,8 +35,25 @@ __global__ void unpack_kernel(Format fmt, int d, const uint8_t* in, int64_t n, O
   for (int i = 0; i < d; ++i) store_float(dt, out, v * d + i, row[i]);
 }
 
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
 template <Format F>
 cudaError_t launch_pack(bool nc, DType dt, const PackJob& job, cudaStream_t stream) {
+  // the throughput kernel reads 16-byte chunks, stages rows with 16-bit stores (uint3 rows of head
+  // sizes 8 mod 16 have an odd size) and writes 16-byte runs of rows
+  const int dp = padded_dim(job.d);
+  if (dp >= 64 && job.bytes % 2 == 0 && aligned16(job.x) && aligned16(job.out) && aligned16(job.offset.data)) {
+    // blocks stride over the vectors: enough to fill the device several times, few enough that
+    // each block's set-up (its codebook tables) serves many vectors
+    const int64_t needed = (job.n + kStreamVectorsPerBlock - 1) / kStreamVectorsPerBlock;
+    const int64_t fill = 32 * static_cast<int64_t>(std::max(1, device_attribute<cudaDevAttrMultiProcessorCount>()));
+    const unsigned blocks = static_cast<unsigned>(std::min(needed, fill));
+    const uint32_t n = static_cast<uint32_t>(job.n);
+    if (dp == 64) pack_stream_kernel<F, 2><<<blocks, kStreamThreads, 0, stream>>>(nc, dt, job.d, job.x, n, job.offset, job.out);
+    if (dp == 128) pack_stream_kernel<F, 4><<<blocks, kStreamThreads, 0, stream>>>(nc, dt, job.d, job.x, n, job.offset, job.out);
+    if (dp == 256) pack_stream_kernel<F, 8><<<blocks, kStreamThreads, 0, stream>>>(nc, dt, job.d, job.x, n, job.offset, job.out);
+    return cudaGetLastError();
+  }
   pack_kernel<F><<<static_cast<unsigned>(job.blocks), kThreads, 0, stream>>>(nc, dt, job);
   return cudaGetLastError();
 }

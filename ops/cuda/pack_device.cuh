@@ -48,6 +48,13 @@ struct VectorMap {
   }
 };
 
+// The codec's min and max start from x[0] and compare, so a NaN x[0] is the result, bit for bit, and
+// later NaNs are ignored. The compiler may turn the comparisons into min/max instructions, which
+// return a canonical NaN: the result takes x[0]'s bits back.
+__device__ inline float keep_first_nan(float x0, float v) {
+  return __uint_as_float(x0 != x0 ? __float_as_uint(x0) : __float_as_uint(v));
+}
+
 // codec::butterfly_total over the lanes' partial sums: every lane gets the total.
 __device__ inline double warp_total(double x) {
   for (int o = codec::kSumLanes / 2; o > 0; o >>= 1) x = x + __shfl_xor_sync(kPackLanes, x, o);
@@ -116,9 +123,11 @@ __device__ inline void encode_warp(int d, bool nc, const double* centroids, floa
         mn = a < mn ? a : mn;
         mx = b > mx ? b : mx;
       }
+      mn = keep_first_nan(z[0], mn), mx = keep_first_nan(z[0], mx);
       const float levels = static_cast<float>((1 << bits) - 1);
       const float range = (mx - mn) / levels;
-      const uint16_t s16 = f32_to_f16_sat(range > 1e-8f ? range : 1e-8f), z16 = f32_to_f16_sat(mn);
+      const uint16_t s16 = f32_to_f16_sat(range > 1e-8f ? range : 1e-8f);
+      const uint16_t z16 = f32_to_f16_sat(keep_first_nan(z[0], mn + 0.0f));  // a zero minimum as +0
       const float sc = f16_to_f32(s16), zr = f16_to_f32(z16);
       for (int i = lane; i < d; i += 32) {
         float v = sc > 0.0f ? floorf((z[i] - zr) / sc + 0.5f) : 0.0f;

@@ -81,6 +81,7 @@ def mse_indices(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
         u = np.concatenate([u, np.zeros((*u.shape[:-1], dp - d), np.float32)], axis=-1)
     z = fwht(u)
     idx = np.searchsorted(codebook.boundaries_f32(bits), z, side="right")  # boundaries <= z
+    idx = np.where(np.isnan(z), 0, idx)  # no boundary is <= a NaN (an infinite input's coordinates)
     return idx.astype(np.uint8), n
 
 
@@ -118,7 +119,9 @@ def uint_params(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.nd
     """Indices [..., D], fp16 scale [...] and fp16 zero [...] of the uniform value format."""
     x = to_f32(x)
     levels = np.float32((1 << bits) - 1)
-    mn, mx = x.min(-1), x.max(-1)
+    # a zero minimum is stored as +0 whichever zeros the vector holds (the min of +0 and -0 is
+    # either), so the bytes do not depend on the order a kernel compares in
+    mn, mx = x.min(-1) + np.float32(0.0), x.max(-1)
     scale16 = sat_f16(np.maximum((mx - mn) / levels, SCALE_EPS))
     zero16 = sat_f16(mn)
     sc = scale16.astype(np.float32)[..., None]

@@ -47,7 +47,10 @@ TQ_HD uint16_t f32_to_f16(float f) {
 }
 
 // fp32 -> fp16 with finite values saturated to +-65504 (scales and zero points of the formats).
+// A NaN goes straight through: compilers may turn the clamp into min/max instructions, which on a
+// GPU return a canonical NaN, and the NaN's sign is part of the bytes.
 TQ_HD uint16_t f32_to_f16_sat(float f) {
+  if (f != f) return f32_to_f16(f);
   if (f > kFp16Max) f = kFp16Max;
   if (f < -kFp16Max) f = -kFp16Max;
   return f32_to_f16(f);

@@ -148,7 +148,7 @@ TQ_HD void encode_uint(int bits, int d, const float* x, uint8_t* out) {
   const float levels = static_cast<float>((1 << bits) - 1);
   const float range = (mx - mn) / levels;
   const uint16_t s16 = f32_to_f16_sat(range > 1e-8f ? range : 1e-8f);
-  const uint16_t z16 = f32_to_f16_sat(mn);
+  const uint16_t z16 = f32_to_f16_sat(mn + 0.0f);  // a zero minimum as +0, whichever zeros x holds
   const float sc = f16_to_f32(s16), zr = f16_to_f32(z16);
   uint8_t q[kMaxHeadDim];
   for (int i = 0; i < d; ++i) {

@@ -57,6 +57,21 @@ def test_pack_matches_reference_byte_for_byte(ort_session, device, data, fmt, nc
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("fmt", ["mse4", "uint3", "fp8"])
+def test_pack_many_vectors(ort_session, device, rng, fmt):
+    """More vectors than the CUDA kernel's blocks cover in one pass (132 SMs x 32 blocks x 32 vectors
+    on an H200), so its blocks stride over them; special rows among them: zeros, +-0 extremes, infinities."""
+    x = rng.standard_normal((2, 70001, 128)).astype(np.float16)
+    x[0, 5] = 0.0
+    x[0, 6] = np.abs(x[0, 6]) + 0.125
+    x[0, 6, [3, 40]] = [-0.0, 0.0]
+    x[1, 7] = -np.abs(x[1, 7]) - 0.125
+    x[1, 7, [9, 100]] = [0.0, -0.0]
+    x[1, -1, 17] = np.inf
+    sess = ort_session(models.pack_model(fmt, 128, TensorProto.FLOAT16, rank=3), device=device)
+    np.testing.assert_array_equal(run(sess, {"x": x})[0], formats.pack(x, fmt, True))
+
+
 @settings(max_examples=100, deadline=None)
 @given(data=vectors(), fmt=st.sampled_from(ALL_FORMATS))
 def test_unpack_matches_reference(ort_session, device, data, fmt):
