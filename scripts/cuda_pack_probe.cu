@@ -49,6 +49,8 @@ std::vector<uint8_t> make_input(DType dt, int d, int64_t n, int special, std::mt
       // zero extremes of both signs: a positive (kind 2) or negative (kind 4) vector with -0 and +0
       if (kind == 2 || kind == 4) f = (kind == 2 ? 1.0f : -1.0f) * (std::fabs(f) + 0.125f);
       if ((kind == 2 || kind == 4) && (i == (v * 7) % d || i == (v * 13 + 5) % d)) f = (i == (v * 7) % d) == (v & 1) ? -0.0f : 0.0f;
+      // (fp32 and bf16) a huge element beside tiny ones: quotients by the norm below 2^-126
+      if (kind == 6 && dt != DType::kFloat16) f = i == 0 ? 3e30f : (i % 3 ? 0.0f : f * 1e-20f);
       if (special && kind == 9 && i == v % d) f = (v & 1) && special > 1 ? NAN : -INFINITY;
       if (special && kind == 10 && i == 0) f = (v & 2) && special > 1 ? -NAN : INFINITY;
       const int64_t k = v * d + i;

@@ -43,6 +43,10 @@ if [ "$step" = check ]; then  # sanitizers on the op tests and on the kernel pro
       echo "probe $tool $a: $(timeout 60 $CS --tool $tool --error-exitcode 9 /tmp/probe $a 2>&1 | grep -E 'max |differing|ERROR SUMMARY|RACECHECK SUMMARY' | tr '\n' ' ')"
     done
   done | tee "$OUT/probe_sanitizers.log"
+  # TQPack's kernels on a small run of the pack probe (its byte checks, then 8192 vectors timed)
+  for tool in memcheck racecheck; do
+    echo "pack probe $tool: $(timeout 150 $CS --tool $tool --error-exitcode 9 /tmp/probe.pack 8192 2>&1 | grep -E 'byte checks|normal quotients|ERROR SUMMARY|RACECHECK SUMMARY' | tr '\n' ' ')"
+  done | tee -a "$OUT/probe_sanitizers.log"
 fi
 if [ "$step" = bench ]; then  # the benchmarks (attention, TQPack, the report's plots) and a kernel profile
   cd /tmp

@@ -418,13 +418,39 @@ __device__ float block_sum(float v, float* red) {
   return total;
 }
 
-// Query row gr = (b, hkv, row) by the block's threads: red and qrow are the block's scratch.
+// Element i of a float tensor (Q, K, V) by the conversion instructions: the values load_float gives
+// (a NaN may come back with another payload, which no attention result keeps).
+__device__ inline float load_value(DType dt, const void* base, int64_t i) {
+  switch (dt) {
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(base)[i]);
+    case DType::kBFloat16: return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+// Query row gr = (b, hkv, row) by the block's threads: red and qrow are the block's scratch. A
+// decode step's finish is short and latency-bound: the loads that do not depend on each other (the
+// query row, the first new token's key and value, the splits' partial results) are issued first.
 __device__ void merge_row(const AttentionParams& p, const Layout& l, const void* q, const void* k, const void* v,
                           const void* mask, const float* partial, void* y, int64_t gr, float* red, float* qrow) {
   const int64_t bh = gr / l.rows, row = gr % l.rows;
   const int64_t b = bh / p.kv_heads, hkv = bh % p.kv_heads;
   const int64_t pos = row / l.group, hq = hkv * l.group + row % l.group;
   const int d = p.head_dim, dv = p.v_head_dim, tid = threadIdx.x;
+
+  for (int i = tid; i < d; i += kThreads) qrow[i] = load_value(p.dtype, q, b * p.q.b + hq * p.q.h + pos * p.q.s + i);
+  const float* koff = p.key_offset ? p.key_offset + hkv * d : nullptr;
+  float kn[kMaxCols], vn[kMaxCols];  // new token n's key elements tid + c kThreads and value columns
+  auto load_new = [&](int64_t n) {
+    const int64_t kbase = b * p.k.b + hkv * p.k.h + n * p.k.s, vbase = b * p.v.b + hkv * p.v.h + n * p.v.s;
+#pragma unroll
+    for (int c = 0; c < kMaxCols; ++c) {
+      const int i = tid + c * kThreads;
+      kn[c] = i < d ? load_value(p.dtype, k, kbase + i) - (koff ? koff[i] : 0.0f) : 0.0f;
+      vn[c] = i < dv ? load_value(p.dtype, v, vbase + i) : 0.0f;
+    }
+  };
+  if (p.new_len > 0) load_new(0);
 
   float m = -INFINITY, sum = 0.0f, acc[kMaxCols];
   for (int c = 0; c < kMaxCols; ++c) acc[c] = 0.0f;
@@ -448,16 +474,16 @@ __device__ void merge_row(const AttentionParams& p, const Layout& l, const void*
       }
     }
   }
-  for (int i = tid; i < d; i += kThreads) qrow[i] = load_float(p.dtype, q, b * p.q.b + hq * p.q.h + pos * p.q.s + i);
-  __syncthreads();
-  const float* koff = p.key_offset ? p.key_offset + hkv * d : nullptr;
+  __syncthreads();  // qrow
   for (int64_t n = 0; n < p.new_len; ++n) {
-    float part = 0.0f;
-    const int64_t kbase = b * p.k.b + hkv * p.k.h + n * p.k.s;
-    for (int i = tid; i < d; i += kThreads) {
-      const float kv = load_float(p.dtype, k, kbase + i) - (koff ? koff[i] : 0.0f);
-      part += qrow[i] * kv;
+    float part = 0.0f, vc[kMaxCols];
+#pragma unroll
+    for (int c = 0; c < kMaxCols; ++c) {
+      const int i = tid + c * kThreads;
+      if (i < d) part += qrow[i] * kn[c];
+      vc[c] = vn[c];
     }
+    if (n + 1 < p.new_len) load_new(n + 1);
     const float dot = block_sum(part, red) * p.scale;
     bool ok;
     const float add = mask_value(p, mask, b, hq, pos, past + n, &ok);
@@ -468,10 +494,9 @@ __device__ void merge_row(const AttentionParams& p, const Layout& l, const void*
     const float rescale = m == -INFINITY ? 0.0f : __expf(m - m_new);
     const float e = __expf(s - m_new);
     sum = sum * rescale + e;
-    const int64_t vbase = b * p.v.b + hkv * p.v.h + n * p.v.s;
     for (int c = 0; c < kMaxCols; ++c) {
       const int col = tid + c * kThreads;
-      if (col < dv) acc[c] = acc[c] * rescale + e * load_float(p.dtype, v, vbase + col);
+      if (col < dv) acc[c] = acc[c] * rescale + e * vc[c];
     }
     m = m_new;
   }

@@ -130,13 +130,6 @@ __device__ inline BucketEntry load_bucket(uint32_t address) {
   return e;
 }
 
-// -1 where a <= b, else 0 (one instruction, where a comparison and a select take two).
-__device__ inline int le_mask(float a, float b) {
-  int m;
-  asm("set.le.s32.f32 %0, %1, %2;" : "=r"(m) : "f"(a), "f"(b));
-  return m;
-}
-
 // Rounding to a multiple of 1/8 by adding 1.5 * 2^20 (whose float spacing is 1/8): the difference
 // of the bit patterns is then the bucket. kRoundBits * 8 comes off the table's shared address
 // once, so a lookup is one add and one multiply-add of addresses (32-bit, wrapping).
@@ -147,7 +140,7 @@ constexpr uint32_t kRoundBits = 0x49c00000u;
 // through a shuffle so that the compiler cannot split the constant back out of it.)
 __device__ inline uint32_t bucket_base(const BucketEntry* buckets) {
   const uint32_t base = shared_address(buckets + kBucketHalf) - kRoundBits * static_cast<uint32_t>(sizeof(BucketEntry));
-  return __shfl_sync(0xffffffffu, base, 0);
+  return __shfl_sync(kStreamAll, base, 0);
 }
 
 // codec::codebook_index (the number of boundaries <= z) through the buckets. kAny false: z finite
@@ -157,7 +150,7 @@ template <bool kAny>
 __device__ inline int codebook_lookup(float z, uint32_t base) {
   const float t = kAny ? fminf(fmaxf(z, -3.0f), 3.0f) : z;
   const BucketEntry e = load_bucket(base + __float_as_uint(t + kRound) * static_cast<uint32_t>(sizeof(BucketEntry)));
-  return e.below - le_mask(e.next, z);
+  return e.below + (e.next <= z ? 1 : 0);
 }
 
 // a / b, correctly rounded, from r = RN(1/b): q = RN(a r) is within an ulp of a / b, the residual
@@ -268,8 +261,8 @@ __device__ inline void stage_indices(uint8_t* p, uint32_t lo, uint32_t hi) {
 
 // MSE formats. z: the lane's chunks (chunk layout), offset removed; row: the vector's floats in
 // shared memory; idx: its index bytes; out: its staged packed row; j: the lane within the vector;
-// tiny: whether elements can be nonzero and below 2^-100 (not for fp16 without an offset, whose
-// quotients by the norm are then all normal or zero).
+// tiny: whether an element's quotient by the norm can be subnormal (not for fp16 without an offset:
+// its nonzero elements are >= 2^-24 and its norms below 2^21).
 template <int kBits, int kS>
 __device__ inline void encode_mse_stream(int d, bool nc, bool tiny, float (&z)[kS][8], float* row, uint8_t* idx,
                                          uint8_t* out, uint32_t buckets, const double* csq, int j) {
@@ -294,9 +287,12 @@ __device__ inline void encode_mse_stream(int d, bool nc, bool tiny, float (&z)[k
   const double total = __dadd_rn(__dadd_rn(p4[0], p4[2]), __dadd_rn(p4[1], p4[3]));
   const float n = static_cast<float>(sqrt(total));
   const float denom = n + 1e-8f, recip = __frcp_rn(denom);
-  // finite: every element finite (so is the norm); then denom is normal (>= 1e-8), and below 2^100
-  // every quotient of an element >= 2^-100 is normal, and every rotated coordinate is at most 16
+  // finite: every element finite (so is the norm); then denom is normal (>= 1e-8), its reciprocal
+  // too, every quotient at most 1, and every rotated coordinate at most 16 in magnitude. A quotient
+  // is normal where the element is at least denom * 2^-124 (or zero: a zero of either sign, which
+  // the rotation's sums and the comparisons treat alike).
   const bool finite = denom < 0x1p100f;
+  const float small = denom * 0x1p-124f;
   // normalise, rotate at distances 1, 2, 4 (within a chunk), hand over to the strided layout
 #pragma unroll
   for (int s = 0; s < kS; ++s) {
@@ -305,12 +301,12 @@ __device__ inline void encode_mse_stream(int d, bool nc, bool tiny, float (&z)[k
       bool exact = !finite;
       if (tiny) {
 #pragma unroll
-        for (int a = 0; a < 8; ++a) exact |= fabsf(z[s][a]) < 0x1p-100f && z[s][a] != 0.0f;
+        for (int a = 0; a < 8; ++a) exact |= fabsf(z[s][a]) < small && z[s][a] != 0.0f;
       }
       if (!exact) {
 #pragma unroll
         for (int a = 0; a < 8; ++a) z[s][a] = div_by_reciprocal(z[s][a], denom, recip);
-      } else {  // NaNs, infinities, tiny elements: the division itself
+      } else {  // NaNs, infinities, elements with subnormal quotients: the division itself
 #pragma unroll
         for (int a = 0; a < 8; ++a) z[s][a] = z[s][a] / denom;
       }

@@ -11,10 +11,21 @@ def test_pack_bench_times_every_format(tmp_path, capsys):
     assert main(["pack", "--device", "cpu", "--vectors", "512", "--head-dim", "64", "--threads", "1",
                  "--repeat", "2", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["format"] for r in rows] == ["mse4", "mse3", "fp8", "uint4", "uint3"]
+    assert [r["format"] for r in rows] == ["mse4", "mse3", "fp8", "uint4", "uint3", "raw16"]
     for r in rows:
         assert r["bytes_moved"] == 512 * (2 * 64 + packed_size(r["format"], 64))
         assert r["seconds"] > 0 and r["copy_fraction"] > 0
         assert abs(r["copy_fraction"] - r["GBps"] / r["copy_GBps"]) < 1e-9 * r["copy_fraction"]
     printed = capsys.readouterr().out
     assert "copy rate" in printed and all(f in printed for f in ("mse4", "uint3"))
+
+
+def test_pack_report_prints_back_to_back_times_where_measured():
+    from turboquant.bench.pack import report
+
+    row = {"format": "mse4", "vectors": 8, "head_dim": 64, "bytes_moved": 100, "seconds": 2e-3, "GBps": 5e-5,
+           "copy_GBps": 1.0, "copy_fraction": 5e-5, "seconds_pipelined": 1e-3, "GBps_pipelined": 1e-4,
+           "copy_fraction_pipelined": 1e-4}
+    text = report([row], "cuda")
+    assert "back to back" in text and "2.000" in text and "1.000" in text
+    assert "back to back" not in report([{k: v for k, v in row.items() if "pipelined" not in k}], "cpu")
