@@ -113,6 +113,17 @@ int main(int argc, char** argv) {
       bad += memcmp(gv.data() + rv, hv.data() + rv, vp) != 0;
     }
     printf("new rows differing from the CPU's: %lld of %lld\n", (long long)bad, (long long)(2 * B * Hkv));
+  } else {  // present = past ++ new: the packed bytes of the S + 1 rows of each (b, head)
+    std::vector<uint8_t> gk(hok.size()), gv(hov.size());
+    cudaMemcpy(gk.data(), ok, gk.size(), cudaMemcpyDeviceToHost);
+    cudaMemcpy(gv.data(), ov, gv.size(), cudaMemcpyDeviceToHost);
+    int64_t bad = 0;
+    for (int64_t bh = 0; bh < B * Hkv; ++bh)
+      for (int64_t r = bh * Rp; r < bh * Rp + S + 1; ++r) {
+        bad += memcmp(gk.data() + r * kb, hok.data() + r * kb, kp) != 0;
+        bad += memcmp(gv.data() + r * vb, hov.data() + r * vb, vp) != 0;
+      }
+    printf("present rows differing from the CPU's: %lld of %lld\n", (long long)bad, (long long)(2 * B * Hkv * (S + 1)));
   }
   double worst = 0, mag = 0;
   for (size_t i = 0; i < hy.size(); ++i) {

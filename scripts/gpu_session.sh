@@ -20,6 +20,7 @@ if [ "$step" = test ] || [ "$step" = all ]; then
   cd /tmp
   python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" 2>&1 | tee "$OUT/providers.log"
   timeout 400 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" -k cuda -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 60 python3 -m pytest -q -p no:cacheprovider "$root/tests/turboquant/bench/test_gpu_time.py" -rs 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -3
   nm -D --defined-only /tmp/tqsite/turboquant/lib/libturboquant_trt.so > "$OUT/trt_exports.log" 2>&1
   timeout 300 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/tensorrt" "$root/tests/export/test_target_tensorrt.py" -rs 2>&1 | tee "$OUT/trt_tests.log" | tail -15
   # onnxruntime-genai models on the CUDA provider (needs onnxruntime-genai under /tmp/site for its builder)

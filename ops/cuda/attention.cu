@@ -1,6 +1,7 @@
 // TQAttention on the GPU (DESIGN.md section 3).
 //
-// 1. present = past ++ pack(new - offset): one 2-D copy and a pack kernel (same codec as the CPU).
+// 1. present = past ++ pack(new - offset): a copy kernel (when present is not past's buffer) and
+//    the finish kernel's packing blocks (same codec as the CPU).
 // 2. split_kernel: grid (B*Hkv, splits, row blocks). A block takes up to 8 query rows (the
 //    query heads of one GQA group at one or more positions) against one KV head and one slice of
 //    the packed past, so each packed byte is read once per KV head. Per tile of kTile tokens, each
@@ -11,6 +12,10 @@
 // 3. finish_kernel: one block per query row merges the splits with log-sum-exp, adds the new tokens
 //    exactly (float K/V, key offset removed), restores the value offset and writes Y; in the same
 //    launch, other blocks pack the new tokens into the present caches (pack_device.cuh).
+// On sm_90 the tensor-core split kernel and the finish kernel are programmatic dependent launches
+// (split_common.cuh): each may start while the launch before it runs, and waits for it before
+// reading what it wrote.
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 
@@ -429,10 +434,13 @@ __device__ inline float load_value(DType dt, const void* base, int64_t i) {
 }
 
 // Query row gr = (b, hkv, row) by the block's threads: red and qrow are the block's scratch. A
-// decode step's finish is short and latency-bound: the loads that do not depend on each other (the
-// query row, the first new token's key and value, the splits' partial results) are issued first.
+// decode step's merge is what is left after the split kernel, so everything that needs only the
+// op's inputs (the query row, the new tokens' exact scores and values) comes before the wait for
+// the split kernel's partial results, which are then read in one pass (an online log-sum-exp).
 __device__ void merge_row(const AttentionParams& p, const Layout& l, const void* q, const void* k, const void* v,
-                          const void* mask, const float* partial, void* y, int64_t gr, float* red, float* qrow) {
+                          const void* mask, const float* partial, void* y, int64_t gr, float* red, float* qrow,
+                          bool after_split) {
+  if (!after_split) grid_dependency_wait();
   const int64_t bh = gr / l.rows, row = gr % l.rows;
   const int64_t b = bh / p.kv_heads, hkv = bh % p.kv_heads;
   const int64_t pos = row / l.group, hq = hkv * l.group + row % l.group;
@@ -451,29 +459,11 @@ __device__ void merge_row(const AttentionParams& p, const Layout& l, const void*
     }
   };
   if (p.new_len > 0) load_new(0);
+  const int64_t past = p.past_of(b);  // an input of the op (no launch of ours writes past lengths)
 
+  // 1. the new tokens, exactly: an online softmax of their scores
   float m = -INFINITY, sum = 0.0f, acc[kMaxCols];
   for (int c = 0; c < kMaxCols; ++c) acc[c] = 0.0f;
-  const int64_t past = p.past_of(b);
-  if (past > 0) {
-    const float* part = partial + (bh * l.rows + row) * l.splits * partial_stride(dv);
-    for (int s = 0; s < l.splits; ++s) m = fmaxf(m, part[s * partial_stride(dv)]);
-    for (int s = 0; s < l.splits; ++s) {
-      const float* ps = part + s * partial_stride(dv);
-      const float w = ps[0] == -INFINITY ? 0.0f : __expf(ps[0] - m);
-      sum += ps[1] * w;
-      for (int c = 0; c < kMaxCols; ++c) {
-        const int col = tid + c * kThreads;
-        if (col < dv) acc[c] += ps[2 + col] * w;
-      }
-    }
-    if (p.value_offset) {  // past values read back as unpack(v) + offset: sum_j p_j * offset
-      for (int c = 0; c < kMaxCols; ++c) {
-        const int col = tid + c * kThreads;
-        if (col < dv) acc[c] += p.value_offset[hkv * dv + col] * sum;
-      }
-    }
-  }
   __syncthreads();  // qrow
   for (int64_t n = 0; n < p.new_len; ++n) {
     float part = 0.0f, vc[kMaxCols];
@@ -500,6 +490,35 @@ __device__ void merge_row(const AttentionParams& p, const Layout& l, const void*
     }
     m = m_new;
   }
+
+  // 2. the splits' partial results (max, sum, acc): past values read back as unpack(v) + offset,
+  // so each split adds sum x offset
+  grid_dependency_wait();
+  if (past > 0) {
+    const float* part = partial + (bh * l.rows + row) * l.splits * partial_stride(dv);
+    const float* voff = p.value_offset ? p.value_offset + hkv * dv : nullptr;
+    float off[kMaxCols];
+    for (int c = 0; c < kMaxCols; ++c) {
+      const int col = tid + c * kThreads;
+      off[c] = voff && col < dv ? voff[col] : 0.0f;
+    }
+#pragma unroll 2
+    for (int s = 0; s < l.splits; ++s) {
+      const float* ps = part + s * partial_stride(dv);
+      const float ms = ps[0], ss = ps[1];
+      float as[kMaxCols];
+      for (int c = 0; c < kMaxCols; ++c) {
+        const int col = tid + c * kThreads;
+        as[c] = col < dv ? ps[2 + col] : 0.0f;
+      }
+      const float m_new = fmaxf(m, ms);  // -inf only while every part so far is empty
+      const float rescale = m == -INFINITY ? 0.0f : __expf(m - m_new);
+      const float w = ms == -INFINITY ? 0.0f : __expf(ms - m_new);
+      sum = sum * rescale + ss * w;
+      for (int c = 0; c < kMaxCols; ++c) acc[c] = acc[c] * rescale + (as[c] + off[c] * ss) * w;
+      m = m_new;
+    }
+  }
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
   const int64_t ybase = b * p.y.b + hq * p.y.h + pos * p.y.s;
   for (int c = 0; c < kMaxCols; ++c) {
@@ -510,29 +529,36 @@ __device__ void merge_row(const AttentionParams& p, const Layout& l, const void*
 
 static_assert(kThreads == kPackThreads, "the finish kernel's merge and packing blocks share a size");
 
-// The last launch of a step: blocks [0, merge_blocks) merge one query row each, the next
-// kj.blocks pack the new keys, the rest the new values. FK, FV: the caches' formats, or any pair
-// (chosen at run time) when kAny.
+// The last launch of a step: blocks [0, kj.blocks) pack the new keys, the next vj.blocks the new
+// values, the rest merge one query row each. FK, FV: the caches' formats, or any pair (chosen at
+// run time) when kAny. Launched as a programmatic dependent launch: after_split (this step's split
+// kernel was the launch before, and it waited for the ones before it) lets the packing blocks run
+// while the split kernel does (they read the inputs and write rows it does not read) and the
+// merges load their inputs before waiting for its partial results.
 template <Format FK, Format FV, bool kAny>
 __global__ void __launch_bounds__(kThreads)
     finish_kernel(AttentionParams p, Layout l, const void* q, const void* k, const void* v, const void* mask,
-                  const float* partial, void* y, uint32_t merge_blocks, PackJob kj, PackJob vj) {
+                  const float* partial, void* y, PackJob kj, PackJob vj, bool after_split) {
   __shared__ float red[kThreads / 32];
   __shared__ float qrow[kMaxHeadDim];
   __shared__ float z[kPackWarps][kMaxHeadDim];
   __shared__ uint8_t idx[kPackWarps][kMaxHeadDim];
   __shared__ double cent[16];
-  const uint32_t block = blockIdx.x;
-  if (block < merge_blocks) {
-    merge_row(p, l, q, k, v, mask, partial, y, block, red, qrow);
-  } else if (block - merge_blocks < kj.blocks) {
+  launch_dependents();  // a dependent launch waits for this one before it reads anything
+  const uint32_t block = blockIdx.x, packs = static_cast<uint32_t>(kj.blocks + vj.blocks);
+  if (block >= packs) {
+    merge_row(p, l, q, k, v, mask, partial, y, block - packs, red, qrow, after_split);
+    return;
+  }
+  if (!after_split) grid_dependency_wait();
+  if (block < kj.blocks) {
     if constexpr (kAny) {
-      pack_block_any(kj, block - merge_blocks, p.norm_correction, p.dtype, cent, z, idx);
+      pack_block_any(kj, block, p.norm_correction, p.dtype, cent, z, idx);
     } else {
-      pack_block<FK>(kj, block - merge_blocks, p.norm_correction, p.dtype, cent, z, idx);
+      pack_block<FK>(kj, block, p.norm_correction, p.dtype, cent, z, idx);
     }
   } else {
-    const uint32_t vb = block - merge_blocks - static_cast<uint32_t>(kj.blocks);
+    const uint32_t vb = block - static_cast<uint32_t>(kj.blocks);
     if constexpr (kAny) {
       pack_block_any(vj, vb, p.norm_correction, p.dtype, cent, z, idx);
     } else {
@@ -557,14 +583,72 @@ cudaError_t launch_split(dim3 grid, int smem, cudaStream_t stream, const Attenti
   return cudaGetLastError();
 }
 
+// A batched copy: `regions` ranges of n bytes, src + r src_pitch -> dst + r dst_pitch, of any
+// alignment. Item i is one 16-byte-aligned block of a destination range (n / 16 + 2 per range
+// cover it wherever it starts).
+struct CopyJob {
+  const uint8_t* src = nullptr;
+  uint8_t* dst = nullptr;
+  int64_t src_pitch = 0, dst_pitch = 0, n = 0, regions = 0;
+  __host__ __device__ int64_t items() const { return regions * (n / 16 + 2); }
+};
+
+// Whole blocks: one 16-byte store of four words funnel-shifted out of the source's aligned words
+// (a word holding one of the range's bytes lies in its allocation); the blocks cut by a range's
+// ends byte by byte.
+__device__ inline void copy_item(const CopyJob& j, int64_t i) {
+  const int64_t per = j.n / 16 + 2, r = i / per, k = i % per;
+  const uint8_t* s = j.src + r * j.src_pitch;
+  uint8_t* d = j.dst + r * j.dst_pitch;
+  const int64_t lo = 16 * k - static_cast<int64_t>(reinterpret_cast<uintptr_t>(d) & 15);  // the block's first byte
+  if (lo >= 0 && lo + 16 <= j.n) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(s + lo);
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(at & ~uintptr_t{3});
+    const uint32_t sh = static_cast<uint32_t>(at & 3) * 8;
+    const uint32_t a0 = w[0], a1 = w[1], a2 = w[2], a3 = w[3], a4 = sh != 0 ? w[4] : 0u;
+    *reinterpret_cast<uint4*>(d + lo) = make_uint4(__funnelshift_r(a0, a1, sh), __funnelshift_r(a1, a2, sh),
+                                                   __funnelshift_r(a2, a3, sh), __funnelshift_r(a3, a4, sh));
+  } else {
+    for (int b = 0; b < 16; ++b) {
+      const int64_t o = lo + b;
+      if (o >= 0 && o < j.n) d[o] = s[o];
+    }
+  }
+}
+
+// Both caches' copies in one launch, at the copy rate of the device (cudaMemcpy2DAsync moved these
+// rows at about half of it on an H200).
+__global__ void __launch_bounds__(kThreads) copy_kernel(CopyJob a, CopyJob b) {
+  launch_dependents();  // the split kernel reads the past, not the present
+  const int64_t na = a.items(), total = na + b.items();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    if (i < na) {
+      copy_item(a, i);
+    } else {
+      copy_item(b, i - na);
+    }
+  }
+}
+
 // present = past, unless it is the same buffer (the new tokens are packed after each sequence's past
 // by the finish kernel).
-cudaError_t copy_past(const AttentionParams& p, int64_t row_bytes, const uint8_t* past, uint8_t* present,
-                      cudaStream_t stream) {
+CopyJob copy_job(const AttentionParams& p, int64_t row_bytes, const uint8_t* past, uint8_t* present) {
   const int64_t past_rows = p.past_rows_or_len(), present_rows = p.present_rows_or_total();
-  if (past == nullptr || past == present || past_rows == 0 || p.batch * p.kv_heads == 0) return cudaSuccess;
-  return cudaMemcpy2DAsync(present, present_rows * row_bytes, past, past_rows * row_bytes, past_rows * row_bytes,
-                           p.batch * p.kv_heads, cudaMemcpyDeviceToDevice, stream);
+  if (past == nullptr || past == present || past_rows == 0) return CopyJob{};
+  return CopyJob{past, present, past_rows * row_bytes, present_rows * row_bytes, past_rows * row_bytes,
+                 p.batch * p.kv_heads};
+}
+
+cudaError_t copy_past(const AttentionParams& p, const uint8_t* past_key, uint8_t* present_key,
+                      const uint8_t* past_value, uint8_t* present_value, int num_sms, cudaStream_t stream) {
+  const CopyJob a = copy_job(p, p.key_row(), past_key, present_key);
+  const CopyJob b = copy_job(p, p.value_row(), past_value, present_value);
+  const int64_t items = a.items() + b.items();
+  if (items == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((items + kThreads - 1) / kThreads, 8LL * std::max(num_sms, 1));
+  copy_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a, b);
+  return cudaGetLastError();
 }
 
 PackJob new_token_job(const AttentionParams& p, Format fmt, int d, int64_t row_bytes, const BhsStrides& st,
@@ -580,33 +664,33 @@ PackJob new_token_job(const AttentionParams& p, Format fmt, int d, int64_t row_b
 
 template <Format FK, Format FV, bool kAny = false>
 cudaError_t launch_finish(unsigned blocks, const AttentionParams& p, const Layout& l, const void* q, const void* k,
-                          const void* v, const void* mask, const float* partial, void* y, uint32_t merge_blocks,
+                          const void* v, const void* mask, const float* partial, void* y, bool after_split,
                           const PackJob& kj, const PackJob& vj, cudaStream_t stream) {
-  finish_kernel<FK, FV, kAny><<<blocks, kThreads, 0, stream>>>(p, l, q, k, v, mask, partial, y, merge_blocks, kj, vj);
-  return cudaGetLastError();
+  return launch_dependent(finish_kernel<FK, FV, kAny>, dim3(blocks), dim3(kThreads), 0, stream, p, l, q, k, v, mask,
+                          partial, y, kj, vj, after_split);
 }
 
 // The merge of the query rows and the packing of the new tokens, in one launch: a kernel
 // specialised for the presets' format pairs, a general one for the others.
 cudaError_t finish(const AttentionParams& p, const Layout& l, const void* q, const void* k, const void* v,
                    const void* mask, const float* partial, void* y, uint8_t* present_key, uint8_t* present_value,
-                   cudaStream_t stream) {
+                   bool after_split, cudaStream_t stream) {
   const PackJob kj = new_token_job(p, p.key_format, p.head_dim, p.key_row(), p.k, k, p.key_offset, present_key);
   const PackJob vj = new_token_job(p, p.value_format, p.v_head_dim, p.value_row(), p.v, v, p.value_offset, present_value);
   const int64_t merges = p.q_len > 0 ? p.batch * p.kv_heads * l.rows : 0;
   const int64_t blocks = merges + kj.blocks + vj.blocks;
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT32_MAX || kj.n > INT32_MAX || vj.n > INT32_MAX) return cudaErrorInvalidValue;
-  const auto m = static_cast<uint32_t>(merges);
+  const bool a = after_split;
   const auto n = static_cast<unsigned>(blocks);
   using F = Format;
   const F kf = p.key_format, vf = p.value_format;
-  if (kf == F::kMse4 && vf == F::kUint4) return launch_finish<F::kMse4, F::kUint4>(n, p, l, q, k, v, mask, partial, y, m, kj, vj, stream);
-  if (kf == F::kFp8 && vf == F::kUint4) return launch_finish<F::kFp8, F::kUint4>(n, p, l, q, k, v, mask, partial, y, m, kj, vj, stream);
-  if (kf == F::kMse3 && vf == F::kUint4) return launch_finish<F::kMse3, F::kUint4>(n, p, l, q, k, v, mask, partial, y, m, kj, vj, stream);
-  if (kf == F::kMse3 && vf == F::kUint3) return launch_finish<F::kMse3, F::kUint3>(n, p, l, q, k, v, mask, partial, y, m, kj, vj, stream);
-  if (kf == F::kRaw16 && vf == F::kRaw16) return launch_finish<F::kRaw16, F::kRaw16>(n, p, l, q, k, v, mask, partial, y, m, kj, vj, stream);
-  return launch_finish<F::kMse4, F::kUint4, true>(n, p, l, q, k, v, mask, partial, y, m, kj, vj, stream);
+  if (kf == F::kMse4 && vf == F::kUint4) return launch_finish<F::kMse4, F::kUint4>(n, p, l, q, k, v, mask, partial, y, a, kj, vj, stream);
+  if (kf == F::kFp8 && vf == F::kUint4) return launch_finish<F::kFp8, F::kUint4>(n, p, l, q, k, v, mask, partial, y, a, kj, vj, stream);
+  if (kf == F::kMse3 && vf == F::kUint4) return launch_finish<F::kMse3, F::kUint4>(n, p, l, q, k, v, mask, partial, y, a, kj, vj, stream);
+  if (kf == F::kMse3 && vf == F::kUint3) return launch_finish<F::kMse3, F::kUint3>(n, p, l, q, k, v, mask, partial, y, a, kj, vj, stream);
+  if (kf == F::kRaw16 && vf == F::kRaw16) return launch_finish<F::kRaw16, F::kRaw16>(n, p, l, q, k, v, mask, partial, y, a, kj, vj, stream);
+  return launch_finish<F::kMse4, F::kUint4, true>(n, p, l, q, k, v, mask, partial, y, a, kj, vj, stream);
 }
 
 }  // namespace
@@ -620,12 +704,12 @@ size_t attention_workspace_bytes(const AttentionParams& p, int num_sms) {
 cudaError_t attention(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
                       const uint8_t* past_key, const uint8_t* past_value, void* y, uint8_t* present_key,
                       uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream) {
-  cudaError_t e = copy_past(p, p.key_row(), past_key, present_key, stream);
+  cudaError_t e = copy_past(p, past_key, present_key, past_value, present_value, num_sms, stream);
   if (e != cudaSuccess) return e;
-  if ((e = copy_past(p, p.value_row(), past_value, present_value, stream)) != cudaSuccess) return e;
   if (p.batch == 0) return cudaSuccess;
   const Layout l = make_layout(p, num_sms);  // of the query rows: none when q_len is 0
-  if (p.q_len > 0 && p.past_len > 0) {
+  const bool split = p.q_len > 0 && p.past_len > 0;
+  if (split) {
     dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
     float* part = static_cast<float*>(workspace);
     const int smem = l.buffers * l.stage_bytes;
@@ -647,7 +731,7 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
     if (e != cudaSuccess) return e;
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
   }
-  return finish(p, l, q, k, v, mask, static_cast<const float*>(workspace), y, present_key, present_value, stream);
+  return finish(p, l, q, k, v, mask, static_cast<const float*>(workspace), y, present_key, present_value, split, stream);
 }
 
 }  // namespace turboquant::cuda

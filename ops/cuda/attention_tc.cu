@@ -98,6 +98,19 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
+// A full tile's two copies (keys, values) and the arrival that expects them, by one lane of the
+// converged warp (elect.sync): issued from a lane-0 branch, the compiler wraps each copy in a loop
+// over the lanes' operands (they must be uniform), some 50 instructions per tile.
+__device__ __forceinline__ void bulk_copy_tile(uint32_t bar, uint32_t kdst, const void* ksrc, uint32_t kbytes,
+                                               uint32_t vdst, const void* vsrc, uint32_t vbytes) {
+  asm volatile(
+      "{\n .reg .pred one;\n elect.sync _|one, 0xffffffff;\n"
+      " @one mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %7;\n"
+      " @one cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%1], [%2], %3, [%0];\n"
+      " @one cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%4], [%5], %6, [%0];\n}\n" ::"r"(bar),
+      "r"(kdst), "l"(ksrc), "r"(kbytes), "r"(vdst), "l"(vsrc), "r"(vbytes), "r"(kbytes + vbytes)
+      : "memory");
+}
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n .reg .pred done;\n WAIT:\n"
@@ -263,11 +276,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int rows = static_cast<int>(min(static_cast<int64_t>(l.rows_per_block), l.rows - row0));
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
 
-  // --- this warp's tiles: the first one is fetched before the block's set-up ---
+  // --- this warp's tiles, double-buffered (the first one is fetched once the table is built) ---
   const int ktile = key_tile_bytes(kb), tile = ktile + value_tile_bytes(vb);
   uint8_t* stage = warp < sl.low_warps ? dyn + sl.low_stages + warp * 2 * tile
                                        : dyn + sl.high_stages + (warp - sl.low_warps) * 2 * tile;
   const int64_t begin = static_cast<int64_t>(split) * l.split_len;
+  // (past lengths are read before the dependency wait below: they are inputs of the op, which no
+  // launch of ours writes)
   const int len = static_cast<int>(max(static_cast<int64_t>(0), min(p.past_of(b), begin + l.split_len) - begin));
   const uint8_t* keys = past_key + (bh * p.past_rows_or_len() + begin) * kb;  // this split's rows
   const uint8_t* vals = past_value + (bh * p.past_rows_or_len() + begin) * vb;
@@ -287,7 +302,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int kspan = round16(kdelta + kTok * kb), vspan = round16(vdelta + kTok * vb);
 #ifdef TQ_BULK_COPY
   __shared__ __align__(8) uint64_t bars[kWarps][2];  // per warp and buffer: its bulk copies landed
-  const uint32_t bar_at = smem_u32(&bars[warp][0]), stage_at = smem_u32(stage);
+  // shared-window addresses, kept in registers (the compiler would otherwise work them out again
+  // at every tile from the block's shared-memory base)
+  uint32_t bar_at, stage_at;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(bar_at) : "r"(smem_u32(&bars[warp][0])));
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(stage_at) : "r"(smem_u32(stage)));
   if (lane == 0) {
     mbar_init(bar_at);
     mbar_init(bar_at + 8);
@@ -336,22 +355,23 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   auto fetch = [&](int r0, int buf) {  // start copying the tile of rows r0.. into buffer buf
     uint8_t* dst = stage + buf * tile;
     const bool fast = r0 >= fast_lo && r0 <= fast_hi;
-    const bool kspans = fast || key_spans(r0), vspans = fast || value_spans(r0);
-    if (!fast) copy_exact(r0, dst, kspans, vspans);
 #ifdef TQ_BULK_COPY
+    const uint32_t bar = bar_at + 8 * buf, dst_at = stage_at + buf * tile;
+    if (fast) {  // the usual tile (MSE keys): two bulk copies, nothing else
+      bulk_copy_tile(bar, dst_at, kfrom0 + static_cast<uint32_t>(r0 * kb), kspan, dst_at + ktile,
+                     vfrom0 + static_cast<uint32_t>(r0 * vb), vspan);
+      return;
+    }
+    const bool kspans = key_spans(r0), vspans = value_spans(r0);
+    copy_exact(r0, dst, kspans, vspans);
     if (lane == 0) {
-      const uint32_t bar = bar_at + 8 * buf, dst_at = stage_at + buf * tile;
-      if (fast) {
-        mbar_arrive_expect(bar, kspan + vspan);
-        bulk_copy(dst_at, kfrom0 + r0 * kb, kspan, bar);
-        bulk_copy(dst_at + ktile, vfrom0 + r0 * vb, vspan, bar);
-      } else {
-        mbar_arrive_expect(bar, (kspans ? kspan : 0) + (vspans ? vspan : 0));
-        if (kspans) bulk_copy(dst_at, kfrom0 + r0 * kb, kspan, bar);
-        if (vspans) bulk_copy(dst_at + ktile, vfrom0 + r0 * vb, vspan, bar);
-      }
+      mbar_arrive_expect(bar, (kspans ? kspan : 0) + (vspans ? vspan : 0));
+      if (kspans) bulk_copy(dst_at, kfrom0 + r0 * kb, kspan, bar);
+      if (vspans) bulk_copy(dst_at + ktile, vfrom0 + r0 * vb, vspan, bar);
     }
 #else
+    const bool kspans = fast || key_spans(r0), vspans = fast || value_spans(r0);
+    if (!fast) copy_exact(r0, dst, kspans, vspans);
     if (kspans) {
       const uint8_t* from = kfrom0 + r0 * kb;
       for (int i = lane; i < kspan / 16; i += 32) __pipeline_memcpy_async(dst + 16 * i, from + 16 * i, 16);
@@ -364,11 +384,18 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     __pipeline_commit();
   };
   // Waits for the copies into buffer buf (its use-th fill) and makes them visible to the warp.
+#ifdef TQ_BULK_COPY
+  constexpr bool kCpAsync = kFp8;  // cp.async groups pending from tile to tile: fp8 keys' (MSE: bulk copies only)
+#else
+  constexpr bool kCpAsync = true;
+#endif
   auto landed = [&](int buf, int use, bool newer_pending) {
-    if (newer_pending) {
-      __pipeline_wait_prior(1);
-    } else {
-      __pipeline_wait_prior(0);
+    if (kCpAsync) {
+      if (newer_pending) {
+        __pipeline_wait_prior(1);
+      } else {
+        __pipeline_wait_prior(0);
+      }
     }
 #ifdef TQ_BULK_COPY
     mbar_wait(bar_at + 8 * buf, use & 1);
@@ -376,7 +403,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     __syncwarp();
   };
   const int stride = kWarps * kTok;
-  if (warp * kTok < len) fetch(warp * kTok, 0);
 
   if (!kFp8) {
     constexpr int kRowWords = table_row_bytes(kKeyBits, kD) / 4;
@@ -387,6 +413,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
           pack_half2(static_cast<float>(c[e & mask]), static_cast<float>(c[e >> kKeyBits]));
     }
   }
+  // A programmatic launch may have started this kernel while the one before it still runs (the
+  // table above is all it did meanwhile): the caches and queries are read after it finished. The
+  // finish kernel may then start: it reads nothing this kernel writes before its own wait.
+  grid_dependency_wait();
+  launch_dependents();
+  if (warp * kTok < len) fetch(warp * kTok, 0);  // the first tile, while the queries are set up
   // --- the block's query rows: rotated (MSE), normalised per row, split into fp16 hi + lo ---
   if (tid < kRowsMax) {
     const int64_t row = row0 + tid;
@@ -693,9 +725,8 @@ cudaError_t launch(const AttentionParams& p, const Layout& l, const void* q, con
     if (e != cudaSuccess) return e;
     if (dev < kMaxDevices) opted[dev].store(smem);
   }
-  dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
-  kernel<<<grid, kWarps * 32, smem, stream>>>(p, l, q, past_key, past_value, partial);
-  return cudaGetLastError();
+  const dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
+  return launch_dependent(kernel, grid, dim3(kWarps * 32), smem, stream, p, l, q, past_key, past_value, partial);
 }
 
 template <int kKeyBits, int kValBits, bool kKeyWords4 = false>

@@ -1,5 +1,6 @@
 // TQGroupQueryAttention on the GPU: past lengths read from seqlens_k where they are used, the rotary
 // embedding of Q and the new K into workspace, then the TQAttention launcher.
+#include "split_common.cuh"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/rotary.h"
 
@@ -10,10 +11,28 @@ constexpr int kThreads = 128;
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
-// One thread per (b, s, head): x viewed through st, rotated into a dense [B, S, heads, D] copy.
-__global__ void rotary_kernel(AttentionParams p, RotaryParams rot, int64_t heads, BhsStrides st, const void* x,
-                              BhsStrides dense, void* out) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+// One tensor to rotate: x viewed through st, rotated into a dense [B, S, heads, D] copy at out.
+struct RotaryJob {
+  int64_t heads;
+  BhsStrides st, dense;
+  const void* x;
+  void* out;
+};
+
+// One thread per (b, s, head) of Q, then of the new K: one launch for both. The attention kernels
+// that follow are programmatic dependent launches; they may start (and build their tables) as soon
+// as this launch has, and wait for it before they read anything.
+__global__ void rotary_kernel(AttentionParams p, RotaryParams rot, RotaryJob jq, RotaryJob jk) {
+  detail::launch_dependents();
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t nq = p.batch * p.q_len * jq.heads;
+  const bool is_q = i < nq;
+  if (!is_q) i -= nq;
+  const RotaryJob& j = is_q ? jq : jk;
+  const int64_t heads = j.heads;
+  const BhsStrides st = j.st, dense = j.dense;
+  const void* x = j.x;
+  void* out = j.out;
   if (i >= p.batch * p.q_len * heads) return;
   const int64_t h = i % heads, bs = i / heads, b = bs / p.q_len, s = bs % p.q_len;
   const int64_t pos = rot.position_ids ? rot.position_ids[bs] : p.past_of(b) + s;
@@ -50,13 +69,16 @@ Workspace carve(const AttentionParams& p, const RotaryParams& rot, int num_sms, 
   return w;
 }
 
-cudaError_t rotate(const AttentionParams& p, const RotaryParams& rot, int64_t heads, const BhsStrides& st,
-                   const void* x, uint8_t* out, BhsStrides* dense, cudaStream_t stream) {
-  *dense = {p.q_len * heads * p.head_dim, p.head_dim, heads * p.head_dim};
-  const int64_t n = p.batch * p.q_len * heads;
+RotaryJob rotary_job(const AttentionParams& p, int64_t heads, const BhsStrides& st, const void* x, uint8_t* out) {
+  return RotaryJob{heads, st, {p.q_len * heads * p.head_dim, p.head_dim, heads * p.head_dim}, x, out};
+}
+
+cudaError_t rotate(const AttentionParams& p, const RotaryParams& rot, const RotaryJob& jq, const RotaryJob& jk,
+                   cudaStream_t stream) {
+  const int64_t n = p.batch * p.q_len * (jq.heads + jk.heads);
   if (n == 0) return cudaSuccess;
-  rotary_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p, rot, heads, st, x,
-                                                                                             *dense, out);
+  if ((n + kThreads - 1) / kThreads > INT32_MAX) return cudaErrorInvalidValue;
+  rotary_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p, rot, jq, jk);
   return cudaGetLastError();
 }
 
@@ -82,8 +104,9 @@ cudaError_t gqa_attention(const AttentionParams& p0, const RotaryParams& rot, co
     p.past_lens_bias = 1 - p.q_len;
   }
   if (rot.rotary_dim > 0) {
-    if ((e = rotate(p, rot, p.q_heads, p0.q, q, w.q_rot, &p.q, stream)) != cudaSuccess) return e;
-    if ((e = rotate(p, rot, p.kv_heads, p0.k, k, w.k_rot, &p.k, stream)) != cudaSuccess) return e;
+    const RotaryJob jq = rotary_job(p, p.q_heads, p0.q, q, w.q_rot), jk = rotary_job(p, p.kv_heads, p0.k, k, w.k_rot);
+    if ((e = rotate(p, rot, jq, jk, stream)) != cudaSuccess) return e;
+    p.q = jq.dense, p.k = jk.dense;
     q = w.q_rot;
     k = w.k_rot;
   }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "device_attributes.h"
 #include "turboquant/float_io.h"
 #include "turboquant/params.h"
 
@@ -77,6 +78,43 @@ cudaError_t launch_mma_split(const AttentionParams& p, const Layout& l, const vo
                              const uint8_t* past_value, float* partial, cudaStream_t stream);
 
 #ifdef __CUDACC__
+// Programmatic dependent launch (sm_90; no-ops before): a kernel launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization may start while the launch before it runs, once
+// that one's blocks have all called launch_dependents; grid_dependency_wait then waits until it has
+// finished and its writes are visible. Every read of what an earlier launch wrote comes after it.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch on devices that
+// have them (sm_90 and newer): the kernel may start while the launch before it runs (see above).
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
+                             Args... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+#ifdef TQ_NO_PDL  // developer A/B builds (scripts/build_probe.sh)
+  config.numAttrs = 0;
+#else
+  config.numAttrs = device_attribute<cudaDevAttrComputeCapabilityMajor>() >= 9 ? 1 : 0;
+#endif
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
 // Starts copying n bytes (n even, both addresses 2-byte aligned) into shared memory with the
 // warp's lanes: cp.async of 16 or 4 bytes where both addresses allow, plain 2-byte copies otherwise
 // and for the tail. The caller commits, waits and syncs the warp.

@@ -6,10 +6,13 @@ device-to-device copy measured in the same run.
 
 Two times per step and candidate: `_us`, a step run and waited for (Run with IO binding, then the
 outputs synchronised: the per-call cost of ONNX Runtime's Run on a one-node graph included), and
-`_pipelined_us`, steps run back to back without waiting in between (ORT's end-of-run stream
-synchronisation turned off, `disable_synchronize_execution_providers`), total time / steps: what
-the kernels of a step take on the GPU, as the layers of a real model's step follow each other.
-torch SDPA is timed pipelined (CUDA events around a loop).
+`_pipelined_us`, the GPU time of a step: steps run back to back without waiting in between (ORT's
+end-of-run stream synchronisation turned off, `disable_synchronize_execution_providers`), the
+union of their kernels' and copies' intervals / steps (gpu_time.py): what the kernels of a step
+take on the GPU, as the layers of a real model's step follow each other while the host runs ahead.
+Without torch (whose profiler records them), the wall time of the back-to-back steps / steps,
+which measures the host where its per-Run cost exceeds the step's GPU work. torch SDPA is timed
+the same way.
 
 Note: TQAttention has ONNX Attention's semantics, so each call also writes a new present cache
 (past ++ new): a copy of the whole packed cache, which its time includes. TQGroupQueryAttention
@@ -29,7 +32,7 @@ from .. import models
 from ..config import TurboQuantConfig
 from ..ort import session_options
 from ..reference import formats
-from . import baselines
+from . import baselines, gpu_time
 
 
 def _device_value(a: np.ndarray, device: str = "cuda") -> ort.OrtValue:
@@ -46,8 +49,8 @@ _first_back_to_back = True
 
 
 def time_iobinding(sess, io, iters: int) -> tuple[float, float]:
-    """Seconds per step: the median of steps each waited for, and steps run back to back (the
-    stream synchronised once, at the end)."""
+    """Seconds per step: the median of steps each waited for, and the GPU time of steps run back to
+    back (the stream synchronised once, at the end; their wall time without torch)."""
     for _ in range(5):
         sess.run_with_iobinding(io)
     io.synchronize_outputs()
@@ -72,7 +75,14 @@ def time_iobinding(sess, io, iters: int) -> tuple[float, float]:
         io.synchronize_outputs()
         per_step = (time.perf_counter() - t0) / iters
     _first_back_to_back = False
-    return float(np.median(times)), per_step
+
+    def sequence():
+        for _ in range(iters):
+            sess.run_with_iobinding(io, back_to_back)
+        io.synchronize_outputs()
+
+    busy = gpu_time.busy_seconds(sequence)
+    return float(np.median(times)), busy / iters if busy else per_step
 
 
 def tq_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tuple[tuple[float, float], int]:
@@ -166,13 +176,21 @@ def torch_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int):
     for _ in range(5):
         f()
     torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    st.record()
-    for _ in range(iters):
-        f()
-    en.record()
-    torch.cuda.synchronize()
-    return st.elapsed_time(en) / 1e3 / iters, 2 * b * hkv * s * d * 2
+
+    def sequence():
+        for _ in range(iters):
+            f()
+        torch.cuda.synchronize()
+
+    busy = gpu_time.busy_seconds(sequence)
+    if busy is None:  # nothing recorded: CUDA events around the loop
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record()
+        sequence()
+        en.record()
+        torch.cuda.synchronize()
+        busy = st.elapsed_time(en) / 1e3
+    return busy / iters, 2 * b * hkv * s * d * 2
 
 
 def copy_bandwidth() -> float | None:
