@@ -11,6 +11,7 @@ length of the union of the intervals.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 
 
@@ -40,8 +41,10 @@ def busy_seconds(run: Callable[[], None]) -> float | None:
         return None
     if not torch.cuda.is_available():
         return None
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
+    with warnings.catch_warnings():  # torch's note that each profiling cycle clears its events
+        warnings.simplefilter("ignore", UserWarning)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
     cuda = torch.autograd.DeviceType.CUDA
     spans = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in prof.profiler.kineto_results.events()
              if e.device_type() == cuda]
