@@ -3,10 +3,12 @@
 // scales), one new token, fp16 Q/K/V.
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu \
 //        ops/cuda/attention.cu ops/cuda/pack.cu ops/cpu/attention.cpp ops/cpu/pack.cpp -o /tmp/probe
-//   /tmp/probe B S key_format value_format [iters] [pad] [width] [inplace]
+//   /tmp/probe B S key_format value_format [iters] [pad] [width] [inplace] [rotary]
 //   pad: rows of capacity past S in the past caches; width: bytes per cache row (0: the packed
 //   sizes); inplace 1: past and present share buffers of S + pad + 1 rows, as TQGroupQueryAttention
-//   runs (the new token written in place, no cache copy), else present is a separate buffer.
+//   runs (the new token written in place, no cache copy), else present is a separate buffer;
+//   rotary 1: through TQGroupQueryAttention's launcher (rotary embedding of Q and K first, past
+//   lengths from seqlens_k), checked against the CPU's.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -15,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <vector>
 
@@ -23,6 +26,13 @@
 
 using namespace turboquant;
 
+#ifdef TQ_PHASES  // the phase marks of the split kernel's first block and the finish kernel's first merge
+namespace turboquant::cuda {
+void tc_phase_times(long long* clock, long long* ns);
+void finish_phase_times(long long* clock, long long* ns);
+}  // namespace turboquant::cuda
+#endif
+
 int main(int argc, char** argv) {
   const int64_t B = argc > 1 ? atoll(argv[1]) : 8, S = argc > 2 ? atoll(argv[2]) : 32768;
   const Format kf = parse_format(argc > 3 ? argv[3] : "mse4"), vf = parse_format(argc > 4 ? argv[4] : "uint4");
@@ -30,6 +40,7 @@ int main(int argc, char** argv) {
   const int D = 128, iters = argc > 5 ? atoi(argv[5]) : 50;
   const int64_t pad = argc > 6 ? atoll(argv[6]) : 0, width = argc > 7 ? atoll(argv[7]) : 0;
   const bool inplace = argc > 8 && atoi(argv[8]) != 0;
+  const bool rotary = argc > 9 && atoi(argv[9]) != 0;
   const int64_t R = S + pad + (inplace ? 1 : 0), Rp = inplace ? R : R + 1;  // rows of past, of present
   AttentionParams p;
   p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = 1, p.new_len = 1, p.past_len = S;
@@ -75,19 +86,62 @@ int main(int argc, char** argv) {
   cudaMemcpy(v, x, B * Hkv * D * 2, cudaMemcpyDeviceToDevice);
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  // rotary: tables of the positions 0..R (cos, sin of pos x 10000^(-i / 64)) and seqlens_k = S
+  const int64_t half = D / 2, positions = R + 1;
+  std::vector<__half> hcos(positions * half), hsin(positions * half);
+  for (int64_t t = 0; t < positions; ++t)
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = t * std::pow(10000.0, -double(i) / half);
+      hcos[t * half + i] = __float2half(float(std::cos(angle))), hsin[t * half + i] = __float2half(float(std::sin(angle)));
+    }
+  __half *dcos, *dsin;
+  int32_t* seqlens;
+  cudaMalloc(&dcos, hcos.size() * 2), cudaMalloc(&dsin, hsin.size() * 2), cudaMalloc(&seqlens, B * 4);
+  cudaMemcpy(dcos, hcos.data(), hcos.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dsin, hsin.data(), hsin.size() * 2, cudaMemcpyHostToDevice);
+  const std::vector<int32_t> hseq(B, static_cast<int32_t>(S));
+  cudaMemcpy(seqlens, hseq.data(), B * 4, cudaMemcpyHostToDevice);
+  RotaryParams rot;
+  rot.rotary_dim = D, rot.max_positions = positions, rot.cos = dcos, rot.sin = dsin;
   void* ws = nullptr;
-  cudaMalloc(&ws, cuda::attention_workspace_bytes(p, sms) + 1);
+  cudaMalloc(&ws, (rotary ? cuda::gqa_workspace_bytes(p, rot, sms) : cuda::attention_workspace_bytes(p, sms)) + 1);
   cudaStream_t st;
   cudaStreamCreate(&st);
-  for (int i = 0; i < 3; ++i) cuda::attention(p, q, k, v, nullptr, pk, pv, y, ok, ov, ws, sms, st);
+  auto step = [&] {
+    if (rotary) {
+      cuda::gqa_attention(p, rot, seqlens, false, q, k, v, pk, pv, y, ok, ov, ws, sms, st);
+    } else {
+      cuda::attention(p, q, k, v, nullptr, pk, pv, y, ok, ov, ws, sms, st);
+    }
+  };
+  for (int i = 0; i < 3; ++i) step();
   cudaEvent_t a, b;
   cudaEventCreate(&a), cudaEventCreate(&b);
   cudaEventRecord(a, st);
-  for (int i = 0; i < iters; ++i) cuda::attention(p, q, k, v, nullptr, pk, pv, y, ok, ov, ws, sms, st);
+  for (int i = 0; i < iters; ++i) step();
   cudaEventRecord(b, st);
   cudaEventSynchronize(b);
   float ms = 0;
   cudaEventElapsedTime(&ms, a, b);
+#ifdef TQ_PHASES
+  for (int isolated = 0; isolated < 2; ++isolated) {  // the last step of the loop, then one step alone
+    if (isolated) {
+      cudaStreamSynchronize(st);
+      const auto t0 = std::chrono::steady_clock::now();
+      while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(2)) {
+      }
+      step();
+      cudaStreamSynchronize(st);
+    }
+    long long tc[32], tn[32], fc[32], fn[32];
+    cuda::tc_phase_times(tc, tn);
+    cuda::finish_phase_times(fc, fn);
+    printf("%s step, ns from the split kernel's first block's start (SM cycles since it):", isolated ? "isolated" : "last");
+    for (int i = 1; i <= 6; ++i) printf(" s%d %lld (%lld)", i, tn[i] - tn[0], tc[i] - tc[0]);
+    for (int i = 8; i <= 11; ++i) printf(" f%d %lld", i, fn[i] - tn[0]);
+    printf("\n");
+  }
+#endif
   // check Y against the CPU kernels on the same inputs
   std::vector<uint8_t> hk(B * Hkv * R * kb), hv(B * Hkv * R * vb), hok(B * Hkv * Rp * kb), hov(B * Hkv * Rp * vb);
   std::vector<__half> hq(B * Hq * D), hkn(B * Hkv * D), hvn(B * Hkv * D), hy(B * Hq * D), ry(B * Hq * D);
@@ -99,8 +153,18 @@ int main(int argc, char** argv) {
   cudaMemcpy(hy.data(), y, hy.size() * 2, cudaMemcpyDeviceToHost);
   cpu::ParallelFor serial = [](size_t n, const std::function<void(size_t)>& fn) { for (size_t i = 0; i < n; ++i) fn(i); };
   uint8_t *cpk = hk.data(), *cpv = hv.data();
-  cpu::attention(p, hq.data(), hkn.data(), hvn.data(), nullptr, cpk, cpv, ry.data(), inplace ? cpk : hok.data(),
-                 inplace ? cpv : hov.data(), serial);
+  if (rotary) {
+    RotaryParams hrot = rot;
+    hrot.cos = hcos.data(), hrot.sin = hsin.data();
+    AttentionParams hp = p;
+    const std::vector<int32_t> past(B, static_cast<int32_t>(S));
+    hp.past_lens = past.data();
+    cpu::gqa_attention(hp, hrot, hq.data(), hkn.data(), hvn.data(), cpk, cpv, ry.data(), inplace ? cpk : hok.data(),
+                       inplace ? cpv : hov.data(), serial);
+  } else {
+    cpu::attention(p, hq.data(), hkn.data(), hvn.data(), nullptr, cpk, cpv, ry.data(), inplace ? cpk : hok.data(),
+                   inplace ? cpv : hov.data(), serial);
+  }
   // the new token's packed rows: the GPU's against the CPU's, byte for byte
   std::vector<uint8_t> gk(hk.size()), gv(hv.size());
   if (inplace) {
@@ -133,7 +197,8 @@ int main(int argc, char** argv) {
   }
   printf("max |Y_cuda - Y_cpu| = %.3g (max |Y| %.3g)\n", worst, mag);
   const double bytes = double(B * Hkv * S) * (kb + vb);
-  printf("rows %lld/%lld bytes, capacity %lld, %s\n", (long long)kb, (long long)vb, (long long)R, inplace ? "in place" : "present copied");
+  printf("rows %lld/%lld bytes, capacity %lld, %s%s\n", (long long)kb, (long long)vb, (long long)R, inplace ? "in place" : "present copied",
+         rotary ? ", TQGroupQueryAttention with rotary" : "");
   printf("B=%lld S=%lld %s/%s: %.1f us per call, %.0f GB/s of cache read (%s)\n", (long long)B, (long long)S,
          format_name(kf), format_name(vf), ms * 1e3 / iters, bytes / (ms * 1e-3 / iters) / 1e9,
          cudaGetErrorString(cudaGetLastError()));

@@ -40,7 +40,8 @@ if [ "$step" = check ]; then  # sanitizers on the op tests and on the kernel pro
   ( cd /tmp/tqsrc && NVCC=/usr/local/cuda/bin/nvcc bash scripts/build_probe.sh /tmp/probe ) > "$OUT/probe_build.log" 2>&1
   for tool in memcheck racecheck; do
     for a in "2 37 mse4 uint4 1 0" "2 999 mse4 uint4 1 1" "1 300 fp8 uint4 1 1" "2 999 mse3 uint3 1 1" "1 513 mse3 uint4 1 5" \
-             "2 999 mse4 uint4 1 0 68 1" "2 999 mse3 uint4 1 1 0 1" "3 1000 fp8 uint4 1 0 0 1"; do
+             "2 999 mse4 uint4 1 0 68 1" "2 999 mse3 uint4 1 1 0 1" "3 1000 fp8 uint4 1 0 0 1" \
+             "2 999 mse4 uint4 1 0 68 1 1" "3 1000 fp8 uint4 1 0 0 1 1"; do
       echo "probe $tool $a: $(timeout 60 $CS --tool $tool --error-exitcode 9 /tmp/probe $a 2>&1 | grep -E 'max |differing|ERROR SUMMARY|RACECHECK SUMMARY' | tr '\n' ' ')"
     done
   done | tee "$OUT/probe_sanitizers.log"
@@ -51,7 +52,7 @@ if [ "$step" = check ]; then  # sanitizers on the op tests and on the kernel pro
 fi
 if [ "$step" = bench ]; then  # the benchmarks (attention, TQPack, the report's plots) and a kernel profile
   cd /tmp
-  timeout 280 python3 -m turboquant.bench attention --device cuda --repeat 30 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  timeout 330 python3 -m turboquant.bench attention --device cuda --repeat 30 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"; grep -v "^{" "$OUT/bench.log"
   timeout 100 python3 -m turboquant.bench pack --device cuda --json "$OUT/pack.json" 2>&1 | tee "$OUT/pack.log" | tail -8
   timeout 150 python3 -m turboquant.bench report --device cuda --batch 8 --context 2048 8192 32768 --repeat 20 \

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <type_traits>
 
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -27,6 +28,7 @@
 #include "split_common.cuh"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/float_io.h"
+#include "turboquant/rotary.h"
 #include "turboquant/vector_codec.h"
 
 namespace turboquant::cuda {
@@ -437,9 +439,10 @@ __device__ inline float load_value(DType dt, const void* base, int64_t i) {
 // decode step's merge is what is left after the split kernel, so everything that needs only the
 // op's inputs (the query row, the new tokens' exact scores and values) comes before the wait for
 // the split kernel's partial results, which are then read in one pass (an online log-sum-exp).
-__device__ void merge_row(const AttentionParams& p, const Layout& l, const void* q, const void* k, const void* v,
-                          const void* mask, const float* partial, void* y, int64_t gr, float* red, float* qrow,
-                          bool after_split) {
+__device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
+                          const void* k, const void* v, const void* mask, const float* partial, void* y, int64_t gr,
+                          float* red, float* qrow, float* krow, bool after_split) {
+  TQ_PHASE(gr == 0, 8);
   if (!after_split) grid_dependency_wait();
   const int64_t bh = gr / l.rows, row = gr % l.rows;
   const int64_t b = bh / p.kv_heads, hkv = bh % p.kv_heads;
@@ -447,6 +450,14 @@ __device__ void merge_row(const AttentionParams& p, const Layout& l, const void*
   const int d = p.head_dim, dv = p.v_head_dim, tid = threadIdx.x;
 
   for (int i = tid; i < d; i += kThreads) qrow[i] = load_value(p.dtype, q, b * p.q.b + hq * p.q.h + pos * p.q.s + i);
+  const int64_t past = p.past_of(b);  // an input of the op (no launch of ours writes past lengths)
+  const bool rotary = rot.rotary_dim > 0;  // fused (fuses_rotary: one query, one new token)
+  if (rotary) {  // the query row and the new key rotated here, as the rotary kernel would have
+    for (int i = tid; i < d; i += kThreads) krow[i] = load_value(p.dtype, k, b * p.k.b + hkv * p.k.h + i);
+    __syncthreads();
+    rotate_shared(rot, p.dtype, d, rotary_position(rot, b, pos, p.q_len, past), qrow, tid, kThreads);
+    rotate_shared(rot, p.dtype, d, rotary_position(rot, b, 0, p.new_len, past), krow, tid, kThreads);
+  }
   const float* koff = p.key_offset ? p.key_offset + hkv * d : nullptr;
   float kn[kMaxCols], vn[kMaxCols];  // new token n's key elements tid + c kThreads and value columns
   auto load_new = [&](int64_t n) {
@@ -454,12 +465,12 @@ __device__ void merge_row(const AttentionParams& p, const Layout& l, const void*
 #pragma unroll
     for (int c = 0; c < kMaxCols; ++c) {
       const int i = tid + c * kThreads;
-      kn[c] = i < d ? load_value(p.dtype, k, kbase + i) - (koff ? koff[i] : 0.0f) : 0.0f;
+      kn[c] = i < d ? (rotary ? krow[i] : load_value(p.dtype, k, kbase + i)) - (koff ? koff[i] : 0.0f) : 0.0f;
       vn[c] = i < dv ? load_value(p.dtype, v, vbase + i) : 0.0f;
     }
   };
+  if (rotary) __syncthreads();  // krow rotated
   if (p.new_len > 0) load_new(0);
-  const int64_t past = p.past_of(b);  // an input of the op (no launch of ours writes past lengths)
 
   // 1. the new tokens, exactly: an online softmax of their scores
   float m = -INFINITY, sum = 0.0f, acc[kMaxCols];
@@ -493,7 +504,9 @@ __device__ void merge_row(const AttentionParams& p, const Layout& l, const void*
 
   // 2. the splits' partial results (max, sum, acc): past values read back as unpack(v) + offset,
   // so each split adds sum x offset
+  TQ_PHASE(gr == 0, 9);
   grid_dependency_wait();
+  TQ_PHASE(gr == 0, 10);
   if (past > 0) {
     const float* part = partial + (bh * l.rows + row) * l.splits * partial_stride(dv);
     const float* voff = p.value_offset ? p.value_offset + hkv * dv : nullptr;
@@ -502,21 +515,48 @@ __device__ void merge_row(const AttentionParams& p, const Layout& l, const void*
       const int col = tid + c * kThreads;
       off[c] = voff && col < dv ? voff[col] : 0.0f;
     }
-#pragma unroll 2
-    for (int s = 0; s < l.splits; ++s) {
-      const float* ps = part + s * partial_stride(dv);
-      const float ms = ps[0], ss = ps[1];
-      float as[kMaxCols];
-      for (int c = 0; c < kMaxCols; ++c) {
-        const int col = tid + c * kThreads;
-        as[c] = col < dv ? ps[2 + col] : 0.0f;
+    // kChunk splits at a time: all their loads in flight at once, then their largest maximum and
+    // weighted sums (an online merge of one split after the other waited for each split's loads:
+    // ~1.2 us of a B = 1 step's 16 splits); 2 at a time for up to 2 splits, where 8 cost more
+    // (predicated slots) than they save
+    const auto merge_splits = [&](auto chunk) {
+      constexpr int kChunk = decltype(chunk)::value;
+      for (int s0 = 0; s0 < l.splits; s0 += kChunk) {
+        float ms[kChunk], ss[kChunk], as[kChunk][kMaxCols];
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+          const bool on = s0 + u < l.splits;
+          const float* ps = part + (s0 + u) * partial_stride(dv);
+          ms[u] = on ? ps[0] : -INFINITY;
+          ss[u] = on ? ps[1] : 0.0f;
+#pragma unroll
+          for (int c = 0; c < kMaxCols; ++c) {
+            const int col = tid + c * kThreads;
+            as[u][c] = on && col < dv ? ps[2 + col] : 0.0f;
+          }
+        }
+        float mx = m;
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) mx = fmaxf(mx, ms[u]);
+        if (mx == -INFINITY) continue;  // every part so far is empty
+        const float rescale = m == -INFINITY ? 0.0f : __expf(m - mx);
+        sum *= rescale;
+#pragma unroll
+        for (int c = 0; c < kMaxCols; ++c) acc[c] *= rescale;
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+          const float w = ms[u] == -INFINITY ? 0.0f : __expf(ms[u] - mx);
+          sum += ss[u] * w;
+#pragma unroll
+          for (int c = 0; c < kMaxCols; ++c) acc[c] += (as[u][c] + off[c] * ss[u]) * w;
+        }
+        m = mx;
       }
-      const float m_new = fmaxf(m, ms);  // -inf only while every part so far is empty
-      const float rescale = m == -INFINITY ? 0.0f : __expf(m - m_new);
-      const float w = ms == -INFINITY ? 0.0f : __expf(ms - m_new);
-      sum = sum * rescale + ss * w;
-      for (int c = 0; c < kMaxCols; ++c) acc[c] = acc[c] * rescale + (as[c] + off[c] * ss) * w;
-      m = m_new;
+    };
+    if (l.splits <= 2) {
+      merge_splits(std::integral_constant<int, 2>{});
+    } else {
+      merge_splits(std::integral_constant<int, 8>{});
     }
   }
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
@@ -525,6 +565,7 @@ __device__ void merge_row(const AttentionParams& p, const Layout& l, const void*
     const int col = tid + c * kThreads;
     if (col < dv) store_float(p.dtype, y, ybase + col, acc[c] * inv);
   }
+  TQ_PHASE(gr == 0, 11);
 }
 
 static_assert(kThreads == kPackThreads, "the finish kernel's merge and packing blocks share a size");
@@ -537,8 +578,8 @@ static_assert(kThreads == kPackThreads, "the finish kernel's merge and packing b
 // merges load their inputs before waiting for its partial results.
 template <Format FK, Format FV, bool kAny>
 __global__ void __launch_bounds__(kThreads)
-    finish_kernel(AttentionParams p, Layout l, const void* q, const void* k, const void* v, const void* mask,
-                  const float* partial, void* y, PackJob kj, PackJob vj, bool after_split) {
+    finish_kernel(AttentionParams p, RotaryParams rot, Layout l, const void* q, const void* k, const void* v,
+                  const void* mask, const float* partial, void* y, PackJob kj, PackJob vj, bool after_split) {
   __shared__ float red[kThreads / 32];
   __shared__ float qrow[kMaxHeadDim];
   __shared__ float z[kPackWarps][kMaxHeadDim];
@@ -547,7 +588,7 @@ __global__ void __launch_bounds__(kThreads)
   launch_dependents();  // a dependent launch waits for this one before it reads anything
   const uint32_t block = blockIdx.x, packs = static_cast<uint32_t>(kj.blocks + vj.blocks);
   if (block >= packs) {
-    merge_row(p, l, q, k, v, mask, partial, y, block - packs, red, qrow, after_split);
+    merge_row(p, rot, l, q, k, v, mask, partial, y, block - packs, red, qrow, z[0], after_split);
     return;
   }
   if (!after_split) grid_dependency_wait();
@@ -663,19 +704,20 @@ PackJob new_token_job(const AttentionParams& p, Format fmt, int d, int64_t row_b
 }
 
 template <Format FK, Format FV, bool kAny = false>
-cudaError_t launch_finish(unsigned blocks, const AttentionParams& p, const Layout& l, const void* q, const void* k,
+cudaError_t launch_finish(unsigned blocks, const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q, const void* k,
                           const void* v, const void* mask, const float* partial, void* y, bool after_split,
                           const PackJob& kj, const PackJob& vj, cudaStream_t stream) {
-  return launch_dependent(finish_kernel<FK, FV, kAny>, dim3(blocks), dim3(kThreads), 0, stream, p, l, q, k, v, mask,
-                          partial, y, kj, vj, after_split);
+  return launch_dependent(finish_kernel<FK, FV, kAny>, dim3(blocks), dim3(kThreads), 0, stream, p, rot, l, q, k, v,
+                          mask, partial, y, kj, vj, after_split);
 }
 
 // The merge of the query rows and the packing of the new tokens, in one launch: a kernel
 // specialised for the presets' format pairs, a general one for the others.
-cudaError_t finish(const AttentionParams& p, const Layout& l, const void* q, const void* k, const void* v,
-                   const void* mask, const float* partial, void* y, uint8_t* present_key, uint8_t* present_value,
-                   bool after_split, cudaStream_t stream) {
-  const PackJob kj = new_token_job(p, p.key_format, p.head_dim, p.key_row(), p.k, k, p.key_offset, present_key);
+cudaError_t finish(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q, const void* k,
+                   const void* v, const void* mask, const float* partial, void* y, uint8_t* present_key,
+                   uint8_t* present_value, bool after_split, cudaStream_t stream) {
+  PackJob kj = new_token_job(p, p.key_format, p.head_dim, p.key_row(), p.k, k, p.key_offset, present_key);
+  kj.rot = rot;  // the new keys rotated as they are packed (fused), or no rotary
   const PackJob vj = new_token_job(p, p.value_format, p.v_head_dim, p.value_row(), p.v, v, p.value_offset, present_value);
   const int64_t merges = p.q_len > 0 ? p.batch * p.kv_heads * l.rows : 0;
   const int64_t blocks = merges + kj.blocks + vj.blocks;
@@ -685,12 +727,12 @@ cudaError_t finish(const AttentionParams& p, const Layout& l, const void* q, con
   const auto n = static_cast<unsigned>(blocks);
   using F = Format;
   const F kf = p.key_format, vf = p.value_format;
-  if (kf == F::kMse4 && vf == F::kUint4) return launch_finish<F::kMse4, F::kUint4>(n, p, l, q, k, v, mask, partial, y, a, kj, vj, stream);
-  if (kf == F::kFp8 && vf == F::kUint4) return launch_finish<F::kFp8, F::kUint4>(n, p, l, q, k, v, mask, partial, y, a, kj, vj, stream);
-  if (kf == F::kMse3 && vf == F::kUint4) return launch_finish<F::kMse3, F::kUint4>(n, p, l, q, k, v, mask, partial, y, a, kj, vj, stream);
-  if (kf == F::kMse3 && vf == F::kUint3) return launch_finish<F::kMse3, F::kUint3>(n, p, l, q, k, v, mask, partial, y, a, kj, vj, stream);
-  if (kf == F::kRaw16 && vf == F::kRaw16) return launch_finish<F::kRaw16, F::kRaw16>(n, p, l, q, k, v, mask, partial, y, a, kj, vj, stream);
-  return launch_finish<F::kMse4, F::kUint4, true>(n, p, l, q, k, v, mask, partial, y, a, kj, vj, stream);
+  if (kf == F::kMse4 && vf == F::kUint4) return launch_finish<F::kMse4, F::kUint4>(n, p, rot, l, q, k, v, mask, partial, y, a, kj, vj, stream);
+  if (kf == F::kFp8 && vf == F::kUint4) return launch_finish<F::kFp8, F::kUint4>(n, p, rot, l, q, k, v, mask, partial, y, a, kj, vj, stream);
+  if (kf == F::kMse3 && vf == F::kUint4) return launch_finish<F::kMse3, F::kUint4>(n, p, rot, l, q, k, v, mask, partial, y, a, kj, vj, stream);
+  if (kf == F::kMse3 && vf == F::kUint3) return launch_finish<F::kMse3, F::kUint3>(n, p, rot, l, q, k, v, mask, partial, y, a, kj, vj, stream);
+  if (kf == F::kRaw16 && vf == F::kRaw16) return launch_finish<F::kRaw16, F::kRaw16>(n, p, rot, l, q, k, v, mask, partial, y, a, kj, vj, stream);
+  return launch_finish<F::kMse4, F::kUint4, true>(n, p, rot, l, q, k, v, mask, partial, y, a, kj, vj, stream);
 }
 
 }  // namespace
@@ -701,9 +743,24 @@ size_t attention_workspace_bytes(const AttentionParams& p, int num_sms) {
   return static_cast<size_t>(p.batch * p.kv_heads * l.rows * l.splits * partial_stride(p.v_head_dim)) * sizeof(float);
 }
 
+namespace {
+// Whether the tensor-core split kernel (attention_tc.cu) takes these parameters and caches.
+bool uses_tc_split(const AttentionParams& p, const uint8_t* past_key, const uint8_t* past_value) {
+  const bool aligned = ((reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value)) & 15) == 0;
+  return tc_split_supported(p) && (aligned || p.key_format != Format::kFp8);
+}
+}  // namespace
+
+bool fuses_rotary(const AttentionParams& p, const uint8_t* past_key, const uint8_t* past_value) {
+  return p.q_len == 1 && p.new_len == 1 && (p.past_len == 0 || uses_tc_split(p, past_key, past_value));
+}
+
 cudaError_t attention(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
                       const uint8_t* past_key, const uint8_t* past_value, void* y, uint8_t* present_key,
-                      uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream) {
+                      uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream,
+                      const RotaryParams* rotary) {
+  const RotaryParams rot = rotary ? *rotary : RotaryParams{};
+  if (rot.rotary_dim > 0 && !fuses_rotary(p, past_key, past_value)) return cudaErrorInvalidValue;
   cudaError_t e = copy_past(p, past_key, present_key, past_value, present_value, num_sms, stream);
   if (e != cudaSuccess) return e;
   if (p.batch == 0) return cudaSuccess;
@@ -715,9 +772,8 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
     const int smem = l.buffers * l.stage_bytes;
     // the tensor-core kernels where they apply (attention_tc.cu for the presets' shapes, then
     // attention_mma.cu), else the CUDA-core kernel; make_layout sized the splits for the first
-    const bool aligned = ((reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value)) & 15) == 0;
-    if (tc_split_supported(p) && (aligned || p.key_format != Format::kFp8)) {
-      e = launch_tc_split(p, l, q, past_key, past_value, part, stream);
+    if (uses_tc_split(p, past_key, past_value)) {
+      e = launch_tc_split(p, rot, l, q, past_key, past_value, part, stream);
     } else if (mma_split_supported(p)) {
       e = launch_mma_split(p, l, q, past_key, past_value, part, stream);
     } else {
@@ -731,7 +787,12 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
     if (e != cudaSuccess) return e;
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
   }
-  return finish(p, l, q, k, v, mask, static_cast<const float*>(workspace), y, present_key, present_value, split, stream);
+  return finish(p, rot, l, q, k, v, mask, static_cast<const float*>(workspace), y, present_key, present_value, split,
+                stream);
 }
+
+#ifdef TQ_PHASES
+TQ_PHASE_READER(finish_phase_times)
+#endif
 
 }  // namespace turboquant::cuda

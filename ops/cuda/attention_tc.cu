@@ -34,6 +34,7 @@
 #include "device_attributes.h"
 #include "split_common.cuh"
 #include "turboquant/float_io.h"
+#include "turboquant/rotary.h"
 #include "turboquant/vector_codec.h"
 
 // The split kernel's dynamic shared memory, under a plain name so that inline PTX can take its
@@ -246,7 +247,8 @@ __host__ __device__ inline int dynamic_bytes(int key_bits, int kd, int kb, int v
 // as onnxruntime-genai's shared buffers have), so code groups are read without funnel shifts.
 template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32, 1)
-    tc_split_kernel(AttentionParams p, Layout l, const void* q, const uint8_t* past_key, const uint8_t* past_value,
+    tc_split_kernel(AttentionParams p, RotaryParams rot, Layout l, const void* q, const uint8_t* past_key,
+                    const uint8_t* past_value,
                     float* partial) {
   constexpr int kThreads = kWarps * 32;
   constexpr bool kFp8 = kKeyBits == 8;
@@ -257,8 +259,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   constexpr int kPairs = kKeyBits == 3 ? 64 : 256;    // code pairs the table holds
   constexpr int kKeyPayload = kD * kKeyBits / 8, kValPayload = kD * kValBits / 8;
   __shared__ float row_factor[kRowsMax];
-  __shared__ int64_t row_pos[kRowsMax], row_hq[kRowsMax];
   constexpr bool kPermuted = permuted_table(kKeyBits, kD);
+  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 0);
   uint8_t* dyn = turboquant_tc_smem;
   uint32_t dyn_at;  // the dynamic part's shared-window address
   asm("mov.u32 %0, turboquant_tc_smem;\n" : "=r"(dyn_at));
@@ -405,31 +407,81 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int stride = kWarps * kTok;
 
   if (!kFp8) {
-    constexpr int kRowWords = table_row_bytes(kKeyBits, kD) / 4;
-    const double* c = codec::centroids(kKeyBits);
-    for (int i = tid; i < kPairs * kCopies; i += kThreads) {
-      const int e = i / kCopies, mask = (1 << kKeyBits) - 1;
-      lut[e * kRowWords + i % kCopies] =
-          pack_half2(static_cast<float>(c[e & mask]), static_cast<float>(c[e >> kKeyBits]));
+    // The centroids as fp16, converted once, then copy `lane` of pairs warp, warp + kWarps, ...: 8
+    // to 32 stores a thread, unrolled, from broadcast reads. (Each entry converting its own two
+    // centroids from float64 took 2.6 us, on the critical path wherever the launch before does not
+    // let this one start early.)
+    constexpr int kRowWords = table_row_bytes(kKeyBits, kD) / 4, kCodes = 1 << kKeyBits;
+    __shared__ uint16_t centroid_h[kCodes];
+    if (tid < kCodes) centroid_h[tid] = __half_as_ushort(__float2half_rn(static_cast<float>(codec::centroids(kKeyBits)[tid])));
+    __syncthreads();
+    static_assert(kPairs % kWarps == 0 && kCopies == 32, "table rows per warp, a copy per lane");
+#pragma unroll
+    for (int k = 0; k < kPairs / kWarps; ++k) {
+      const int e = warp + kWarps * k;
+      lut[e * kRowWords + lane] = centroid_h[e & (kCodes - 1)] | static_cast<uint32_t>(centroid_h[e >> kKeyBits]) << 16;
     }
   }
+  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 1);
   // A programmatic launch may have started this kernel while the one before it still runs (the
   // table above is all it did meanwhile): the caches and queries are read after it finished. The
   // finish kernel may then start: it reads nothing this kernel writes before its own wait.
   grid_dependency_wait();
   launch_dependents();
+  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 2);
   if (warp * kTok < len) fetch(warp * kTok, 0);  // the first tile, while the queries are set up
   // --- the block's query rows: rotated (MSE), normalised per row, split into fp16 hi + lo ---
-  if (tid < kRowsMax) {
-    const int64_t row = row0 + tid;
-    row_pos[tid] = row / l.group;
-    row_hq[tid] = hkv * l.group + row % l.group;
-  }
-  __syncthreads();
-  load_query_rows(p, q, b, row_hq, row_pos, rows, kRowsMax, kD, !kFp8, qv);
-  if (warp < kRowsMax) {  // warp r: row r's largest magnitude
+  // Warp r < kRowsMax: query row r (zeros past the head size, and rows past `rows`), lane holding
+  // elements lane + 32 j, rotated in the warp: the butterflies at distances 1 .. 16 by shuffles, then
+  // 32 .. in registers, the order and operations of load_query_rows (whose 7 block-wide steps, each
+  // with a barrier, took ~1 us of a small step); its largest magnitude; the row into qv.
+  static_assert(kWarps >= kRowsMax, "a warp per query row");
+  if (warp < kRowsMax) {
+    constexpr int kPer = kD / 32;
+    const int64_t row = row0 + warp, pos = row / l.group, hq = hkv * l.group + row % l.group;
+    float x[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = lane + 32 * j;
+      x[j] = warp < rows && i < p.head_dim ? load_float(p.dtype, q, b * p.q.b + hq * p.q.h + pos * p.q.s + i) : 0.0f;
+    }
+    if (rot.rotary_dim > 0 && warp < rows) {  // the op's rotary embedding, fused (fuses_rotary)
+      float* at = qv + warp * kD;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) at[lane + 32 * j] = x[j];
+      __syncwarp();
+      rotate_shared(rot, p.dtype, p.head_dim, rotary_position(rot, b, pos, p.q_len, p.past_of(b)), at, lane, 32);
+      __syncwarp();
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) x[j] = at[lane + 32 * j];
+      __syncwarp();
+    }
+    if (!kFp8) {
+#pragma unroll
+      for (int h = 1; h < 32; h <<= 1) {
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+          const float o = __shfl_xor_sync(0xffffffffu, x[j], h);
+          x[j] = (lane & h) ? o - x[j] : x[j] + o;  // lower element: a + c; upper: a - c (a the lower's)
+        }
+      }
+#pragma unroll
+      for (int h = 1; h < kPer; h <<= 1) {
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+          if (j & h) continue;
+          const float a = x[j], c = x[j + h];
+          x[j] = a + c;
+          x[j + h] = a - c;
+        }
+      }
+    }
     float m = 0.0f;
-    for (int i = lane; i < kD; i += 32) m = fmaxf(m, fabsf(qv[warp * kD + i]));
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      m = fmaxf(m, fabsf(x[j]));
+      qv[warp * kD + lane + 32 * j] = x[j];
+    }
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0) row_factor[warp] = m;
   }
@@ -450,6 +502,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
                                  pack_half2(lo[2], lo[3]));
   }
   __syncthreads();
+  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 3);
   const float fold = kFp8 ? p.scale * fp8_unit() : p.scale / static_cast<float>(kD);
   const float fac[2] = {row_factor[2 * t] * fold, row_factor[2 * t + 1] * fold};  // this lane's columns
 
@@ -655,6 +708,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     __syncwarp();  // every lane is done with this tile's buffers before they are refilled
   }
 
+  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 4);
   // --- merge: the 8 lanes of a column, then the warps ---
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
@@ -684,8 +738,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       }
   }
   __syncthreads();
+  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 5);
+  static_assert(kWarps <= kStateWarpsMax && kRowsMax <= kStateRowsMax, "store_warp_states' factors");
   store_warp_states(ws, kWarps, kRowsMax, rows, dv, partial + ((bh * l.rows + row0) * l.splits + split) * partial_stride(dv),
                     l.splits * partial_stride(dv));
+  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 6);
 }
 
 int tc_kd(const AttentionParams& p) { return p.key_format == Format::kFp8 ? p.head_dim : padded_dim(p.head_dim); }
@@ -710,7 +767,7 @@ int tc_warps(const AttentionParams& p) {
 }
 
 template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps>
-cudaError_t launch(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
+cudaError_t launch(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q, const uint8_t* past_key,
                    const uint8_t* past_value, float* partial, cudaStream_t stream) {
   const int smem = tc_block_bytes(p, kWarps) - 1024;
   // Beyond 48 KiB per block (static + dynamic) a kernel has to opt in, once per device for the
@@ -726,21 +783,21 @@ cudaError_t launch(const AttentionParams& p, const Layout& l, const void* q, con
     if (dev < kMaxDevices) opted[dev].store(smem);
   }
   const dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
-  return launch_dependent(kernel, grid, dim3(kWarps * 32), smem, stream, p, l, q, past_key, past_value, partial);
+  return launch_dependent(kernel, grid, dim3(kWarps * 32), smem, stream, p, rot, l, q, past_key, past_value, partial);
 }
 
 template <int kKeyBits, int kValBits, bool kKeyWords4 = false>
-cudaError_t launch_d(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
+cudaError_t launch_d(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q, const uint8_t* past_key,
                      const uint8_t* past_value, float* partial, cudaStream_t stream) {
   const bool wide = tc_warps(p) == 16;
   switch (tc_kd(p)) {
     case 64:
-      return wide ? launch<kKeyBits, kValBits, 64, kKeyWords4, 16>(p, l, q, past_key, past_value, partial, stream)
-                  : launch<kKeyBits, kValBits, 64, kKeyWords4, 8>(p, l, q, past_key, past_value, partial, stream);
+      return wide ? launch<kKeyBits, kValBits, 64, kKeyWords4, 16>(p, rot, l, q, past_key, past_value, partial, stream)
+                  : launch<kKeyBits, kValBits, 64, kKeyWords4, 8>(p, rot, l, q, past_key, past_value, partial, stream);
     case 128:
-      return wide ? launch<kKeyBits, kValBits, 128, kKeyWords4, 16>(p, l, q, past_key, past_value, partial, stream)
-                  : launch<kKeyBits, kValBits, 128, kKeyWords4, 8>(p, l, q, past_key, past_value, partial, stream);
-    default: return launch<kKeyBits, kValBits, 256, kKeyWords4, 8>(p, l, q, past_key, past_value, partial, stream);
+      return wide ? launch<kKeyBits, kValBits, 128, kKeyWords4, 16>(p, rot, l, q, past_key, past_value, partial, stream)
+                  : launch<kKeyBits, kValBits, 128, kKeyWords4, 8>(p, rot, l, q, past_key, past_value, partial, stream);
+    default: return launch<kKeyBits, kValBits, 256, kKeyWords4, 8>(p, rot, l, q, past_key, past_value, partial, stream);
   }
 }
 
@@ -769,20 +826,27 @@ bool tc_split_supported(const AttentionParams& p) {
   return tc_warps(p) > 0;
 }
 
-cudaError_t launch_tc_split(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
+cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
+                            const uint8_t* past_key,
                             const uint8_t* past_value, float* partial, cudaStream_t stream) {
   if (p.key_format == Format::kFp8) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value);
     if ((a & 15) != 0) return cudaErrorMisalignedAddress;  // the caller routes these to the other kernels
-    return launch_d<8, 4>(p, l, q, past_key, past_value, partial, stream);
+    return launch_d<8, 4>(p, rot, l, q, past_key, past_value, partial, stream);
   }
   if (p.key_format == Format::kMse4) {
     const bool words = p.key_row() % 4 == 0 && (reinterpret_cast<uintptr_t>(past_key) & 3) == 0;
-    return words ? launch_d<4, 4, true>(p, l, q, past_key, past_value, partial, stream)
-                 : launch_d<4, 4>(p, l, q, past_key, past_value, partial, stream);
+    return words ? launch_d<4, 4, true>(p, rot, l, q, past_key, past_value, partial, stream)
+                 : launch_d<4, 4>(p, rot, l, q, past_key, past_value, partial, stream);
   }
-  return p.value_format == Format::kUint4 ? launch_d<3, 4>(p, l, q, past_key, past_value, partial, stream)
-                                          : launch_d<3, 3>(p, l, q, past_key, past_value, partial, stream);
+  return p.value_format == Format::kUint4 ? launch_d<3, 4>(p, rot, l, q, past_key, past_value, partial, stream)
+                                          : launch_d<3, 3>(p, rot, l, q, past_key, past_value, partial, stream);
 }
 
 }  // namespace turboquant::cuda::detail
+
+#ifdef TQ_PHASES
+namespace turboquant::cuda {
+TQ_PHASE_READER(tc_phase_times)
+}  // namespace turboquant::cuda
+#endif

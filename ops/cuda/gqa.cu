@@ -1,5 +1,7 @@
 // TQGroupQueryAttention on the GPU: past lengths read from seqlens_k where they are used, the rotary
-// embedding of Q and the new K into workspace, then the TQAttention launcher.
+// embedding of Q and the new K into workspace, then the TQAttention launcher; for a decode step
+// (fuses_rotary) the attention kernels rotate Q and K themselves, without the rotary launch (which
+// cost ~10 us of a B = 8 step on an H200: it, then the wait for it).
 #include "split_common.cuh"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/rotary.h"
@@ -19,28 +21,34 @@ struct RotaryJob {
   void* out;
 };
 
-// One thread per (b, s, head) of Q, then of the new K: one launch for both. The attention kernels
-// that follow are programmatic dependent launches; they may start (and build their tables) as soon
-// as this launch has, and wait for it before they read anything.
+// One warp per (b, s, head) of Q, then of the new K (one launch for both), its lanes on the
+// rotation's pairs: a thread per head walking its elements one after the other took ~3 us. The
+// attention kernels that follow are programmatic dependent launches; they may start (and build
+// their tables) as soon as this launch has, and wait for it before they read anything.
 __global__ void rotary_kernel(AttentionParams p, RotaryParams rot, RotaryJob jq, RotaryJob jk) {
   detail::launch_dependents();
-  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  constexpr int kWarps = kThreads / 32;
+  int64_t i = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
   const int64_t nq = p.batch * p.q_len * jq.heads;
   const bool is_q = i < nq;
   if (!is_q) i -= nq;
   const RotaryJob& j = is_q ? jq : jk;
   const int64_t heads = j.heads;
-  const BhsStrides st = j.st, dense = j.dense;
-  const void* x = j.x;
-  void* out = j.out;
   if (i >= p.batch * p.q_len * heads) return;
   const int64_t h = i % heads, bs = i / heads, b = bs / p.q_len, s = bs % p.q_len;
   const int64_t pos = rot.position_ids ? rot.position_ids[bs] : p.past_of(b) + s;
-  float row[kMaxHeadDim];
-  load_row(p.dtype, x, b * st.b + h * st.h + s * st.s, p.head_dim, row);
-  rotate_head(rot, p.dtype, p.head_dim, pos, row);
-  const int64_t base = b * dense.b + h * dense.h + s * dense.s;
-  for (int j = 0; j < p.head_dim; ++j) store_float(p.dtype, out, base + j, row[j]);
+  const int64_t in = b * j.st.b + h * j.st.h + s * j.st.s, out = b * j.dense.b + h * j.dense.h + s * j.dense.s;
+  const int d = p.head_dim, half = rotary_applies(rot, d) ? rot.rotary_dim / 2 : 0;
+  for (int k = lane; k < half; k += 32) {
+    int ia, ib;
+    rotary_pair_index(rot, k, &ia, &ib);
+    float xa = load_float(p.dtype, j.x, in + ia), xb = load_float(p.dtype, j.x, in + ib);
+    rotate_pair(rot, p.dtype, pos, k, &xa, &xb);
+    store_float(p.dtype, j.out, out + ia, xa);
+    store_float(p.dtype, j.out, out + ib, xb);
+  }
+  for (int k = 2 * half + lane; k < d; k += 32) store_float(p.dtype, j.out, out + k, load_float(p.dtype, j.x, in + k));
 }
 
 struct Workspace {
@@ -75,10 +83,10 @@ RotaryJob rotary_job(const AttentionParams& p, int64_t heads, const BhsStrides& 
 
 cudaError_t rotate(const AttentionParams& p, const RotaryParams& rot, const RotaryJob& jq, const RotaryJob& jk,
                    cudaStream_t stream) {
-  const int64_t n = p.batch * p.q_len * (jq.heads + jk.heads);
+  const int64_t n = p.batch * p.q_len * (jq.heads + jk.heads), per_block = kThreads / 32;
   if (n == 0) return cudaSuccess;
-  if ((n + kThreads - 1) / kThreads > INT32_MAX) return cudaErrorInvalidValue;
-  rotary_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p, rot, jq, jk);
+  if ((n + per_block - 1) / per_block > INT32_MAX) return cudaErrorInvalidValue;
+  rotary_kernel<<<static_cast<unsigned>((n + per_block - 1) / per_block), kThreads, 0, stream>>>(p, rot, jq, jk);
   return cudaGetLastError();
 }
 
@@ -102,6 +110,10 @@ cudaError_t gqa_attention(const AttentionParams& p0, const RotaryParams& rot, co
   } else {  // seqlens_k[b] = total - 1, so the past is seqlens_k[b] + 1 - S, read where it is used
     p.past_lens = seqlens_k;
     p.past_lens_bias = 1 - p.q_len;
+  }
+  if (rot.rotary_dim > 0 && fuses_rotary(p, past_key, past_value)) {  // a decode step: no rotary launch
+    return attention(p, q, k, v, nullptr, past_key, past_value, y, present_key, present_value, w.attention, num_sms,
+                     stream, &rot);
   }
   if (rot.rotary_dim > 0) {
     const RotaryJob jq = rotary_job(p, p.q_heads, p0.q, q, w.q_rot), jk = rotary_job(p, p.kv_heads, p0.k, k, w.k_rot);

@@ -11,6 +11,7 @@
 
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/float_io.h"
+#include "turboquant/rotary.h"
 #include "turboquant/vector_codec.h"
 
 namespace turboquant::cuda::detail {
@@ -166,6 +167,7 @@ struct PackJob {
   Offset offset;
   VectorMap map;
   uint8_t* out = nullptr;
+  RotaryParams rot;  // present maps: each vector rotated first (TQGroupQueryAttention's new keys, fused)
 };
 
 inline PackJob make_job(Format fmt, int d, const void* x, int64_t n, const Offset& offset, const VectorMap& map, uint8_t* out) {
@@ -183,10 +185,21 @@ __device__ inline void pack_vector(const PackJob& j, uint32_t block, bool nc, DT
   if (v >= j.n) return;  // whole warps leave together
   const VectorMap::Where at = j.map.locate(v, j.d, j.bytes, j.offset);
   const float* off = j.offset.data ? j.offset.data + static_cast<int64_t>(at.offset_row) * j.d : nullptr;
-  for (int i = lane; i < j.d; i += 32) {
-    float xi = load_float(dt, j.x, at.in + i);
-    if (off) xi -= off[i];
-    z[i] = xi;
+  if (j.rot.rotary_dim > 0) {  // the rotary embedding first, rounded to dt as a rotated copy holds it
+    for (int i = lane; i < j.d; i += 32) z[i] = load_float(dt, j.x, at.in + i);
+    __syncwarp();
+    const uint32_t n = v % j.map.new_len, b = v / j.map.new_len / j.map.heads;
+    rotate_shared(j.rot, dt, j.d, rotary_position(j.rot, b, n, j.map.new_len, j.map.rows.past_of(b)), z, lane, 32);
+    __syncwarp();
+    if (off) {
+      for (int i = lane; i < j.d; i += 32) z[i] -= off[i];
+    }
+  } else {
+    for (int i = lane; i < j.d; i += 32) {
+      float xi = load_float(dt, j.x, at.in + i);
+      if (off) xi -= off[i];
+      z[i] = xi;
+    }
   }
   __syncwarp();
   if (!at.inside) return;

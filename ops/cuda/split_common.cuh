@@ -66,9 +66,10 @@ inline Layout make_layout(const AttentionParams& p, int num_sms) {
 __host__ __device__ inline int64_t partial_stride(int dv) { return 2 + dv; }
 
 // Launches the tensor-core split kernel (attention_tc.cu) where tc_split_supported; fp8 keys also
-// need 16-byte aligned caches (cudaErrorMisalignedAddress otherwise).
-cudaError_t launch_tc_split(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
-                            const uint8_t* past_value, float* partial, cudaStream_t stream);
+// need 16-byte aligned caches (cudaErrorMisalignedAddress otherwise). rot: the rotary embedding
+// the kernel applies to Q as it loads it (rot.rotary_dim 0: none; see fuses_rotary).
+cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
+                            const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream);
 
 // The earlier tensor-core split kernel (attention_mma.cu), for MSE keys and uint values that
 // attention_tc.cu does not take (head sizes 80 and 96, MSE 4-bit keys with uint3 values): no mask,
@@ -92,6 +93,34 @@ __device__ __forceinline__ void launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+
+// Developer timings (scripts/build_probe.sh builds OUT.phases with TQ_PHASES): the SM clock and the
+// global timer at the phases of one block of a kernel, read back by the function TQ_PHASE_READER
+// defines in each file that marks them (the probe prints them). Compiled out
+// otherwise.
+#ifdef TQ_PHASES
+static __device__ long long tq_phase_clock[32], tq_phase_ns[32];  // per file (no relocatable device code)
+__device__ __forceinline__ void phase_mark(int i) {
+  long long ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  tq_phase_clock[i] = clock64();
+  tq_phase_ns[i] = ns;
+}
+#define TQ_PHASE(first, i) \
+  do {                     \
+    if ((first) && threadIdx.x == 0) phase_mark(i); \
+  } while (0)
+// Defines name(clock, ns): this file's phase marks, copied to the host (32 of each).
+#define TQ_PHASE_READER(name)                                                     \
+  void name(long long* clock, long long* ns) {                                   \
+    cudaMemcpyFromSymbol(clock, detail::tq_phase_clock, 32 * 8);                \
+    cudaMemcpyFromSymbol(ns, detail::tq_phase_ns, 32 * 8);                      \
+  }
+#else
+#define TQ_PHASE(first, i) \
+  do {                     \
+  } while (0)
+#endif
 
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch on devices that
 // have them (sm_90 and newer): the kernel may start while the launch before it runs (see above).
@@ -160,24 +189,38 @@ __device__ inline void load_query_rows(const AttentionParams& p, const void* q, 
 // The end of a split block whose warps each kept their own online softmax: ws[warp][row][3 + dv]
 // holds each warp's max (natural-log units), sum of weights, sum of weights x zero point and value
 // accumulators. The block's threads combine them into the partial results of its rows (row r at
-// out + r * row_stride: max, sum, acc + zero sum). Ends with the block's threads only reading ws.
+// out + r * row_stride: max, sum, acc + zero sum): first each row's largest max and each warp's
+// factor exp(max_w - max), once per row (a thread per row), then the columns as sums of the warps'
+// states times their factors. (Every column working out the 16 factors itself took ~1.8 us of a
+// step.) Ends with the block's threads only reading ws.
+constexpr int kStateWarpsMax = 16, kStateRowsMax = 8;
 __device__ inline void store_warp_states(const float* ws, int warps, int rows_max, int rows, int dv, float* out,
                                          int64_t row_stride) {
-  for (int k = threadIdx.x; k < rows * (dv + 2); k += blockDim.x) {
-    const int r = k / (dv + 2), c = k % (dv + 2);
+  __shared__ float factor[kStateRowsMax][kStateWarpsMax], row_max[kStateRowsMax];
+  if (threadIdx.x < rows) {
+    const int r = threadIdx.x;
     float mx = -INFINITY;
     for (int w = 0; w < warps; ++w) mx = fmaxf(mx, ws[(w * rows_max + r) * (3 + dv)]);
+    for (int w = 0; w < warps; ++w) {
+      const float m = ws[(w * rows_max + r) * (3 + dv)];
+      factor[r][w] = m == -INFINITY ? 0.0f : __expf(m - mx);
+    }
+    row_max[r] = mx;
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < rows * (dv + 2); k += blockDim.x) {
+    const int r = k / (dv + 2), c = k % (dv + 2);
     float acc = 0.0f, zsum = 0.0f;
     for (int w = 0; w < warps; ++w) {
       const float* st = ws + (w * rows_max + r) * (3 + dv);
-      const float f = st[0] == -INFINITY ? 0.0f : __expf(st[0] - mx);
+      const float f = factor[r][w];
       if (c == 1) acc += st[1] * f;
       if (c >= 2) {
         acc += st[3 + c - 2] * f;
         zsum += st[2] * f;
       }
     }
-    out[r * row_stride + c] = c == 0 ? mx : (c == 1 ? acc : acc + zsum);
+    out[r * row_stride + c] = c == 0 ? row_max[r] : (c == 1 ? acc : acc + zsum);
   }
 }
 #endif

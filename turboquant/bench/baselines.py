@@ -25,9 +25,10 @@ def cache_bytes_per_row(d: int, dtype: int, cache: str | None) -> int:
     return int(d * QUANT_CACHES[cache][2])
 
 
-def gqa_model(hq: int, hkv: int, d: int, dtype: int, cache: str | None = None) -> onnx.ModelProto:
+def gqa_model(hq: int, hkv: int, d: int, dtype: int, cache: str | None = None, rotary: bool = False) -> onnx.ModelProto:
     """com.microsoft GroupQueryAttention, past and present as separate [B, Hkv, S, D] tensors of the
-    query's type, or (cache = int8, int4, fp8) of ORT's quantized cache with per-tensor scales."""
+    query's type, or (cache = int8, int4, fp8) of ORT's quantized cache with per-tensor scales;
+    rotary: do_rotary=1 with cos_cache/sin_cache inputs [M, D/2] (fp16 cache only)."""
     vi = helper.make_tensor_value_info
     cache_type, attrs, dc = dtype, {}, d
     if cache is not None:
@@ -37,6 +38,9 @@ def gqa_model(hq: int, hkv: int, d: int, dtype: int, cache: str | None = None) -
     inputs = [vi("query", dtype, ["B", 1, hq * d]), vi("key", dtype, ["B", 1, hkv * d]), vi("value", dtype, ["B", 1, hkv * d]),
               vi("past_key", cache_type, ["B", hkv, "P", dc]), vi("past_value", cache_type, ["B", hkv, "P", dc]),
               vi("seqlens_k", TensorProto.INT32, ["B"]), vi("total_sequence_length", TensorProto.INT32, [])]
+    if rotary:
+        attrs = {"do_rotary": 1}
+        inputs += [vi("cos_cache", dtype, ["M", d // 2]), vi("sin_cache", dtype, ["M", d // 2])]
     names = [i.name for i in inputs]
     if cache is not None:  # inputs 7-11 (cos/sin caches, position ids, attention bias, head sink) absent
         inputs += [vi("k_scale", TensorProto.FLOAT, [1]), vi("v_scale", TensorProto.FLOAT, [1])]
@@ -48,11 +52,20 @@ def gqa_model(hq: int, hkv: int, d: int, dtype: int, cache: str | None = None) -
                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)], ir_version=IR_VERSION)
 
 
-def gqa_feeds(rng, b: int, hq: int, hkv: int, d: int, s: int, dtype: int, cache: str | None = None) -> dict:
+def rotary_tables(positions: int, d: int, dtype: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin caches [positions, d / 2] (base 10000), as a model's rotary embedding has them."""
+    angle = np.arange(positions)[:, None] * 10000.0 ** (-np.arange(d // 2) / (d // 2))
+    return np.cos(angle).astype(NP_OF[dtype]), np.sin(angle).astype(NP_OF[dtype])
+
+
+def gqa_feeds(rng, b: int, hq: int, hkv: int, d: int, s: int, dtype: int, cache: str | None = None,
+              rotary: bool = False) -> dict:
     t = NP_OF[dtype]
     feeds = {"query": rng.standard_normal((b, 1, hq * d)).astype(t), "key": rng.standard_normal((b, 1, hkv * d)).astype(t),
              "value": rng.standard_normal((b, 1, hkv * d)).astype(t),
              "seqlens_k": np.full((b,), s, np.int32), "total_sequence_length": np.array(s + 1, np.int32)}
+    if rotary:
+        feeds["cos_cache"], feeds["sin_cache"] = rotary_tables(s + 1, d, dtype)
     if cache is None:
         feeds["past_key"] = rng.standard_normal((b, hkv, s, d)).astype(t)
         feeds["past_value"] = rng.standard_normal((b, hkv, s, d)).astype(t)

@@ -106,14 +106,15 @@ def tq_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, 
     return time_iobinding(sess, io, iters), b * hkv * s * cfg.slot_size
 
 
-def tq_gqa_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tuple[tuple[float, float], int]:
+def tq_gqa_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng,
+                rotary: bool = False) -> tuple[tuple[float, float], int]:
     """TQGroupQueryAttention over a shared buffer of s + 1 rows (the new token written in place, no
-    cache copy), as a rewritten onnxruntime-genai model runs it; separate Q, K, V and no rotary, as
-    in gqa_step."""
+    cache copy), as a rewritten onnxruntime-genai model runs it; separate Q, K, V and (unless
+    rotary) no rotary embedding, as in gqa_step."""
     cfg = TurboQuantConfig.from_cache_dtype(preset, d)
     model = models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
                              value_format=cfg.value_format, dtype=TensorProto.FLOAT16,
-                             norm_correction=int(cfg.norm_correction))
+                             norm_correction=int(cfg.norm_correction), rotary_dim=d if rotary else 0)
     so = session_options()
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
@@ -130,7 +131,8 @@ def tq_gqa_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: i
     for name, a in [("query", rng.standard_normal((b, 1, hq * d)).astype(np.float16)),
                     ("key", rng.standard_normal((b, 1, hkv * d)).astype(np.float16)),
                     ("value", rng.standard_normal((b, 1, hkv * d)).astype(np.float16)),
-                    ("seqlens_k", np.full((b,), s, np.int32))]:
+                    ("seqlens_k", np.full((b,), s, np.int32)),
+                    *zip(("cos_cache", "sin_cache"), baselines.rotary_tables(s + 1, d, TensorProto.FLOAT16) if rotary else ())]:
         io.bind_ortvalue_input(name, _device_value(a))
     io.bind_ortvalue_input("total_sequence_length", ort.OrtValue.ortvalue_from_numpy(np.array(s + 1, np.int32)))
     for name, v in caches.items():
@@ -142,10 +144,12 @@ def tq_gqa_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: i
 
 
 def gqa_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng,
-             cache: str | None = None) -> tuple[tuple[float, float], int]:
+             cache: str | None = None, rotary: bool = False) -> tuple[tuple[float, float], int]:
     """ORT's GroupQueryAttention on an fp16 cache, or on its own quantized cache (cache = int8, int4,
-    fp8), the new token written into a shared buffer in place."""
+    fp8), the new token written into a shared buffer in place; rotary: with its rotary embedding."""
     extra = {"cache": cache} if cache else {}
+    if rotary:
+        extra["rotary"] = True
     model = baselines.gqa_model(hq, hkv, d, TensorProto.FLOAT16, **extra)
     so = ort.SessionOptions()
     if cache:  # a quantized cache this build has no CUDA kernel for must fail, not run on the CPU
@@ -233,6 +237,13 @@ def _ratios(row: dict, name: str) -> None:
                 row[f"{name}_x_vs_gqa{tail}{suffix}"] = base / row[f"{name}{suffix}_us"]
 
 
+def _rotary_ratios(row: dict, name: str) -> None:
+    """name_x_vs_gqa[_pipelined] for a candidate with the rotary embedding: against ORT's fp16 GQA
+    with its rotary embedding."""
+    for suffix in ("", "_pipelined"):
+        row[f"{name}_x_vs_gqa{suffix}"] = row[f"ort_gqa_rotary{suffix}_us"] / row[f"{name}{suffix}_us"]
+
+
 def run(shapes, presets, iters: int = 50, seed: int = 0) -> list[dict]:
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
@@ -257,6 +268,13 @@ def run(shapes, presets, iters: int = 50, seed: int = 0) -> list[dict]:
             _ratios(row, preset)
             _record(row, f"{preset}_inplace", *tq_gqa_step(preset, b, hq, hkv, d, s, iters, rng), bw)
             _ratios(row, f"{preset}_inplace")
+        # with the rotary embedding in the op (do_rotary=1), as onnxruntime-genai's models run it: the
+        # first preset against ORT's fp16 GQA
+        _record(row, "ort_gqa_rotary", *gqa_step(b, hq, hkv, d, s, iters, rng, rotary=True), bw)
+        for preset in presets[:1]:
+            name = f"{preset}_rotary"
+            _record(row, name, *tq_gqa_step(preset, b, hq, hkv, d, s, iters, rng, rotary=True), bw)
+            _rotary_ratios(row, name)
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -296,6 +314,18 @@ def report(rows: list[dict], presets: list[str]) -> str:
                     cells.append(_cell(r, "torch_sdpa", suffix))
                 cells += [_cell(r, f"{p}{variant}", suffix) for p in presets]
                 out.append("| " + " | ".join(cells) + " |")
+    if presets and any("ort_gqa_rotary_us" in r for r in rows):
+        name = f"{presets[0]}_rotary"
+        out.append(f"\nWith the rotary embedding in the op (do_rotary=1), TQGroupQueryAttention in place: us per step "
+                   f"(x vs ORT GQA fp16 with rotary, bw fraction)")
+        out.append(f"| B | S | GQA fp16, waited | {presets[0].removeprefix('turboquant_')}, waited | GQA fp16, GPU time | "
+                   f"{presets[0].removeprefix('turboquant_')}, GPU time |")
+        out.append("|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            cells = [str(r["B"]), str(r["S"])]
+            for suffix in ("", "_pipelined"):
+                cells += [_cell(r, "ort_gqa_rotary", suffix), _cell(r, name, suffix)]
+            out.append("| " + " | ".join(cells) + " |")
     for c in baselines.QUANT_CACHES:
         errors = {r.get(f"ort_gqa_{c}_error") for r in rows} - {None}
         if errors:

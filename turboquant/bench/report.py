@@ -56,11 +56,12 @@ def measure(device: str, contexts: list[int], batches: list[int], presets: list[
 
 INPLACE = "_inplace"  # the CUDA bench's TQGroupQueryAttention (shared buffer) variant of a preset
 PIPELINED = "_pipelined"  # the CUDA bench's back-to-back timing of a candidate
+ROTARY = "_rotary"  # the CUDA bench's candidates with the rotary embedding in the op
 
 
 def is_baseline(name: str) -> bool:
     """ORT's and torch's attention; everything named after a preset (its in-place variant too) is ours."""
-    return name.removesuffix(PIPELINED).removesuffix(INPLACE) not in TQ_PRESETS
+    return name.removesuffix(PIPELINED).removesuffix(INPLACE).removesuffix(ROTARY) not in TQ_PRESETS
 
 
 def timing(name: str) -> str:

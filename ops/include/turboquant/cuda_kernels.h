@@ -33,9 +33,18 @@ size_t attention_workspace_bytes(const AttentionParams& p, int num_sms);
 
 // TQAttention: present = past ++ pack(new); Y over the packed past (split-KV, merged with
 // log-sum-exp) and the exact new tokens. workspace: attention_workspace_bytes(p, num_sms) bytes.
+// rotary (where fuses_rotary, else cudaErrorInvalidValue): Q and the new K are not rotated yet,
+// and the kernels apply this rotary embedding as they load them (rounded to p.dtype, as a rotated
+// copy would hold them), instead of a launch that writes rotated copies first.
 cudaError_t attention(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
                       const uint8_t* past_key, const uint8_t* past_value, void* y, uint8_t* present_key,
-                      uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream);
+                      uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream,
+                      const RotaryParams* rotary = nullptr);
+
+// Whether attention() applies a rotary embedding itself for these parameters and caches: a decode
+// step (one query position, one new token) whose past the tensor-core split kernel reads (or that
+// has no past).
+bool fuses_rotary(const AttentionParams& p, const uint8_t* past_key, const uint8_t* past_value);
 
 // TQGroupQueryAttention: each sequence's past length from seqlens_k (device memory; 0 for a first
 // prompt, else seqlens_k[b] + 1 - S, clamped to the buffers since it cannot be checked before the

@@ -24,6 +24,15 @@ TQ_HD void store_float(DType dt, void* base, int64_t i, float v) {
   }
 }
 
+// v as a store to dt and a load give it back.
+TQ_HD float round_to(DType dt, float v) {
+  switch (dt) {
+    case DType::kFloat16: return f16_to_f32(f32_to_f16(v));
+    case DType::kBFloat16: return bf16_to_f32(f32_to_bf16(v));
+    default: return v;
+  }
+}
+
 // n contiguous elements starting at element `first`.
 TQ_HD void load_row(DType dt, const void* base, int64_t first, int n, float* out) {
   for (int i = 0; i < n; ++i) out[i] = load_float(dt, base, first + i);

@@ -7,17 +7,62 @@
 
 namespace turboquant {
 
-// x[0..d) rotated in place for position pos (clamped to the table; the adapters check it first).
-TQ_HD void rotate_head(const RotaryParams& r, DType dt, int d, int64_t pos, float* x) {
+// Whether the table rotates heads of size d (the adapters check the shapes first; a table that does
+// not fit leaves the head as it is).
+TQ_HD bool rotary_applies(const RotaryParams& r, int d) {
   const int half = r.rotary_dim / 2;
-  if (half <= 0 || half * 2 > d || r.max_positions <= 0) return;
+  return half > 0 && half * 2 <= d && r.max_positions > 0;
+}
+
+// Pair i of the rotation (elements a and b, as rotary_pair_index gives them) at position pos,
+// clamped to the table.
+TQ_HD void rotary_pair_index(const RotaryParams& r, int i, int* a, int* b) {
+  const int half = r.rotary_dim / 2;
+  *a = r.interleaved ? 2 * i : i;
+  *b = r.interleaved ? 2 * i + 1 : i + half;
+}
+TQ_HD void rotate_pair(const RotaryParams& r, DType dt, int64_t pos, int i, float* xa, float* xb) {
+  const int half = r.rotary_dim / 2;
   pos = pos < 0 ? 0 : (pos >= r.max_positions ? r.max_positions - 1 : pos);
-  for (int i = 0; i < half; ++i) {
-    const float c = load_float(dt, r.cos, pos * half + i), s = load_float(dt, r.sin, pos * half + i);
-    const int a = r.interleaved ? 2 * i : i, b = r.interleaved ? 2 * i + 1 : i + half;
-    const float xa = x[a], xb = x[b];
-    x[a] = xa * c - xb * s;
-    x[b] = xb * c + xa * s;
+  const float c = load_float(dt, r.cos, pos * half + i), s = load_float(dt, r.sin, pos * half + i);
+  const float a = *xa, b = *xb;
+#if defined(__CUDA_ARCH__)  // rounded operations the compiler cannot fuse, as the CPU's (no contraction)
+  *xa = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  *xb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+#else
+  *xa = a * c - b * s;
+  *xb = b * c + a * s;
+#endif
+}
+
+// The rotation of one head held by n threads (thread t of n: pairs t, t + n, ...) in memory x that
+// they share, each result rounded to dt as a rotated tensor stored in dt would hold it: the
+// attention kernels that rotate Q and the new K themselves instead of reading a rotated copy.
+// The caller synchronises the threads before (x loaded) and after.
+TQ_HD void rotate_shared(const RotaryParams& r, DType dt, int d, int64_t pos, float* x, int t, int n) {
+  if (!rotary_applies(r, d)) return;
+  for (int i = t; i < r.rotary_dim / 2; i += n) {
+    int a, b;
+    rotary_pair_index(r, i, &a, &b);
+    rotate_pair(r, dt, pos, i, &x[a], &x[b]);
+    x[a] = round_to(dt, x[a]);
+    x[b] = round_to(dt, x[b]);
+  }
+}
+
+// The position of token s of sequence b whose past is `past` tokens long: position_ids[b, s], or
+// past + s.
+TQ_HD int64_t rotary_position(const RotaryParams& r, int64_t b, int64_t s, int64_t seq_len, int64_t past) {
+  return r.position_ids ? r.position_ids[b * seq_len + s] : past + s;
+}
+
+// x[0..d) rotated in place for position pos.
+TQ_HD void rotate_head(const RotaryParams& r, DType dt, int d, int64_t pos, float* x) {
+  if (!rotary_applies(r, d)) return;
+  for (int i = 0; i < r.rotary_dim / 2; ++i) {
+    int a, b;
+    rotary_pair_index(r, i, &a, &b);
+    rotate_pair(r, dt, pos, i, &x[a], &x[b]);
   }
 }
 

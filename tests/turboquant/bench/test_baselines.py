@@ -46,3 +46,28 @@ def test_int4_cache_packs_two_codes_a_byte():
     np.testing.assert_array_equal(present_k[:, :, :s], feeds["past_key"])
     assert np.isfinite(out.astype(np.float32)).all()
     assert baselines.cache_bytes_per_row(d, TensorProto.FLOAT16, "int4") == d // 2
+
+
+def test_rotary_gqa_rotates_the_new_query_and_key_with_the_tables():
+    # ORT's GQA with do_rotary and rotary_tables' caches equals GQA without rotary fed the query and
+    # key rotated in numpy (half-split pairs, position = the past length): the tables' layout is the
+    # one ORT reads
+    b, hq, hkv, d, s = 1, 2, 1, 16, 3
+    feeds = baselines.gqa_feeds(np.random.default_rng(0), b, hq, hkv, d, s, TensorProto.FLOAT, rotary=True)
+    cos, sin = feeds["cos_cache"][s], feeds["sin_cache"][s]
+
+    def rotate(x, heads):
+        x = x.reshape(heads, d)
+        x1, x2 = x[:, : d // 2], x[:, d // 2 :]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=1).reshape(1, 1, heads * d)
+
+    def run(model, f):
+        return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(["out"], f)[0]
+
+    with_rotary = run(baselines.gqa_model(hq, hkv, d, TensorProto.FLOAT, rotary=True), feeds)
+    plain = {k: v for k, v in feeds.items() if k not in ("cos_cache", "sin_cache")}
+    unrotated = run(baselines.gqa_model(hq, hkv, d, TensorProto.FLOAT), plain)
+    plain["query"], plain["key"] = rotate(feeds["query"], hq), rotate(feeds["key"], hkv)
+    rotated = run(baselines.gqa_model(hq, hkv, d, TensorProto.FLOAT), plain)
+    assert np.abs(with_rotary - rotated).max() < 1e-5
+    assert np.abs(with_rotary - unrotated).max() > 1e-3  # the rotation changes the result at position 3

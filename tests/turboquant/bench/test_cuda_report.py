@@ -13,6 +13,9 @@ def _row():
     for name, t in (("turboquant_4bit_nc", (400e-6, 350e-6)), ("turboquant_4bit_nc_inplace", (140e-6, 100e-6))):
         cuda._record(row, name, t, 280_000_000, 4e12)
         cuda._ratios(row, name)
+    cuda._record(row, "ort_gqa_rotary", (290e-6, 260e-6), 1_000_000_000, 4e12)
+    cuda._record(row, "turboquant_4bit_nc_rotary", (145e-6, 104e-6), 280_000_000, 4e12)
+    cuda._rotary_ratios(row, "turboquant_4bit_nc_rotary")
     return row
 
 
@@ -30,10 +33,18 @@ def test_report_tables():
     lines = text.splitlines()
     assert lines[0] == "copy rate 4000 GB/s (read + write, same run)"
     rows = [line for line in lines if line.startswith("| 8 |")]
-    assert len(rows) == 4  # in place / present copied, waited for / back to back
+    assert len(rows) == 5  # in place / present copied, waited for / back to back; with rotary
     assert "100 (2.50x, 2.70x int4, bw 0.70)" in rows[2]  # in place, back to back
     assert "| 240 |" in rows[2]  # torch SDPA only among the back-to-back timings
     assert "n/a" in rows[0] and "ORT GQA on its int8 cache unavailable: no CUDA kernel" in text
+
+
+def test_rotary_table_compares_with_rotary_gqa():
+    row = _row()
+    assert abs(row["turboquant_4bit_nc_rotary_x_vs_gqa_pipelined"] - 2.5) < 1e-9  # 260 / 104, not 250 / 104
+    lines = cuda.report([row], ["turboquant_4bit_nc"]).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("With the rotary embedding"))
+    assert lines[at + 3] == "| 8 | 32768 | 290 (bw 0.86) | 145 (2.00x, bw 0.48) | 260 (bw 0.96) | 104 (2.50x, bw 0.67) |"
 
 
 def test_fp8_caches_become_typed_values():
