@@ -28,8 +28,8 @@ using namespace turboquant;
 
 #ifdef TQ_PHASES  // the phase marks of the split kernel's first block and the finish kernel's first merge
 namespace turboquant::cuda {
-void tc_phase_times(long long* clock, long long* ns);
-void finish_phase_times(long long* clock, long long* ns);
+void tc_phase_times(long long* clock, long long* ns, long long* blocks, int* sms);
+void finish_phase_times(long long* clock, long long* ns, long long* blocks, int* sms);
 }  // namespace turboquant::cuda
 #endif
 
@@ -86,6 +86,7 @@ int main(int argc, char** argv) {
   cudaMemcpy(v, x, B * Hkv * D * 2, cudaMemcpyDeviceToDevice);
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  [[maybe_unused]] const int64_t sms_count = sms;
   // rotary: tables of the positions 0..R (cos, sin of pos x 10000^(-i / 64)) and seqlens_k = S
   const int64_t half = D / 2, positions = R + 1;
   std::vector<__half> hcos(positions * half), hsin(positions * half);
@@ -134,11 +135,38 @@ int main(int argc, char** argv) {
       cudaStreamSynchronize(st);
     }
     long long tc[32], tn[32], fc[32], fn[32];
-    cuda::tc_phase_times(tc, tn);
-    cuda::finish_phase_times(fc, fn);
+    std::vector<long long> blocks(2 * 4096);
+    std::vector<int> sms(4096);
+    cuda::tc_phase_times(tc, tn, blocks.data(), sms.data());
+    std::vector<long long> fblocks(2 * 4096);
+    cuda::finish_phase_times(fc, fn, fblocks.data(), nullptr);
     printf("%s step, ns from the split kernel's first block's start (SM cycles since it):", isolated ? "isolated" : "last");
     for (int i = 1; i <= 6; ++i) printf(" s%d %lld (%lld)", i, tn[i] - tn[0], tc[i] - tc[0]);
     for (int i = 8; i <= 11; ++i) printf(" f%d %lld", i, fn[i] - tn[0]);
+    printf("\n");
+    // the split kernel's blocks (in place, tensor-core path: B x Hkv x splits of them): start and end
+    // times from block 0's start, quantiles, and the slowest blocks with their SMs
+    const int nb = static_cast<int>(std::min<int64_t>(4096, B * Hkv * ((B * Hkv) >= sms_count ? 1 : sms_count / (B * Hkv))));
+    std::vector<std::pair<long long, int>> ends;
+    long long first = blocks[0], last_start = 0;
+    for (int i = 0; i < nb; ++i) first = std::min(first, blocks[2 * i]);
+    for (int i = 0; i < nb; ++i) {
+      ends.push_back({blocks[2 * i + 1] - first, i});
+      last_start = std::max(last_start, blocks[2 * i] - first);
+    }
+    std::sort(ends.begin(), ends.end());
+    printf("  %d blocks: last start %lld ns; ends min %lld, 10%% %lld, median %lld, 90%% %lld, max %lld; slowest (block sm ns):", nb,
+           last_start, ends[0].first, ends[nb / 10].first, ends[nb / 2].first, ends[nb * 9 / 10].first, ends[nb - 1].first);
+    for (int i = nb - 1; i >= std::max(0, nb - 6); --i) printf(" (%d %d %lld)", ends[i].second, sms[ends[i].second], ends[i].first);
+    // the finish kernel's blocks: the packing ones first (the new keys' and values' vectors, 4 per
+    // block), then one per merged query row
+    const int64_t packs = 2 * ((B * Hkv + 3) / 4), merges = B * Hq;
+    long long pack_end = 0, merge_end = 0;
+    for (int64_t i = 0; i < std::min<int64_t>(4096, packs + merges); ++i)
+      (i < packs ? pack_end : merge_end) = std::max(i < packs ? pack_end : merge_end, fblocks[2 * i + 1] - first);
+    printf("; finish: packing blocks end by %lld, merges by %lld", pack_end, merge_end);
+    printf("; fastest:");
+    for (int i = 0; i < std::min(nb, 4); ++i) printf(" (%d %d %lld)", ends[i].second, sms[ends[i].second], ends[i].first);
     printf("\n");
   }
 #endif

@@ -261,6 +261,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   __shared__ float row_factor[kRowsMax];
   constexpr bool kPermuted = permuted_table(kKeyBits, kD);
   TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 0);
+  TQ_BLOCK(0);
   uint8_t* dyn = turboquant_tc_smem;
   uint32_t dyn_at;  // the dynamic part's shared-window address
   asm("mov.u32 %0, turboquant_tc_smem;\n" : "=r"(dyn_at));
@@ -743,6 +744,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   store_warp_states(ws, kWarps, kRowsMax, rows, dv, partial + ((bh * l.rows + row0) * l.splits + split) * partial_stride(dv),
                     l.splits * partial_stride(dv));
   TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 6);
+  TQ_BLOCK(1);
 }
 
 int tc_kd(const AttentionParams& p) { return p.key_format == Format::kFp8 ? p.head_dim : padded_dim(p.head_dim); }

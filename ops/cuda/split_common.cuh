@@ -100,25 +100,47 @@ __device__ __forceinline__ void launch_dependents() {
 // otherwise.
 #ifdef TQ_PHASES
 static __device__ long long tq_phase_clock[32], tq_phase_ns[32];  // per file (no relocatable device code)
-__device__ __forceinline__ void phase_mark(int i) {
+// every block's start and end (global timer) and SM, by linear block index (the first 4096)
+constexpr int kPhaseBlocks = 4096;
+static __device__ long long tq_block_ns[kPhaseBlocks][2];
+static __device__ int tq_block_sm[kPhaseBlocks];
+__device__ __forceinline__ long long global_ns() {
   long long ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+__device__ __forceinline__ void phase_mark(int i) {
   tq_phase_clock[i] = clock64();
-  tq_phase_ns[i] = ns;
+  tq_phase_ns[i] = global_ns();
+}
+__device__ __forceinline__ void block_mark(int end) {
+  const unsigned id = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (threadIdx.x != 0 || id >= kPhaseBlocks) return;
+  tq_block_ns[id][end] = global_ns();
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  tq_block_sm[id] = static_cast<int>(sm);
 }
 #define TQ_PHASE(first, i) \
   do {                     \
     if ((first) && threadIdx.x == 0) phase_mark(i); \
   } while (0)
-// Defines name(clock, ns): this file's phase marks, copied to the host (32 of each).
-#define TQ_PHASE_READER(name)                                                     \
-  void name(long long* clock, long long* ns) {                                   \
-    cudaMemcpyFromSymbol(clock, detail::tq_phase_clock, 32 * 8);                \
-    cudaMemcpyFromSymbol(ns, detail::tq_phase_ns, 32 * 8);                      \
+#define TQ_BLOCK(end) block_mark(end)
+// Defines name(clock, ns, blocks, sms): this file's phase marks, copied to the host (32 of each), and
+// the blocks' start and end times and SMs (kPhaseBlocks of each).
+#define TQ_PHASE_READER(name)                                                                  \
+  void name(long long* clock, long long* ns, long long* blocks, int* sms) {                   \
+    cudaMemcpyFromSymbol(clock, detail::tq_phase_clock, 32 * 8);                              \
+    cudaMemcpyFromSymbol(ns, detail::tq_phase_ns, 32 * 8);                                    \
+    if (blocks) cudaMemcpyFromSymbol(blocks, detail::tq_block_ns, detail::kPhaseBlocks * 16); \
+    if (sms) cudaMemcpyFromSymbol(sms, detail::tq_block_sm, detail::kPhaseBlocks * 4);         \
   }
 #else
 #define TQ_PHASE(first, i) \
   do {                     \
+  } while (0)
+#define TQ_BLOCK(end) \
+  do {                \
   } while (0)
 #endif
 

@@ -39,11 +39,17 @@ def test_report_tables():
     assert "n/a" in rows[0] and "ORT GQA on its int8 cache unavailable: no CUDA kernel" in text
 
 
+def test_rotary_preset_is_the_target_preset_when_present():
+    assert cuda.rotary_preset(["turboquant_k8v4", "turboquant_4bit_nc"]) == ["turboquant_4bit_nc"]
+    assert cuda.rotary_preset(["turboquant_3bit_nc"]) == ["turboquant_3bit_nc"]
+
+
 def test_rotary_table_compares_with_rotary_gqa():
     row = _row()
     assert abs(row["turboquant_4bit_nc_rotary_x_vs_gqa_pipelined"] - 2.5) < 1e-9  # 260 / 104, not 250 / 104
-    lines = cuda.report([row], ["turboquant_4bit_nc"]).splitlines()
+    lines = cuda.report([row], ["turboquant_k8v4", "turboquant_4bit_nc"]).splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("With the rotary embedding"))
+    assert "4bit_nc, GPU time" in lines[at + 1]  # the target preset, wherever it is in the list
     assert lines[at + 3] == "| 8 | 32768 | 290 (bw 0.86) | 145 (2.00x, bw 0.48) | 260 (bw 0.96) | 104 (2.50x, bw 0.67) |"
 
 
