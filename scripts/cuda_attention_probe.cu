@@ -3,12 +3,14 @@
 // scales), one new token, fp16 Q/K/V.
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu \
 //        ops/cuda/attention.cu ops/cuda/pack.cu ops/cpu/attention.cpp ops/cpu/pack.cpp -o /tmp/probe
-//   /tmp/probe B S key_format value_format [iters] [pad] [width] [inplace] [rotary]
+//   /tmp/probe B S key_format value_format [iters] [pad] [width] [inplace] [rotary] [shift]
 //   pad: rows of capacity past S in the past caches; width: bytes per cache row (0: the packed
 //   sizes); inplace 1: past and present share buffers of S + pad + 1 rows, as TQGroupQueryAttention
 //   runs (the new token written in place, no cache copy), else present is a separate buffer;
 //   rotary 1: through TQGroupQueryAttention's launcher (rotary embedding of Q and K first, past
-//   lengths from seqlens_k), checked against the CPU's.
+//   lengths from seqlens_k), checked against the CPU's; shift: the past caches start this many bytes
+//   into their allocations (every (b, head) region moves with them: with a capacity that makes
+//   regions a multiple of 16 bytes, shift 4 puts them all at 4 mod 16).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -41,6 +43,7 @@ int main(int argc, char** argv) {
   const int64_t pad = argc > 6 ? atoll(argv[6]) : 0, width = argc > 7 ? atoll(argv[7]) : 0;
   const bool inplace = argc > 8 && atoi(argv[8]) != 0;
   const bool rotary = argc > 9 && atoi(argv[9]) != 0;
+  const int64_t shift = argc > 10 ? atoll(argv[10]) : 0;
   const int64_t R = S + pad + (inplace ? 1 : 0), Rp = inplace ? R : R + 1;  // rows of past, of present
   AttentionParams p;
   p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = 1, p.new_len = 1, p.past_len = S;
@@ -69,7 +72,8 @@ int main(int argc, char** argv) {
   cudaMemset(ku, 0, unit * kb), cudaMemset(vu, 0, unit * vb);
   cudaMemcpy2D(ku, kb, kd, kp, kp, unit, cudaMemcpyDeviceToDevice);
   cudaMemcpy2D(vu, vb, vd, vp, vp, unit, cudaMemcpyDeviceToDevice);
-  cudaMalloc(&pk, B * Hkv * R * kb), cudaMalloc(&pv, B * Hkv * R * vb);
+  cudaMalloc(&pk, B * Hkv * R * kb + shift), cudaMalloc(&pv, B * Hkv * R * vb + shift);
+  pk += shift, pv += shift;
   for (int64_t i = 0; i < B * Hkv * R; i += unit) {
     const int64_t n = std::min(unit, B * Hkv * R - i);
     cudaMemcpy(pk + i * kb, ku, n * kb, cudaMemcpyDeviceToDevice);
@@ -225,8 +229,8 @@ int main(int argc, char** argv) {
   }
   printf("max |Y_cuda - Y_cpu| = %.3g (max |Y| %.3g)\n", worst, mag);
   const double bytes = double(B * Hkv * S) * (kb + vb);
-  printf("rows %lld/%lld bytes, capacity %lld, %s%s\n", (long long)kb, (long long)vb, (long long)R, inplace ? "in place" : "present copied",
-         rotary ? ", TQGroupQueryAttention with rotary" : "");
+  printf("rows %lld/%lld bytes, capacity %lld, caches shifted by %lld bytes, %s%s\n", (long long)kb, (long long)vb, (long long)R,
+         (long long)shift, inplace ? "in place" : "present copied", rotary ? ", TQGroupQueryAttention with rotary" : "");
   printf("B=%lld S=%lld %s/%s: %.1f us per call, %.0f GB/s of cache read (%s)\n", (long long)B, (long long)S,
          format_name(kf), format_name(vf), ms * 1e3 / iters, bytes / (ms * 1e-3 / iters) / 1e9,
          cudaGetErrorString(cudaGetLastError()));
