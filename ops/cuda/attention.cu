@@ -518,7 +518,7 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
     }
     // kChunk splits at a time: all their loads in flight at once, then their largest maximum and
     // weighted sums (an online merge of one split after the other waited for each split's loads:
-    // its last merge ended 1.3-4 us later in a B = 1 step alone); 2 at a time for up to 2 splits,
+    // its last merge ended 1.3-3.4 us later in a B = 1 step alone); 2 at a time for up to 2 splits,
     // where 8 cost more (predicated slots) than they save
     const auto merge_splits = [&](auto chunk) {
       constexpr int kChunk = decltype(chunk)::value;
@@ -708,9 +708,9 @@ PackJob new_token_job(const AttentionParams& p, Format fmt, int d, int64_t row_b
 }
 
 template <Format FK, Format FV, bool kAny = false>
-cudaError_t launch_finish(unsigned blocks, const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q, const void* k,
-                          const void* v, const void* mask, const float* partial, void* y, bool after_split,
-                          const PackJob& kj, const PackJob& vj, cudaStream_t stream) {
+cudaError_t launch_finish(unsigned blocks, const AttentionParams& p, const RotaryParams& rot, const Layout& l,
+                          const void* q, const void* k, const void* v, const void* mask, const float* partial, void* y,
+                          bool after_split, const PackJob& kj, const PackJob& vj, cudaStream_t stream) {
   return launch_dependent(finish_kernel<FK, FV, kAny>, dim3(blocks), dim3(kThreads), 0, stream, p, rot, l, q, k, v,
                           mask, partial, y, kj, vj, after_split);
 }

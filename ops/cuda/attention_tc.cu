@@ -248,8 +248,7 @@ __host__ __device__ inline int dynamic_bytes(int key_bits, int kd, int kb, int v
 template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32, 1)
     tc_split_kernel(AttentionParams p, RotaryParams rot, Layout l, const void* q, const uint8_t* past_key,
-                    const uint8_t* past_value,
-                    float* partial) {
+                    const uint8_t* past_value, float* partial) {
   constexpr int kThreads = kWarps * 32;
   constexpr bool kFp8 = kKeyBits == 8;
   constexpr int kSteps = kD / 16;                     // k-steps of the score product
@@ -409,9 +408,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
   if (!kFp8) {
     // The centroids as fp16, converted once, then copy `lane` of pairs warp, warp + kWarps, ...: 8
-    // to 32 stores a thread, unrolled, from broadcast reads. (Each entry converting its own two
-    // centroids from float64 took 2.6 us, on the critical path wherever the launch before does not
-    // let this one start early.)
+    // to 32 stores a thread, unrolled, from broadcast reads (each entry converted its own two
+    // centroids from float64 before: the set-up up to here took 2.6-2.9 us, now 2.3-2.4, on the
+    // critical path wherever the launch before does not let this one start early).
     constexpr int kRowWords = table_row_bytes(kKeyBits, kD) / 4, kCodes = 1 << kKeyBits;
     __shared__ uint16_t centroid_h[kCodes];
     if (tid < kCodes) centroid_h[tid] = __half_as_ushort(__float2half_rn(static_cast<float>(codec::centroids(kKeyBits)[tid])));
@@ -434,8 +433,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // --- the block's query rows: rotated (MSE), normalised per row, split into fp16 hi + lo ---
   // Warp r < kRowsMax: query row r (zeros past the head size, and rows past `rows`), lane holding
   // elements lane + 32 j, rotated in the warp: the butterflies at distances 1 .. 16 by shuffles, then
-  // 32 .. in registers, the order and operations of load_query_rows (whose 7 block-wide steps, each
-  // with a barrier, took ~1 us of a small step); its largest magnitude; the row into qv.
+  // 32 .. in registers, the order and operations of load_query_rows (7 block-wide steps with a
+  // barrier each); its largest magnitude; the row into qv.
   static_assert(kWarps >= kRowsMax, "a warp per query row");
   if (warp < kRowsMax) {
     constexpr int kPer = kD / 32;
@@ -769,8 +768,8 @@ int tc_warps(const AttentionParams& p) {
 }
 
 template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps>
-cudaError_t launch(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q, const uint8_t* past_key,
-                   const uint8_t* past_value, float* partial, cudaStream_t stream) {
+cudaError_t launch(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
+                   const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream) {
   const int smem = tc_block_bytes(p, kWarps) - 1024;
   // Beyond 48 KiB per block (static + dynamic) a kernel has to opt in, once per device for the
   // largest size asked so far.
@@ -789,8 +788,8 @@ cudaError_t launch(const AttentionParams& p, const RotaryParams& rot, const Layo
 }
 
 template <int kKeyBits, int kValBits, bool kKeyWords4 = false>
-cudaError_t launch_d(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q, const uint8_t* past_key,
-                     const uint8_t* past_value, float* partial, cudaStream_t stream) {
+cudaError_t launch_d(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
+                     const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream) {
   const bool wide = tc_warps(p) == 16;
   switch (tc_kd(p)) {
     case 64:

@@ -14,13 +14,15 @@ TQ_HD bool rotary_applies(const RotaryParams& r, int d) {
   return half > 0 && half * 2 <= d && r.max_positions > 0;
 }
 
-// Pair i of the rotation (elements a and b, as rotary_pair_index gives them) at position pos,
-// clamped to the table.
+// The elements a and b that pair i of the rotation turns: neighbours (interleaved) or the two halves.
 TQ_HD void rotary_pair_index(const RotaryParams& r, int i, int* a, int* b) {
   const int half = r.rotary_dim / 2;
   *a = r.interleaved ? 2 * i : i;
   *b = r.interleaved ? 2 * i + 1 : i + half;
 }
+
+// Pair i of the rotation, (xa, xb) = (x[a], x[b]), turned by the angle of position pos (clamped to
+// the table).
 TQ_HD void rotate_pair(const RotaryParams& r, DType dt, int64_t pos, int i, float* xa, float* xb) {
   const int half = r.rotary_dim / 2;
   pos = pos < 0 ? 0 : (pos >= r.max_positions ? r.max_positions - 1 : pos);
