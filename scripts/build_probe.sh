@@ -4,7 +4,8 @@
 # writes are byte-identical to the CPU's; and scripts/cuda_pack_probe.cu (TQPack's kernels against
 # the CPU's, and their throughput) as OUT.pack. Developer variants, as OUT.VARIANT (VARIANTS, default
 # "nopdl phases"): nopdl, no programmatic dependent launches (A/B timings); phases, the kernels mark
-# the times of their phases (TQ_PHASES, split_common.cuh) and the probe prints them.
+# the times of their phases (TQ_PHASES, split_common.cuh) and the probe prints them; NAME:FLAGS,
+# the kernels built with FLAGS (comma-separated), e.g. ahead0:-DTQ_L2_AHEAD=0.
 #   [VARIANTS="..."] bash scripts/build_probe.sh OUT [ARCH]   (ARCH: 90)
 set -euo pipefail
 out=$1
@@ -24,15 +25,18 @@ for v in base $variants; do
     base) vflags=() ;;
     nopdl) vflags=(-DTQ_NO_PDL) ;;
     phases) vflags=(-DTQ_PHASES) ;;
+    *:*) ;;  # NAME:FLAGS, below
     *) echo "unknown variant $v" >&2; exit 2 ;;
   esac
-  mkdir -p "$tmp/$v"
+  name=${v%%:*}
+  [[ $v == *:* ]] && IFS=, read -r -a vflags <<< "${v#*:}"
+  mkdir -p "$tmp/$name"
   for f in ops/cuda/attention.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/gqa.cu scripts/cuda_attention_probe.cu; do
-    "$nvcc" "${flags[@]}" "${vflags[@]}" -c "$f" -o "$tmp/$v/$(basename "$f" .cu).o" &
+    "$nvcc" "${flags[@]}" "${vflags[@]}" -c "$f" -o "$tmp/$name/$(basename "$f" .cu).o" &
   done
 done
 wait
 "$nvcc" -arch=sm_$arch "$tmp/pack_probe.o" "$tmp/pack_cu.o" "$tmp/pack_cpp.o" -o "$out.pack"
 common=("$tmp/pack_cu.o" "$tmp/pack_cpp.o" "$tmp/attention_cpp.o" "$tmp/gqa_cpp.o")
 "$nvcc" -arch=sm_$arch "${common[@]}" "$tmp/base"/*.o -o "$out"
-for v in $variants; do "$nvcc" -arch=sm_$arch "${common[@]}" "$tmp/$v"/*.o -o "$out.$v"; done
+for v in $variants; do "$nvcc" -arch=sm_$arch "${common[@]}" "$tmp/${v%%:*}"/*.o -o "$out.${v%%:*}"; done

@@ -30,6 +30,7 @@
 #include <cfloat>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 
 #include "device_attributes.h"
 #include "split_common.cuh"
@@ -121,6 +122,21 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 #endif
+
+// Centroid i (as float) from immediates: the kernel's first read of constant memory, with a
+// different address per lane, would wait for a cold miss and then serialise.
+template <int kBits, int K>
+constexpr float kCentroidFloat = static_cast<float>(kBits == 3 ? codebook::kCentroids3[K % 8] : codebook::kCentroids4[K]);
+template <int kBits, int... K>
+__device__ __forceinline__ float centroid_select(int i, std::integer_sequence<int, K...>) {
+  float v = 0.0f;
+  ((v = i == K ? kCentroidFloat<kBits, K> : v), ...);
+  return v;
+}
+template <int kBits>
+__device__ __forceinline__ float centroid_immediate(int i) {
+  return centroid_select<kBits>(i, std::make_integer_sequence<int, 1 << kBits>{});
+}
 
 // A 32-bit load from a shared-memory address (as the table lookups form it: base + offset, which
 // the load instruction can add itself).
@@ -413,7 +429,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     // critical path wherever the launch before does not let this one start early).
     constexpr int kRowWords = table_row_bytes(kKeyBits, kD) / 4, kCodes = 1 << kKeyBits;
     __shared__ uint16_t centroid_h[kCodes];
-    if (tid < kCodes) centroid_h[tid] = __half_as_ushort(__float2half_rn(static_cast<float>(codec::centroids(kKeyBits)[tid])));
+    if (tid < kCodes) centroid_h[tid] = __half_as_ushort(__float2half_rn(centroid_immediate<kKeyBits == 3 ? 3 : 4>(tid)));
     __syncthreads();
     static_assert(kPairs % kWarps == 0 && kCopies == 32, "table rows per warp, a copy per lane");
 #pragma unroll
@@ -429,22 +445,27 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   grid_dependency_wait();
   launch_dependents();
   TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 2);
-  if (warp * kTok < len) fetch(warp * kTok, 0);  // the first tile, while the queries are set up
   // --- the block's query rows: rotated (MSE), normalised per row, split into fp16 hi + lo ---
   // Warp r < kRowsMax: query row r (zeros past the head size, and rows past `rows`), lane holding
   // elements lane + 32 j, rotated in the warp: the butterflies at distances 1 .. 16 by shuffles, then
   // 32 .. in registers, the order and operations of load_query_rows (7 block-wide steps with a
   // barrier each); its largest magnitude; the row into qv.
   static_assert(kWarps >= kRowsMax, "a warp per query row");
+  constexpr int kPer = kD / 32;
+  const int64_t row = row0 + warp, pos = row / l.group, hq = hkv * l.group + row % l.group;
+  float x[kPer];
+  // The query loads go first: the first tiles' copies, issued next by every block, fill DRAM's
+  // queues for ~2 us, and loads issued after them waited that long (with the key-bank fix below,
+  // B=8 S=32768: 82.4 -> 78.5 us per step back to back).
   if (warp < kRowsMax) {
-    constexpr int kPer = kD / 32;
-    const int64_t row = row0 + warp, pos = row / l.group, hq = hkv * l.group + row % l.group;
-    float x[kPer];
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int i = lane + 32 * j;
       x[j] = warp < rows && i < p.head_dim ? load_float(p.dtype, q, b * p.q.b + hq * p.q.h + pos * p.q.s + i) : 0.0f;
     }
+  }
+  if (warp * kTok < len) fetch(warp * kTok, 0);  // the first tile, while the queries are set up
+  if (warp < kRowsMax) {
     if (rot.rotary_dim > 0 && warp < rows) {  // the op's rotary embedding, fused (fuses_rotary)
       float* at = qv + warp * kD;
 #pragma unroll
@@ -517,6 +538,16 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const uint32_t lut_lane_at = lut_base | lut_lane;  // permuted table: a 64 KiB boundary
 
   // Tile-invariant byte offsets within a buffer. Score rows: tokens tok(nu, e) = tile_token(g + 8e, nu).
+  // A lane reads its code group as the two words that hold it, funnel-shifted. With rows of 66
+  // bytes (4-bit keys, head size 128) the 8 rows of one load start at words floor((kdelta + 66 u) /
+  // 4), u in {0, 1, 8, 9, ...}, alternately 4-byte aligned and not: when kdelta = 2 mod 4 (every
+  // other (b, head) region of an odd capacity) those starts are 0, 17, 4, 21, ..., 29 mod 32 banks,
+  // and the last row's fourth lane meets the first row's first: 2 wavefronts per load (the blocks
+  // of those regions were ~10% slower at B=8, S=32768). There the aligned rows, which need one word,
+  // read it as the second (the first load one word earlier, shift 32): banks 1-16 and 17-32 for the
+  // second load, 0-15 and 16-31 for the first. (Other head sizes and 3-bit keys: the same at every
+  // phase.)
+  constexpr bool kAlignedLate = kKeyBits == 4 && kD == 128 && !kKeyWords4;
   int key_off[2][2], key_sh[2][2], norm_off[2][2], sz_off[2][2];
 #pragma unroll
   for (int nu = 0; nu < 2; ++nu)
@@ -526,6 +557,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       const int off = kdelta + u * kb + (kFp8 ? 4 : kKeyBits) * t;  // the lane's first code group
       key_off[nu][e] = kFp8 ? off : off & ~3;
       key_sh[nu][e] = (off & 3) * 8;
+      if (kAlignedLate && (kdelta & 3) == 2 && (off & 3) == 0) key_off[nu][e] -= 4, key_sh[nu][e] = 32;
       norm_off[nu][e] = kdelta + u * kb + kKeyPayload;
       sz_off[nu][e] = ktile + vdelta + u * vb + kValPayload;
     }
@@ -582,7 +614,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
             if (kKeyWords4 && kKeyBits == 4) {
               w[nu][e] = kw[0];
             } else {
-              w[nu][e] = __funnelshift_r(kw[0], kw[1], key_sh[nu][e]);
+              w[nu][e] = __funnelshift_rc(kw[0], kw[1], key_sh[nu][e]);  // (shift 32: kw[1])
             }
           }
 #pragma unroll

@@ -105,19 +105,23 @@ def plots(points: list[Point], folder: pathlib.Path) -> list[pathlib.Path]:
     written = []
     for what, label, value in [("time", "ms per decode step", lambda p: p.ms),
                                ("bandwidth", "GB/s of cache bytes read", lambda p: p.gbps)]:
-        fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+        names = list(dict.fromkeys(p.name for p in points))
+        colours = plt.get_cmap("tab20").colors  # ~30 series: the default cycle's 10 colours repeat
+        # the legend beside the axes, where it hides no line
+        fig, axes = plt.subplots(1, len(batches), figsize=(9 * len(batches), 5), squeeze=False)
         for ax, b in zip(axes[0], batches):
-            for name in dict.fromkeys(p.name for p in points):
+            for i, name in enumerate(names):
                 pts = sorted((p.context, value(p)) for p in points if p.name == name and p.batch == b and value(p))
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=name, linestyle="--" if is_baseline(name) else "-")
+                    ax.plot(*zip(*pts), marker="o", markersize=3, label=name, color=colours[i % len(colours)],
+                            linestyle="--" if is_baseline(name) else ":" if i >= len(colours) else "-")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("context length (tokens in the cache)")
             ax.set_ylabel(label)
             ax.set_title(f"{points[0].device.upper()} decode attention, batch {b}")
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         fig.tight_layout()
         path = folder / f"attention-{points[0].device}-{what}.png"
         fig.savefig(path, dpi=110)
