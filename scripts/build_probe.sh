@@ -5,7 +5,7 @@
 # the CPU's, and their throughput) as OUT.pack. Developer variants, as OUT.VARIANT (VARIANTS, default
 # "nopdl phases"): nopdl, no programmatic dependent launches (A/B timings); phases, the kernels mark
 # the times of their phases (TQ_PHASES, split_common.cuh) and the probe prints them; NAME:FLAGS,
-# the kernels built with FLAGS (comma-separated), e.g. ahead0:-DTQ_L2_AHEAD=0.
+# the kernels built with FLAGS (comma-separated), e.g. both:-DTQ_PHASES,-DTQ_NO_PDL.
 #   [VARIANTS="..."] bash scripts/build_probe.sh OUT [ARCH]   (ARCH: 90)
 set -euo pipefail
 out=$1

@@ -454,9 +454,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   constexpr int kPer = kD / 32;
   const int64_t row = row0 + warp, pos = row / l.group, hq = hkv * l.group + row % l.group;
   float x[kPer];
-  // The query loads go first: the first tiles' copies, issued next by every block, fill DRAM's
-  // queues for ~2 us, and loads issued after them waited that long (with the key-bank fix below,
-  // B=8 S=32768: 82.4 -> 78.5 us per step back to back).
+  // The query loads go first, then the first tiles' copies (every block's, ~9 MB at B=8, which
+  // fill DRAM's queues for ~2 us). Measured with the key-bank fix below, B=8 S=32768: 82.4 -> 78.5
+  // us per step back to back; the query phase of a step alone did not get shorter, so why is not
+  // established.
   if (warp < kRowsMax) {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
@@ -545,8 +546,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // and the last row's fourth lane meets the first row's first: 2 wavefronts per load (the blocks
   // of those regions were ~10% slower at B=8, S=32768). There the aligned rows, which need one word,
   // read it as the second (the first load one word earlier, shift 32): banks 1-16 and 17-32 for the
-  // second load, 0-15 and 16-31 for the first. (Other head sizes and 3-bit keys: the same at every
-  // phase.)
+  // second load, 0-15 and 16-31 for the first. (Other head sizes and 3-bit keys have the same
+  // conflicts at every phase.)
   constexpr bool kAlignedLate = kKeyBits == 4 && kD == 128 && !kKeyWords4;
   int key_off[2][2], key_sh[2][2], norm_off[2][2], sz_off[2][2];
 #pragma unroll
