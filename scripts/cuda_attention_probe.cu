@@ -10,7 +10,11 @@
 //   rotary 1: through TQGroupQueryAttention's launcher (rotary embedding of Q and K first, past
 //   lengths from seqlens_k), checked against the CPU's; shift: the past caches start this many bytes
 //   into their allocations (every (b, head) region moves with them: with a capacity that makes
-//   regions a multiple of 16 bytes, shift 4 puts them all at 4 mod 16).
+//   regions a multiple of 16 bytes, shift 4 puts them all at 4 mod 16; shifts that are not multiples
+//   of 4 are refused by the launchers, which the probe prints).
+// Prints the time per step back to back, and "alone": each step after a spin kernel that keeps the
+// GPU busy while the host queues it, timed by events (median of up to 100; ~3 us of event overhead
+// included), as a layer's step runs after other kernels.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -27,6 +31,17 @@
 #include "turboquant/cuda_kernels.h"
 
 using namespace turboquant;
+
+// Keeps the GPU busy for `ns` nanoseconds: queued before a timed step, it lets the host queue the
+// step's launches and events behind it, so the events time the step alone (its launches not waited
+// for), as a layer's step runs in a model, after other kernels.
+__global__ void spin_kernel(long long ns) {
+  long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
 
 #ifdef TQ_PHASES  // the phase marks of the split kernel's first block and the finish kernel's first merge
 namespace turboquant::cuda {
@@ -113,13 +128,14 @@ int main(int argc, char** argv) {
   cudaStream_t st;
   cudaStreamCreate(&st);
   auto step = [&] {
-    if (rotary) {
-      cuda::gqa_attention(p, rot, seqlens, false, q, k, v, pk, pv, y, ok, ov, ws, sms, st);
-    } else {
-      cuda::attention(p, q, k, v, nullptr, pk, pv, y, ok, ov, ws, sms, st);
-    }
+    return rotary ? cuda::gqa_attention(p, rot, seqlens, false, q, k, v, pk, pv, y, ok, ov, ws, sms, st)
+                  : cuda::attention(p, q, k, v, nullptr, pk, pv, y, ok, ov, ws, sms, st);
   };
-  for (int i = 0; i < 3; ++i) step();
+  if (const cudaError_t e = step(); e != cudaSuccess) {  // refused (a fault would show as the last error below)
+    printf("the launcher refused these caches: %s\n", cudaGetErrorString(e));
+    return 0;
+  }
+  for (int i = 0; i < 2; ++i) step();
   cudaEvent_t a, b;
   cudaEventCreate(&a), cudaEventCreate(&b);
   cudaEventRecord(a, st);
@@ -128,8 +144,24 @@ int main(int argc, char** argv) {
   cudaEventSynchronize(b);
   float ms = 0;
   cudaEventElapsedTime(&ms, a, b);
+  // steps alone: each after a spin kernel, between two events (the bench's GPU time, which counts
+  // a step's kernels from the first one's start to the last one's end, is this kind of time)
+  const int alone_steps = std::max(5, std::min(100, 2 * iters));  // (few under the sanitizers, iters 1)
+  std::vector<cudaEvent_t> ea(alone_steps), eb(alone_steps);
+  for (int i = 0; i < alone_steps; ++i) cudaEventCreate(&ea[i]), cudaEventCreate(&eb[i]);
+  for (int i = 0; i < alone_steps; ++i) {
+    spin_kernel<<<1, 32, 0, st>>>(40000);
+    cudaEventRecord(ea[i], st);
+    step();
+    cudaEventRecord(eb[i], st);
+  }
+  cudaStreamSynchronize(st);
+  std::vector<float> alone(alone_steps);
+  for (int i = 0; i < alone_steps; ++i) cudaEventElapsedTime(&alone[i], ea[i], eb[i]);
+  std::sort(alone.begin(), alone.end());
 #ifdef TQ_PHASES
-  for (int isolated = 0; isolated < 2; ++isolated) {  // the last step of the loop, then one step alone
+  // the last of the steps timed alone (after a spin kernel), then one step after 2 ms of idling
+  for (int isolated = 0; isolated < 2; ++isolated) {
     if (isolated) {
       cudaStreamSynchronize(st);
       const auto t0 = std::chrono::steady_clock::now();
@@ -144,13 +176,17 @@ int main(int argc, char** argv) {
     cuda::tc_phase_times(tc, tn, blocks.data(), sms.data());
     std::vector<long long> fblocks(2 * 4096);
     cuda::finish_phase_times(fc, fn, fblocks.data(), nullptr);
-    printf("%s step, ns from the split kernel's first block's start (SM cycles since it):", isolated ? "isolated" : "last");
-    for (int i = 1; i <= 6; ++i) printf(" s%d %lld (%lld)", i, tn[i] - tn[0], tc[i] - tc[0]);
+    printf("%s step, ns from the split kernel's first block's start (SM cycles since it):", isolated ? "idle-started" : "last timed");
+    // the split kernel's marks in program order (12-19: finer ones where the kernel has them)
+    for (int i : {12, 13, 14, 1, 2, 15, 16, 17, 3, 18, 19, 4, 5, 6})
+      if (tn[i] != 0) printf(" s%d %lld (%lld)", i, tn[i] - tn[0], tc[i] - tc[0]);
     for (int i = 8; i <= 11; ++i) printf(" f%d %lld", i, fn[i] - tn[0]);
     printf("\n");
     // the split kernel's blocks (in place, tensor-core path: B x Hkv x splits of them): start and end
     // times from block 0's start, quantiles, and the slowest blocks with their SMs
-    const int nb = static_cast<int>(std::min<int64_t>(4096, B * Hkv * ((B * Hkv) >= sms_count ? 1 : sms_count / (B * Hkv))));
+    // (make_layout's splits for 16 warps: a block per SM, at least 512 tokens a split)
+    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(B * Hkv >= sms_count ? 1 : sms_count / (B * Hkv), (S + 511) / 512));
+    const int nb = static_cast<int>(std::min<int64_t>(4096, B * Hkv * splits));
     std::vector<std::pair<long long, int>> ends;
     long long first = blocks[0], last_start = 0;
     for (int i = 0; i < nb; ++i) first = std::min(first, blocks[2 * i]);
@@ -234,5 +270,8 @@ int main(int argc, char** argv) {
   printf("B=%lld S=%lld %s/%s: %.1f us per call, %.0f GB/s of cache read (%s)\n", (long long)B, (long long)S,
          format_name(kf), format_name(vf), ms * 1e3 / iters, bytes / (ms * 1e-3 / iters) / 1e9,
          cudaGetErrorString(cudaGetLastError()));
+  printf("B=%lld S=%lld %s/%s alone: median %.1f us (10%% %.1f, 90%% %.1f) over %d steps\n", (long long)B, (long long)S,
+         format_name(kf), format_name(vf), alone[alone_steps / 2] * 1e3, alone[alone_steps / 10] * 1e3, alone[alone_steps * 9 / 10] * 1e3,
+         alone_steps);
   return 0;
 }

@@ -763,6 +763,7 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
                       const uint8_t* past_key, const uint8_t* past_value, void* y, uint8_t* present_key,
                       uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream,
                       const RotaryParams* rotary) {
+  if (!caches_aligned(past_key, past_value, present_key, present_value)) return cudaErrorMisalignedAddress;
   const RotaryParams rot = rotary ? *rotary : RotaryParams{};
   if (rot.rotary_dim > 0 && !fuses_rotary(p, past_key, past_value)) return cudaErrorInvalidValue;
   cudaError_t e = copy_past(p, past_key, present_key, past_value, present_value, num_sms, stream);

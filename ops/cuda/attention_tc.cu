@@ -102,14 +102,19 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 }
 // A full tile's two copies (keys, values) and the arrival that expects them, by one lane of the
 // converged warp (elect.sync): issued from a lane-0 branch, the compiler wraps each copy in a loop
-// over the lanes' operands (they must be uniform), some 50 instructions per tile.
+// over the lanes' operands (they must be uniform), some 50 instructions per tile. The caches are
+// read once per step, so their lines are marked the first for L2 to evict: the step's other data
+// (queries, partial results, a model's weights) is not pushed out for them. Measured B=8, S=32768:
+// 86.2 -> 84.8 us per step alone, B=32, S=8192: 95.6 -> 92.9; which of those reads gained is not
+// established.
 __device__ __forceinline__ void bulk_copy_tile(uint32_t bar, uint32_t kdst, const void* ksrc, uint32_t kbytes,
                                                uint32_t vdst, const void* vsrc, uint32_t vbytes) {
   asm volatile(
       "{\n .reg .pred one;\n elect.sync _|one, 0xffffffff;\n"
       " @one mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %7;\n"
-      " @one cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%1], [%2], %3, [%0];\n"
-      " @one cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%4], [%5], %6, [%0];\n}\n" ::"r"(bar),
+      " .reg .b64 pol;\n createpolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
+      " @one cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%1], [%2], %3, [%0], pol;\n"
+      " @one cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%4], [%5], %6, [%0], pol;\n}\n" ::"r"(bar),
       "r"(kdst), "l"(ksrc), "r"(kbytes), "r"(vdst), "l"(vsrc), "r"(vbytes), "r"(kbytes + vbytes)
       : "memory");
 }
@@ -331,6 +336,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   }
   __syncwarp();
 #endif
+  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 12);
   // Tile r0's chunks start at from0 + r0 * row. Tiles r0 in [lo, hi] are full and their chunks lie
   // inside the cache: worked out once, so that a tile's copy costs a few instructions.
   const uint8_t* kfrom0 = keys - kdelta;
@@ -343,6 +349,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   int k_lo = 0, v_lo = 0;
   const int k_hi = kFp8 ? -1 : span_tiles(kfrom0, past_key, key_end, kb, kspan, &k_lo);
   const int v_hi = vdelta == vdelta_raw ? span_tiles(vfrom0, past_value, val_end, vb, vspan, &v_lo) : -1;
+  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 13);
   auto key_spans = [&](int r0) { return r0 >= k_lo && r0 <= k_hi; };
   auto value_spans = [&](int r0) { return r0 >= v_lo && r0 <= v_hi; };
   // The other copies: fp8 keys (swizzled chunks, asynchronous), and the tiles copied exactly
@@ -431,6 +438,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     __shared__ uint16_t centroid_h[kCodes];
     if (tid < kCodes) centroid_h[tid] = __half_as_ushort(__float2half_rn(centroid_immediate<kKeyBits == 3 ? 3 : 4>(tid)));
     __syncthreads();
+    TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 14);
     static_assert(kPairs % kWarps == 0 && kCopies == 32, "table rows per warp, a copy per lane");
 #pragma unroll
     for (int k = 0; k < kPairs / kWarps; ++k) {
@@ -455,17 +463,34 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int64_t row = row0 + warp, pos = row / l.group, hq = hkv * l.group + row % l.group;
   float x[kPer];
   // The query loads go first, then the first tiles' copies (every block's, ~9 MB at B=8, which
-  // fill DRAM's queues for ~2 us). Measured with the key-bank fix below, B=8 S=32768: 82.4 -> 78.5
-  // us per step back to back; the query phase of a step alone did not get shorter, so why is not
-  // established.
+  // fill DRAM's queues for ~2 us): with the key-bank fix below, B=8 S=32768 82.4 -> 78.5 us per
+  // step back to back. Every load of the row is issued before any is converted: with load_float (a
+  // dtype switch around each load and its conversion) the compiler waited for each load in turn, 4
+  // round trips to memory in 3.3 us (Nsight Compute: long-scoreboard stalls after each load). The
+  // first tile is now scored 2 us earlier; a B=8 step alone is only 0.3 us shorter (the DRAM stream
+  // bounds it), B=32 S=8192 1.4 us.
   if (warp < kRowsMax) {
+    const int64_t at = b * p.q.b + hq * p.q.h + pos * p.q.s;
+    if (p.dtype == DType::kFloat32) {
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int i = lane + 32 * j;
-      x[j] = warp < rows && i < p.head_dim ? load_float(p.dtype, q, b * p.q.b + hq * p.q.h + pos * p.q.s + i) : 0.0f;
+      for (int j = 0; j < kPer; ++j) {
+        const int i = lane + 32 * j;
+        x[j] = warp < rows && i < p.head_dim ? static_cast<const float*>(q)[at + i] : 0.0f;
+      }
+    } else {
+      uint16_t raw[kPer];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int i = lane + 32 * j;
+        raw[j] = warp < rows && i < p.head_dim ? static_cast<const uint16_t*>(q)[at + i] : uint16_t{0};
+      }
+      const bool f16 = p.dtype == DType::kFloat16;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) x[j] = f16 ? f16_to_f32(raw[j]) : bf16_to_f32(raw[j]);
     }
   }
   if (warp * kTok < len) fetch(warp * kTok, 0);  // the first tile, while the queries are set up
+  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 15);
   if (warp < kRowsMax) {
     if (rot.rotary_dim > 0 && warp < rows) {  // the op's rotary embedding, fused (fuses_rotary)
       float* at = qv + warp * kD;
@@ -498,6 +523,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         }
       }
     }
+    TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 16);
     float m = 0.0f;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
@@ -508,6 +534,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     if (lane == 0) row_factor[warp] = m;
   }
   __syncthreads();
+  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 17);
   for (int k = tid; k < kSteps * 32; k += kThreads) {
     // lane ln's B fragment at k-step s: row ln/4, the 4 dims its A fragment's codes stand for
     const int s = k / 32, ln = k % 32, r = ln / 4, tt = ln % 4;
@@ -578,6 +605,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const bool more = r0 + stride < len;
     if (more) fetch(r0 + stride, (it + 1) & 1);  // the other buffer: read by the previous tile, by every lane
     landed(it & 1, it >> 1, more);
+    if (it == 0) TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 18);
     const uint8_t* buf = stage + (it & 1) * tile;
 
     // 1. scores: the products with the queries' high and low parts, in one accumulator
@@ -739,6 +767,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       }
     }
     __syncwarp();  // every lane is done with this tile's buffers before they are refilled
+    if (it == 0) TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 19);
   }
 
   TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 4);
@@ -836,6 +865,8 @@ cudaError_t launch_d(const AttentionParams& p, const RotaryParams& rot, const La
 }
 
 }  // namespace
+
+int tc_split_unit(const AttentionParams& p) { return tc_warps(p) * kTok; }
 
 bool tc_split_supported(const AttentionParams& p) {
   // the presets' pairs: MSE 4-bit, fp8 or MSE 3-bit keys with uint4 values, MSE 3-bit with uint3

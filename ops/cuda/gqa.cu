@@ -101,6 +101,7 @@ cudaError_t gqa_attention(const AttentionParams& p0, const RotaryParams& rot, co
                           bool first_prompt, const void* q, const void* k, const void* v, const uint8_t* past_key,
                           const uint8_t* past_value, void* y, uint8_t* present_key, uint8_t* present_value,
                           void* workspace, int num_sms, cudaStream_t stream) {
+  if (!caches_aligned(past_key, past_value, present_key, present_value)) return cudaErrorMisalignedAddress;
   if (p0.batch == 0) return cudaSuccess;
   AttentionParams p = p0;
   const Workspace w = carve(p, rot, num_sms, workspace);

@@ -20,6 +20,8 @@ constexpr int kMaxStageBytes = 32 * 1024;  // one tile's packed K and V, at most
 // The tensor-core split kernel for the presets' format pairs (attention_tc.cu): whether it takes
 // these parameters (on this device). Its blocks fill an SM each.
 bool tc_split_supported(const AttentionParams& p);
+// The tokens its blocks' warps take in one round (a tile each): a split of fewer leaves warps idle.
+int tc_split_unit(const AttentionParams& p);
 
 struct Layout {
   int rows_per_block;  // 1, 2, 4 or 8: the query rows a split block scores together
@@ -43,8 +45,9 @@ inline Layout make_layout(const AttentionParams& p, int num_sms) {
   int64_t splits, unit;
   if (tc_split_supported(p)) {
     // the tensor-core kernel (attention_tc.cu): 16 (or 8) warps of 32-token tiles per block and one
-    // wave of blocks, one per SM, each walking a long slice
-    unit = 2 * kTile;
+    // wave of blocks, one per SM, each walking a long slice of at least a tile per warp (at B=1,
+    // S=4096, 256-token splits left half of the warps idle and twice the partial results to merge)
+    unit = tc_split_unit(p);
     splits = base > 0 ? num_sms / base : 1;
   } else {
     unit = kTile;

@@ -19,6 +19,17 @@ void check(const char* op, cudaError_t e) {
   if (e != cudaSuccess) fail(op, "CUDA error: ", cudaGetErrorString(e));
 }
 
+// Named here, before the launch: the launchers would only say "misaligned address".
+void check_aligned(const char* op, const uint8_t* past_key, const uint8_t* past_value, const uint8_t* present_key,
+                   const uint8_t* present_value) {
+  if (!cuda::caches_aligned(past_key, past_value, present_key, present_value)) {
+    fail(op, "the packed caches (past_key, past_value, present_key, present_value) must start at multiples of ",
+         cuda::kCacheAlignment, " bytes; got addresses ", static_cast<const void*>(past_key), ", ",
+         static_cast<const void*>(past_value), ", ", static_cast<const void*>(present_key), ", ",
+         static_cast<const void*>(present_value));
+  }
+}
+
 cudaStream_t stream_of(OrtKernelContext* context) {
   return static_cast<cudaStream_t>(Ort::KernelContext(context).GetGPUComputeStream());
 }
@@ -66,6 +77,7 @@ void cuda_unpack(OrtKernelContext* context, Format fmt, int d, const uint8_t* in
 void cuda_attention(OrtKernelContext* context, const AttentionParams& p, const void* q, const void* k, const void* v,
                     const void* mask, const uint8_t* past_key, const uint8_t* past_value, void* y,
                     uint8_t* present_key, uint8_t* present_value) {
+  check_aligned("TQAttention", past_key, past_value, present_key, present_value);
   int device = 0;
   check("TQAttention", cudaGetDevice(&device));
   const int sms = device_sms(device);
@@ -78,6 +90,7 @@ void cuda_gqa(OrtKernelContext* context, const AttentionParams& p, const RotaryP
               bool first_prompt, const void* q, const void* k, const void* v, const uint8_t* past_key,
               const uint8_t* past_value, void* y, uint8_t* present_key, uint8_t* present_value) {
   constexpr const char* kOp = "TQGroupQueryAttention";
+  check_aligned(kOp, past_key, past_value, present_key, present_value);
   int device = 0;
   check(kOp, cudaGetDevice(&device));
   const int sms = device_sms(device);

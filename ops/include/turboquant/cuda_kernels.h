@@ -28,6 +28,18 @@ struct NewTokenRows {
   TQ_HD int64_t past_of(int64_t b) const { return sequence_past(past_lens, b, past_len, past_lens_bias); }
 };
 
+// The packed caches of attention() and gqa_attention() must start at multiples of this many bytes
+// (cudaErrorMisalignedAddress otherwise): their kernels read and write rows in 2- and 4-byte words
+// (a cache at an odd address faulted). ONNX Runtime's and TensorRT's allocations are 256-byte
+// aligned; only a caller's own pointer can be less.
+constexpr uintptr_t kCacheAlignment = 4;
+inline bool caches_aligned(const uint8_t* past_key, const uint8_t* past_value, const uint8_t* present_key,
+                           const uint8_t* present_value) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value) |
+                      reinterpret_cast<uintptr_t>(present_key) | reinterpret_cast<uintptr_t>(present_value);
+  return a % kCacheAlignment == 0;
+}
+
 // Scratch the attention needs (split-KV partial results), in bytes; 0 means none.
 size_t attention_workspace_bytes(const AttentionParams& p, int num_sms);
 
