@@ -144,8 +144,10 @@ int main(int argc, char** argv) {
   cudaEventSynchronize(b);
   float ms = 0;
   cudaEventElapsedTime(&ms, a, b);
-  // steps alone: each after a spin kernel, between two events (the bench's GPU time, which counts
-  // a step's kernels from the first one's start to the last one's end, is this kind of time)
+  // steps alone: each after a spin kernel, between two events (the bench's GPU time counts a step's
+  // kernels from the first one's start to the last one's end, as here; but ORT's steps start on an
+  // idle GPU with the host launching the second kernel some microseconds after the first, which the
+  // phases build's idle-started step shows and this does not)
   const int alone_steps = std::max(5, std::min(100, 2 * iters));  // (few under the sanitizers, iters 1)
   std::vector<cudaEvent_t> ea(alone_steps), eb(alone_steps);
   for (int i = 0; i < alone_steps; ++i) cudaEventCreate(&ea[i]), cudaEventCreate(&eb[i]);
