@@ -585,7 +585,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float qrow[kMaxHeadDim];
   __shared__ float z[kPackWarps][kMaxHeadDim];
   __shared__ uint8_t idx[kPackWarps][kMaxHeadDim];
-  __shared__ double cent[16];
+  __shared__ int32_t csq[16];
   launch_dependents();  // a dependent launch waits for this one before it reads anything
   TQ_BLOCK(0);
   const uint32_t block = blockIdx.x, packs = static_cast<uint32_t>(kj.blocks + vj.blocks);
@@ -597,16 +597,16 @@ __global__ void __launch_bounds__(kThreads)
   if (!after_split) grid_dependency_wait();
   if (block < kj.blocks) {
     if constexpr (kAny) {
-      pack_block_any(kj, block, p.norm_correction, p.dtype, cent, z, idx);
+      pack_block_any(kj, block, p.norm_correction, p.dtype, csq, z, idx);
     } else {
-      pack_block<FK>(kj, block, p.norm_correction, p.dtype, cent, z, idx);
+      pack_block<FK>(kj, block, p.norm_correction, p.dtype, csq, z, idx);
     }
   } else {
     const uint32_t vb = block - static_cast<uint32_t>(kj.blocks);
     if constexpr (kAny) {
-      pack_block_any(vj, vb, p.norm_correction, p.dtype, cent, z, idx);
+      pack_block_any(vj, vb, p.norm_correction, p.dtype, csq, z, idx);
     } else {
-      pack_block<FV>(vj, vb, p.norm_correction, p.dtype, cent, z, idx);
+      pack_block<FV>(vj, vb, p.norm_correction, p.dtype, csq, z, idx);
     }
   }
   TQ_BLOCK(1);

@@ -20,8 +20,8 @@ template <Format F>
 __global__ void __launch_bounds__(kThreads) pack_kernel(bool nc, DType dt, PackJob job) {
   __shared__ float z[kPackWarps][kMaxHeadDim];
   __shared__ uint8_t idx[kPackWarps][kMaxHeadDim];
-  __shared__ double cent[16];
-  pack_block<F>(job, blockIdx.x, nc, dt, cent, z, idx);
+  __shared__ int32_t csq[16];
+  pack_block<F>(job, blockIdx.x, nc, dt, csq, z, idx);
 }
 
 __global__ void unpack_kernel(Format fmt, int d, const uint8_t* in, int64_t n, Offset offset, DType dt, void* out,

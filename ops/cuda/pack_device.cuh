@@ -1,8 +1,8 @@
 // Packing of vectors on the GPU, one warp per vector, shared by TQPack (pack.cu) and the packing
 // of the new tokens into the present cache (attention.cu): the same operations in the same order as
 // the CPU codec (turboquant/vector_codec.h), the butterflies of the rotation spread over the lanes,
-// the float64 sums (norm, norm correction) as lane partial sums and a shuffle butterfly, the order
-// the codec fixes; so the bytes are identical to the CPU kernels'.
+// the norm's sum of squares as lane partial sums and a shuffle butterfly, the order the codec
+// fixes; so the bytes are identical to the CPU kernels'.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -57,18 +57,19 @@ __device__ inline float keep_first_nan(float x0, float v) {
 }
 
 // codec::butterfly_total over the lanes' partial sums: every lane gets the total.
-__device__ inline double warp_total(double x) {
-  for (int o = codec::kSumLanes / 2; o > 0; o >>= 1) x = x + __shfl_xor_sync(kPackLanes, x, o);
+__device__ inline float warp_total(float x) {
+  for (int o = 1; o < codec::kSumLanes; o <<= 1) x = __fadd_rn(x, __shfl_xor_sync(kPackLanes, x, o));
   return x;
 }
 
 // The warp's vector z (shared memory, d floats) encoded in format F into out. Templated on the
 // format so that a kernel holds only the code its formats run: the new tokens' packing runs once
 // per decode step, after the attention has streamed the cache through L2, so its instructions come
-// from DRAM and a large kernel spends most of its time waiting for them. The float64 products are
-// explicit roundings (__dmul_rn), so the bytes do not depend on the compiler's contraction.
+// from DRAM and a large kernel spends most of its time waiting for them. Products followed by sums
+// are explicit roundings (__fmul_rn), so the bytes do not depend on the compiler's contraction.
+// csq: the codebook's codec::centroid_square_q, in shared memory.
 template <Format F>
-__device__ inline void encode_warp(int d, bool nc, const double* centroids, float* z, uint8_t* idx, uint8_t* out) {
+__device__ inline void encode_warp(int d, bool nc, const int32_t* csq, float* z, uint8_t* idx, uint8_t* out) {
   const int lane = threadIdx.x & 31;
   if constexpr (F == Format::kFp8 || F == Format::kRaw16) {
     for (int i = lane; i < d; i += 32) {
@@ -86,12 +87,12 @@ __device__ inline void encode_warp(int d, bool nc, const double* centroids, floa
     if constexpr (is_mse(F)) {
       const int dp = padded_dim(d);
       n_codes = dp;
-      double n2 = 0.0;
-      for (int i = lane; i < d; i += 32) n2 += __dmul_rn(static_cast<double>(z[i]), static_cast<double>(z[i]));
-      const float n = static_cast<float>(sqrt(warp_total(n2)));
-      const float denom = n + 1e-8f;
+      float n2 = 0.0f;
+      for (int i = lane; i < d; i += 32) n2 = __fadd_rn(n2, __fmul_rn(z[i], z[i]));
+      const float n = __fsqrt_rn(warp_total(n2));
+      const float r = codec::norm_reciprocal(n);
       __syncwarp();
-      for (int i = lane; i < dp; i += 32) z[i] = i < d ? z[i] / denom : 0.0f;
+      for (int i = lane; i < dp; i += 32) z[i] = i < d ? __fmul_rn(z[i], r) : 0.0f;
       __syncwarp();
 #pragma unroll 1  // the levels: one copy of the butterfly loop
       for (int lv = 0; (1 << lv) < dp; ++lv) {  // butterflies at distance h = 2^lv
@@ -107,11 +108,10 @@ __device__ inline void encode_warp(int d, bool nc, const double* centroids, floa
       for (int i = lane; i < dp; i += 32) idx[i] = codec::codebook_index(bits, z[i]);
       __syncwarp();
       scale_out = n;
-      if (nc) {
-        const double* c = centroids;  // a shared copy: lanes read different entries, which constant memory serialises
-        double cn2 = 0.0;
-        for (int i = lane; i < dp; i += 32) cn2 += __dmul_rn(c[idx[i]], c[idx[i]]);
-        scale_out = static_cast<float>(static_cast<double>(n) * sqrt(static_cast<double>(dp)) / sqrt(warp_total(cn2)));
+      if (nc) {  // csq: a shared copy, as lanes read different entries, which constant memory serialises
+        int32_t cq = 0;
+        for (int i = lane; i < dp; i += 32) cq += csq[idx[i]];
+        scale_out = codec::corrected_scale(n, dp, __reduce_add_sync(kPackLanes, cq));
       }
     } else {  // uint3 / uint4: min and max are order-free
       float mn = z[0], mx = z[0];
@@ -178,32 +178,56 @@ inline PackJob make_job(Format fmt, int d, const void* x, int64_t n, const Offse
 }
 
 template <Format F>
-__device__ inline void pack_vector(const PackJob& j, uint32_t block, bool nc, DType dt, const double* centroids, float* z,
+__device__ inline void pack_vector(const PackJob& j, uint32_t block, bool nc, DType dt, const int32_t* csq, float* z,
                             uint8_t* idx) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const uint32_t v = block * kPackWarps + warp;
   if (v >= j.n) return;  // whole warps leave together
   const VectorMap::Where at = j.map.locate(v, j.d, j.bytes, j.offset);
   const float* off = j.offset.data ? j.offset.data + static_cast<int64_t>(at.offset_row) * j.d : nullptr;
+  // A lane's elements (and offsets) are all loaded before the first is converted: with load_float
+  // the compiler waited for each load in turn, kMaxHeadDim / 32 round trips to memory at the start
+  // of a chain that ends a small decode step (the new token's packing).
+  constexpr int kPer = kMaxHeadDim / 32;
+  uint32_t bits[kPer];
+  float offs[kPer];
+#pragma unroll
+  for (int c = 0; c < kPer; ++c) {
+    const int i = lane + 32 * c;
+    bits[c] = i < j.d ? load_bits(dt, j.x, at.in + i) : 0u;
+    offs[c] = off && i < j.d ? off[i] : 0.0f;
+  }
   if (j.rot.rotary_dim > 0) {  // the rotary embedding first, rounded to dt as a rotated copy holds it
-    for (int i = lane; i < j.d; i += 32) z[i] = load_float(dt, j.x, at.in + i);
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) {
+      const int i = lane + 32 * c;
+      if (i < j.d) z[i] = bits_float(dt, bits[c]);
+    }
     __syncwarp();
     const uint32_t n = v % j.map.new_len, b = v / j.map.new_len / j.map.heads;
     rotate_shared(j.rot, dt, j.d, rotary_position(j.rot, b, n, j.map.new_len, j.map.rows.past_of(b)), z, lane, 32);
     __syncwarp();
     if (off) {
-      for (int i = lane; i < j.d; i += 32) z[i] -= off[i];
+#pragma unroll
+      for (int c = 0; c < kPer; ++c) {
+        const int i = lane + 32 * c;
+        if (i < j.d) z[i] -= offs[c];
+      }
     }
   } else {
-    for (int i = lane; i < j.d; i += 32) {
-      float xi = load_float(dt, j.x, at.in + i);
-      if (off) xi -= off[i];
-      z[i] = xi;
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) {
+      const int i = lane + 32 * c;
+      if (i < j.d) {
+        float xi = bits_float(dt, bits[c]);
+        if (off) xi -= offs[c];
+        z[i] = xi;
+      }
     }
   }
   __syncwarp();
   if (!at.inside) return;
-  encode_warp<F>(j.d, nc, centroids, z, idx, j.out + at.out);
+  encode_warp<F>(j.d, nc, csq, z, idx, j.out + at.out);
 }
 
 // The new tokens of one cache (x [B, H, N, d], minus offset[h]) as a job for the rows after each
@@ -223,35 +247,36 @@ inline PackJob new_token_job(Format fmt, int d, const void* x, const BhsStrides&
   return make_job(fmt, d, x, batch * heads * new_len, off, map, present);
 }
 
-// Fills cent[0..16) with the codebook of F (MSE formats) for the block's warps; syncs the block.
+// Fills csq[0..16) with the centroid squares of F's codebook (MSE formats) for the block's warps;
+// syncs the block.
 template <Format F>
-__device__ inline void load_centroids(double* cent) {
+__device__ inline void load_centroid_squares(int32_t* csq) {
   if constexpr (is_mse(F)) {
     constexpr int kBits = format_bits(F);
-    if (threadIdx.x < 16) cent[threadIdx.x] = codec::centroids(kBits)[threadIdx.x % (1 << kBits)];
+    if (threadIdx.x < 16) csq[threadIdx.x] = codec::centroid_square_q(kBits, threadIdx.x % (1 << kBits));
   }
   __syncthreads();
 }
 
 // Block `block` of a job: its kPackWarps warps pack one vector each (z, idx: per-warp scratch).
 template <Format F>
-__device__ inline void pack_block(const PackJob& j, uint32_t block, bool nc, DType dt, double* cent, float (*z)[kMaxHeadDim],
+__device__ inline void pack_block(const PackJob& j, uint32_t block, bool nc, DType dt, int32_t* csq, float (*z)[kMaxHeadDim],
                                   uint8_t (*idx)[kMaxHeadDim]) {
-  load_centroids<F>(cent);
+  load_centroid_squares<F>(csq);
   const int warp = threadIdx.x / 32;
-  pack_vector<F>(j, block, nc, dt, cent, z[warp], idx[warp]);
+  pack_vector<F>(j, block, nc, dt, csq, z[warp], idx[warp]);
 }
 
 // pack_block for a format known only at run time (pairs of formats no kernel is specialised for).
-__device__ inline void pack_block_any(const PackJob& j, uint32_t block, bool nc, DType dt, double* cent,
+__device__ inline void pack_block_any(const PackJob& j, uint32_t block, bool nc, DType dt, int32_t* csq,
                                       float (*z)[kMaxHeadDim], uint8_t (*idx)[kMaxHeadDim]) {
   switch (j.fmt) {
-    case Format::kMse3: pack_block<Format::kMse3>(j, block, nc, dt, cent, z, idx); break;
-    case Format::kMse4: pack_block<Format::kMse4>(j, block, nc, dt, cent, z, idx); break;
-    case Format::kUint3: pack_block<Format::kUint3>(j, block, nc, dt, cent, z, idx); break;
-    case Format::kUint4: pack_block<Format::kUint4>(j, block, nc, dt, cent, z, idx); break;
-    case Format::kFp8: pack_block<Format::kFp8>(j, block, nc, dt, cent, z, idx); break;
-    case Format::kRaw16: pack_block<Format::kRaw16>(j, block, nc, dt, cent, z, idx); break;
+    case Format::kMse3: pack_block<Format::kMse3>(j, block, nc, dt, csq, z, idx); break;
+    case Format::kMse4: pack_block<Format::kMse4>(j, block, nc, dt, csq, z, idx); break;
+    case Format::kUint3: pack_block<Format::kUint3>(j, block, nc, dt, csq, z, idx); break;
+    case Format::kUint4: pack_block<Format::kUint4>(j, block, nc, dt, csq, z, idx); break;
+    case Format::kFp8: pack_block<Format::kFp8>(j, block, nc, dt, csq, z, idx); break;
+    case Format::kRaw16: pack_block<Format::kRaw16>(j, block, nc, dt, csq, z, idx); break;
     default: break;
   }
 }

@@ -3,17 +3,17 @@
 // the few new tokens of a decode step (latency) and the head sizes below 64.
 //
 // Why this layout: the codec fixes the order of every rounding, and two orders matter.
-//  - Sums of squares: 32 partial sums (term i goes to partial i % 32, ascending), then a butterfly
-//    at distances 16, 8, 4, 2, 1.
+//  - The norm's sum of squares: 32 partial sums (term i goes to partial i % 32, ascending), then a
+//    butterfly at distances 1, 2, 4, 8, 16.
 //  - The rotation: butterflies at distance 1, 2, 4, ... Dp/2, in that order.
 // A vector is read as chunks of 8 elements (16 bytes of fp16): lane j of the vector's four holds
 // chunks j, j + 4, j + 8, ... ("chunk layout"), so element i = 8j + a + 32s sits in lane j at
-// (s, a): the partial sums run over s in the lane, the butterfly's distances 16 and 8 are the two
-// lane bits (shuffles) and 4, 2, 1 are within the lane, and so are the rotation's distances 1, 2, 4.
-// The vector then goes through shared memory to the "strided layout" (lane j holds i = j + 4m),
-// where the distances 8 ... Dp/2 are within the lane, and so is the norm correction's sum (partial
-// j + 4 (m % 8), butterfly distances 16, 8, 4 in the lane, 2 and 1 by shuffles). The indices go back
-// through shared memory to the chunk layout, where each lane packs whole bytes, and a warp's eight
+// (s, a): the lane holds the partial sums 8j .. 8j + 7 whole, the sums' butterfly at distances 1, 2,
+// 4 stays within the lane and 8, 16 are the two lane bits (shuffles); the rotation's distances 1, 2,
+// 4 are within the lane too. The vector then goes through shared memory to the "pair layout" (lane
+// j holds the pairs i = 8m + 2j + a, a = 0, 1), where the distances 8 ... Dp/2 are within the lane,
+// and so are both codes of a 4-bit index byte. The norm correction's sum is an integer sum
+// (order-free), carried in the same word as the code the bucket table hands out. A warp's eight
 // packed rows (contiguous in the output) leave in 16-byte stores.
 #pragma once
 
@@ -39,44 +39,64 @@ constexpr int kStreamThreads = 32 * kStreamWarps;
 constexpr int kStreamVectorsPerBlock = kStreamWarps * kStreamVectors;
 constexpr unsigned kStreamAll = 0xffffffffu;
 
-// Bytes of a staged packed row of a non-MSE format, at most (head size d <= Dp).
+// Bytes of a staged packed row, at most (head size d <= Dp).
 template <Format F>
 constexpr int stage_row_bytes(int dp) {
-  return F == Format::kRaw16 ? 2 * dp : F == Format::kFp8 ? dp : F == Format::kUint4 ? dp / 2 + 4 : 3 * dp / 8 + 4;
+  return F == Format::kRaw16 ? 2 * dp : F == Format::kFp8 ? dp : is_mse(F) ? dp * format_bits(F) / 8 + 2 : dp * format_bits(F) / 8 + 4;
 }
 
-// The codebook search (codebook_lookup): buckets of width 1/8 centred on j/8, j in [-130, 130],
-// which holds every rotated coordinate of a finite vector (|z| <= sqrt(Dp) <= 16). Bucket j holds
-// the values that round to j/8 (ties either way: [j/8 - 1/16, j/8 + 1/16]); its entry is the number
-// of boundaries below it and the first boundary at or above its start (NaN: none). When a bucket
-// holds at most that one boundary (checked below at compile time: the closest boundaries are 0.258
-// apart for 4 bits, 0.5 for 3), one comparison finishes the count.
-constexpr int kBucketHalf = 130;
+// The codebook search: buckets of width 1/8 centred on j/8, j in [-24, 24], which hold the
+// coordinates clamped to +-3 (beyond every boundary, so the codes do not change; a NaN goes to
+// -3, whose bucket counts no boundary and whose comparison fails, so a NaN gets 0 as in the codec).
+// Bucket j holds the values that round to j/8 (ties either way: [j/8 - 1/16, j/8 + 1/16]); its
+// entry is the first boundary at or above its start (NaN: none) and the code of its start. When a
+// bucket holds at most that one boundary (checked below at compile time: the closest boundaries
+// are 0.258 apart for 4 bits, 0.5 for 3), one comparison picks the code: the entry's, or (z at or
+// above the boundary) the next bucket's, loaded only then. The bucket is worked out in two
+// multiply-adds whose roundings can move a coordinate by 2^-16 of a bucket; no boundary lies that
+// close to a bucket's edge (checked below), so a coordinate that lands in the neighbouring bucket
+// still gets its code.
+// A code word: the index k in bits 0-3, codec::centroid_square_q(k) from bit kCsqShift; summing a
+// lane's words sums its centroid squares above bit kCsqShift, below which the indices' sum stays.
+// In shared memory the table has kBucketCopies copies, entry by entry, and lane l reads copy l % 16:
+// the sixteen lanes of a half-warp, whose 8-byte loads go together, hit different banks.
+constexpr int kBucketHalf = 24;
 constexpr int kBuckets = 2 * kBucketHalf + 1;
+constexpr int kBucketCopies = 16;
+constexpr float kClamp = kBucketHalf / 8.0f;
+constexpr int kCsqShift = 10;
 
-struct BucketEntry {
-  float next;  // the first boundary >= the bucket's start, or NaN
-  int below;   // boundaries below the bucket's start
+struct alignas(8) BucketEntry {
+  float next;     // the first boundary >= the bucket's start, or NaN
+  uint32_t word;  // the code word of the boundaries below the bucket's start
 };
 
 struct alignas(16) CodebookTables {
-  BucketEntry buckets[kBuckets + 1];  // (+ 1: a whole number of 16-byte copies)
-  double csq[16];                     // centroid squares, as the norm correction's products round them
+  BucketEntry buckets[kBuckets + 1];  // (+ 1: a last bucket's successor, never read)
 };
+
+// The copies in shared memory: [bucket][copy].
+struct alignas(16) SharedBuckets {
+  BucketEntry entry[kBuckets + 1][kBucketCopies];
+};
+
+template <int kBits>
+constexpr uint32_t code_word(int k) {
+  const double* c = kBits == 3 ? codebook::kCentroids3 : codebook::kCentroids4;
+  return static_cast<uint32_t>(codec::quantized_square(c[k])) << kCsqShift | static_cast<uint32_t>(k);
+}
 
 template <int kBits>
 constexpr CodebookTables make_codebook_tables() {
   constexpr int kBounds = (1 << kBits) - 1;
   const float* b = kBits == 3 ? codebook::kBoundaries3 : codebook::kBoundaries4;
-  const double* c = kBits == 3 ? codebook::kCentroids3 : codebook::kCentroids4;
   CodebookTables t{};
-  for (int i = 0; i < kBuckets; ++i) {
+  for (int i = 0; i <= kBuckets; ++i) {
     const float lo = (i - kBucketHalf - 0.5f) / 8.0f;
     int k = 0;
     while (k < kBounds && b[k] < lo) ++k;
-    t.buckets[i] = {k < kBounds ? b[k] : std::numeric_limits<float>::quiet_NaN(), k};
+    t.buckets[i] = {k < kBounds ? b[k] : std::numeric_limits<float>::quiet_NaN(), code_word<kBits>(k)};
   }
-  for (int i = 0; i < 16; ++i) t.csq[i] = c[i % (1 << kBits)] * c[i % (1 << kBits)];
   return t;
 }
 
@@ -91,6 +111,26 @@ constexpr bool buckets_hold_one() {
   return true;
 }
 static_assert(buckets_hold_one<3>() && buckets_hold_one<4>(), "a codebook bucket holds two boundaries");
+// Whether every boundary lies at least 2^-9 of a bucket from the buckets' edges.
+template <int kBits>
+constexpr bool boundaries_off_edges() {
+  const float* b = kBits == 3 ? codebook::kBoundaries3 : codebook::kBoundaries4;
+  for (int k = 0; k < (1 << kBits) - 1; ++k) {
+    const double x = 8.0 * b[k] + kBucketHalf + 0.5;  // edges at whole numbers
+    const double frac = x - static_cast<double>(static_cast<long long>(x));
+    if (frac < 0x1p-9 || frac > 1.0 - 0x1p-9) return false;
+  }
+  return true;
+}
+static_assert(boundaries_off_edges<3>() && boundaries_off_edges<4>(), "a boundary lies at a bucket's edge");
+static_assert(-kClamp < codebook::kBoundaries4[0] && codebook::kBoundaries4[14] < kClamp && -kClamp < codebook::kBoundaries3[0] &&
+                  codebook::kBoundaries3[6] < kClamp,
+              "the clamp cuts a boundary off");
+// A lane sums up to 64 code words (Dp = 256): the indices' sum stays below bit kCsqShift and the
+// centroid squares' below bit 32.
+static_assert(64 * 15 < (1 << kCsqShift) && 64 * (code_word<4>(0) >> kCsqShift) < (1u << (32 - kCsqShift)) &&
+                  64 * (code_word<3>(0) >> kCsqShift) < (1u << (32 - kCsqShift)),
+              "a lane's code words overflow");
 
 __device__ const CodebookTables kCodebookTables3 = make_codebook_tables<3>();
 __device__ const CodebookTables kCodebookTables4 = make_codebook_tables<4>();
@@ -99,58 +139,66 @@ __device__ const CodebookTables kCodebookTables4 = make_codebook_tables<4>();
 template <Format F, int kS>
 struct __align__(16) StreamSmem {
   static constexpr int kDp = 32 * kS;
-  static constexpr int kRowFloats = kDp + 4;  // + 16 bytes: the eight rows of a warp on different banks
-  static constexpr int kIdxRow = kDp + 8;     // + 8 bytes: the same for the index bytes, rows 8-aligned
-  // MSE: the transposition's floats, then (after a __syncwarp) the warp's packed rows; else the rows
-  static constexpr int kWarpBytes = is_mse(F) ? kStreamVectors * kRowFloats * 4 : kStreamVectors * stage_row_bytes<F>(kDp);
+  // MSE: a warp's eight vectors as floats (rows of Dp + 8: the pair layout's 8-byte reads of the
+  // eight rows fall on different banks), then its staged packed rows
+  static constexpr int kRowFloats = kDp + 8;
+  static constexpr int kFloatBytes = is_mse(F) ? kStreamVectors * kRowFloats * 4 : 0;
+  static constexpr int kWarpBytes = kFloatBytes + (kStreamVectors * stage_row_bytes<F>(kDp) + 15) / 16 * 16;
   alignas(16) uint8_t rows[kStreamWarps][kWarpBytes];
-  alignas(8) uint8_t idx[kStreamWarps][kStreamVectors][is_mse(F) ? kIdxRow : 8];
-  CodebookTables codebook;  // MSE formats
+  // mse3: each code pair's 6 bits as a byte, 4 per group of 8 codes (rows of Dp / 2 + 16 bytes: the
+  // eight vectors' bytes on different banks, and their words too)
+  static constexpr int kFieldBytes = F == Format::kMse3 ? kDp / 2 + 16 : 4;
+  alignas(4) uint8_t fields[kStreamWarps][kStreamVectors][kFieldBytes];
+  SharedBuckets codebook;  // MSE formats
 };
 
-// Copies the codebook tables of F (MSE formats) for the block; syncs it.
+// Copies the codebook tables of F (MSE formats) for the block, kBucketCopies times; syncs it.
 template <Format F, int kS>
 __device__ inline void load_codebook(StreamSmem<F, kS>& sm) {
   if constexpr (is_mse(F)) {
-    const uint4* src = reinterpret_cast<const uint4*>(format_bits(F) == 3 ? &kCodebookTables3 : &kCodebookTables4);
-    uint4* dst = reinterpret_cast<uint4*>(&sm.codebook);
-    for (int i = threadIdx.x; i < static_cast<int>(sizeof(CodebookTables) / 16); i += blockDim.x) dst[i] = src[i];
+    const BucketEntry* src = (format_bits(F) == 3 ? kCodebookTables3 : kCodebookTables4).buckets;
+    for (int i = threadIdx.x; i < (kBuckets + 1) * kBucketCopies; i += blockDim.x) {
+      sm.codebook.entry[i / kBucketCopies][i % kBucketCopies] = src[i / kBucketCopies];
+    }
     __syncthreads();
   }
 }
 
 __device__ inline uint32_t shared_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
-// A bucket entry at a shared address. Not volatile, so that the compiler may issue the loads of
-// several elements ahead of their uses; the tables are written once, before the block's first
-// __syncthreads, and every address comes from bucket_base, which follows it.
-__device__ inline BucketEntry load_bucket(uint32_t address) {
-  BucketEntry e;
-  asm("ld.shared.v2.b32 {%0, %1}, [%2];" : "=f"(e.next), "=r"(e.below) : "r"(address));
-  return e;
+// The bucket of z: t = saturate(z / 6 + 1/2) maps [-3, 3] onto [0, 1] (and a NaN to 0), and adding
+// 1.5 * 2^23 (whose float spacing is 1) to 48 t rounds it to the bucket, the difference of the bit
+// patterns. kRoundBits buckets come off the table's shared address once, so a lookup is two
+// multiply-adds and one shift-add of addresses (32-bit, wrapping).
+constexpr float kRound = 12582912.0f;
+constexpr uint32_t kRoundBits = 0x4b400000u;
+constexpr uint32_t kBucketStride = sizeof(BucketEntry) * kBucketCopies;
+static_assert(kBucketStride == 128, "a lookup shifts the bucket by 7");
+
+// The shared address that this lane's bucket lookups of the bit pattern of the rounded bucket
+// start from. (Passed through a shuffle so that the compiler cannot split the constant back out.)
+__device__ inline uint32_t bucket_base(const SharedBuckets& t) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t base = shared_address(&t.entry[0][0]) - kRoundBits * kBucketStride;
+  return __shfl_sync(kStreamAll, base, 0) + static_cast<uint32_t>(lane % kBucketCopies) * sizeof(BucketEntry);
 }
 
-// Rounding to a multiple of 1/8 by adding 1.5 * 2^20 (whose float spacing is 1/8): the difference
-// of the bit patterns is then the bucket. kRoundBits * 8 comes off the table's shared address
-// once, so a lookup is one add and one multiply-add of addresses (32-bit, wrapping).
-constexpr float kRound = 1572864.0f;
-constexpr uint32_t kRoundBits = 0x49c00000u;
-
-// The shared address that bucket lookups of the bit pattern of z + kRound start from. (Passed
-// through a shuffle so that the compiler cannot split the constant back out of it.)
-__device__ inline uint32_t bucket_base(const BucketEntry* buckets) {
-  const uint32_t base = shared_address(buckets + kBucketHalf) - kRoundBits * static_cast<uint32_t>(sizeof(BucketEntry));
-  return __shfl_sync(kStreamAll, base, 0);
-}
-
-// codec::codebook_index (the number of boundaries <= z) through the buckets. kAny false: z finite
-// with |z| <= 16; true: any z, clamped to +-3 first (a NaN to -3, whose bucket counts no boundary
-// and whose comparison fails, so a NaN gets 0 as in the codec).
-template <bool kAny>
-__device__ inline int codebook_lookup(float z, uint32_t base) {
-  const float t = kAny ? fminf(fmaxf(z, -3.0f), 3.0f) : z;
-  const BucketEntry e = load_bucket(base + __float_as_uint(t + kRound) * static_cast<uint32_t>(sizeof(BucketEntry)));
-  return e.below + (e.next <= z ? 1 : 0);
+// The code word of z (codec::codebook_index: the number of boundaries <= z, and its centroid
+// square) through the buckets, for any z. The loads are not volatile, so that the compiler may
+// issue those of several elements ahead of their uses: the tables are written once, before the
+// block's first __syncthreads, and every address comes from bucket_base, which follows it.
+__device__ inline uint32_t code_word_of(float z, uint32_t base) {
+  const float t = __saturatef(__fmaf_rn(z, 1.0f / (2 * kClamp), 0.5f));
+  const float bucket = __fmaf_rn(t, static_cast<float>(kBuckets - 1), kRound);
+  const uint32_t at = base + (__float_as_uint(bucket) << 7);
+  float next;
+  uint32_t word;
+  asm("ld.shared.v2.b32 {%0, %1}, [%2];" : "=f"(next), "=r"(word) : "r"(at));
+  // at or above the boundary: the next bucket's word (this lane's copy), loaded by these lanes only
+  asm("{\n .reg .pred p;\n setp.le.f32 p, %1, %2;\n @p ld.shared.b32 %0, [%3];\n}"
+      : "+r"(word)
+      : "f"(next), "f"(z), "r"(at + kBucketStride + 4));
+  return word;
 }
 
 // a / b, correctly rounded, from r = RN(1/b): q = RN(a r) is within an ulp of a / b, the residual
@@ -188,6 +236,22 @@ __device__ inline void f16_chunk(const uint4& u, float (&o)[8]) {
   }
 }
 
+// Chunks of fp16 or bf16 (dt) as floats.
+template <bool kNanBits, int kS>
+__device__ inline void convert_chunks(DType dt, const uint4 (&u)[kS], float (&z)[kS][8]) {
+  if (dt == DType::kBFloat16) {
+#pragma unroll
+    for (int s = 0; s < kS; ++s) {
+      const uint32_t w[4] = {u[s].x, u[s].y, u[s].z, u[s].w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) z[s][2 * k] = __uint_as_float(w[k] << 16), z[s][2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < kS; ++s) f16_chunk<kNanBits>(u[s], z[s]);
+  }
+}
+
 // The lane's chunks j, j + 4, ... of the vector starting at element e of x (16-byte aligned), of
 // which the first `chunks` exist (and none when !live); the others are zeros. One branch on the
 // type per vector, the loads predicated.
@@ -211,24 +275,7 @@ __device__ inline void load_chunks(DType dt, const void* x, int64_t e, bool live
   uint4 u[kS];
 #pragma unroll
   for (int s = 0; s < kS; ++s) u[s] = live && j + 4 * s < chunks ? __ldcs(p + j + 4 * s) : zero;
-  if (dt == DType::kBFloat16) {
-#pragma unroll
-    for (int s = 0; s < kS; ++s) {
-      const uint32_t w[4] = {u[s].x, u[s].y, u[s].z, u[s].w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) z[s][2 * k] = __uint_as_float(w[k] << 16), z[s][2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    }
-  } else {
-#pragma unroll
-    for (int s = 0; s < kS; ++s) f16_chunk<kNanBits>(u[s], z[s]);
-  }
-}
-
-// part + x^2 in float64: the square of a float is exact in float64, so the fused operation rounds
-// only the sum, as the codec's separate product and sum do.
-__device__ inline double add_square(double part, float x) {
-  const double d = static_cast<double>(x);
-  return __fma_rn(d, d, part);
+  convert_chunks<kNanBits>(dt, u, z);
 }
 
 // Stores into a staged row; kAlign: the alignment every such store has in F's rows.
@@ -259,61 +306,52 @@ __device__ inline void stage_indices(uint8_t* p, uint32_t lo, uint32_t hi) {
   }
 }
 
+// f32_to_f16_sat by the conversion instruction (which rounds to nearest even, as it does), the codec's
+// code for a NaN (whose sign it keeps).
+__device__ inline uint16_t f16_sat_bits(float f) {
+  if (f != f) return f32_to_f16(f);
+  return __half_as_ushort(__float2half_rn(fminf(fmaxf(f, -kFp16Max), kFp16Max)));
+}
+
 // MSE formats. z: the lane's chunks (chunk layout), offset removed; row: the vector's floats in
-// shared memory; idx: its index bytes; out: its staged packed row; j: the lane within the vector;
-// tiny: whether an element's quotient by the norm can be subnormal (not for fp16 without an offset:
-// its nonzero elements are >= 2^-24 and its norms below 2^21).
+// shared memory; fields: its 3-bit scratch; out: its staged packed row; j: the lane within the
+// vector; fused: whether the squares may be fused into the sums (exact squares: fp16 without an
+// offset, whose squares are normal floats of at most 22 significant bits).
 template <int kBits, int kS>
-__device__ inline void encode_mse_stream(int d, bool nc, bool tiny, float (&z)[kS][8], float* row, uint8_t* idx,
-                                         uint8_t* out, uint32_t buckets, const double* csq, int j) {
-  constexpr int kDp = 32 * kS, kM = kDp / 4;
+__device__ inline void encode_mse_stream(int d, bool nc, bool fused, float (&z)[kS][8], float* row, uint8_t* fields,
+                                         uint8_t* out, uint32_t buckets, int j) {
+  constexpr int kDp = 32 * kS, kM = 4 * kS;
   const int chunks = d / 8;
-  // the norm: partial 8 j + a sums the lane's chunks in order; the butterfly's distances 16 and 8
-  // are lanes j ^ 2 and j ^ 1, then 4, 2, 1 within the lane
-  double part[8];
+  // the norm: the lane holds partials 8 j + a whole; the butterfly's distances 1, 2, 4 in the
+  // lane, then 8 and 16 across lanes j ^ 1 and j ^ 2
+  float part[8];
 #pragma unroll
   for (int a = 0; a < 8; ++a) {
-    part[a] = 0.0;
+    part[a] = 0.0f;
+    if (fused) {
 #pragma unroll
-    for (int s = 0; s < kS; ++s) part[a] = add_square(part[a], z[s][a]);
+      for (int s = 0; s < kS; ++s) part[a] = __fmaf_rn(z[s][a], z[s][a], part[a]);
+    } else {
+#pragma unroll
+      for (int s = 0; s < kS; ++s) part[a] = __fadd_rn(part[a], __fmul_rn(z[s][a], z[s][a]));
+    }
   }
-#pragma unroll
-  for (int o = 2; o >= 1; o >>= 1) {
-#pragma unroll
-    for (int a = 0; a < 8; ++a) part[a] = __dadd_rn(part[a], __shfl_xor_sync(kStreamAll, part[a], o));
-  }
-  const double p4[4] = {__dadd_rn(part[0], part[4]), __dadd_rn(part[1], part[5]), __dadd_rn(part[2], part[6]),
-                        __dadd_rn(part[3], part[7])};
-  const double total = __dadd_rn(__dadd_rn(p4[0], p4[2]), __dadd_rn(p4[1], p4[3]));
-  const float n = static_cast<float>(sqrt(total));
-  const float denom = n + 1e-8f, recip = __frcp_rn(denom);
-  // finite: every element finite (so is the norm); then denom is normal (>= 1e-8), its reciprocal
-  // too, every quotient at most 1, and every rotated coordinate at most 16 in magnitude. A quotient
-  // is normal where the element is at least denom * 2^-124 (or zero: a zero of either sign, which
-  // the rotation's sums and the comparisons treat alike).
-  const bool finite = denom < 0x1p100f;
-  const float small = denom * 0x1p-124f;
-  // normalise, rotate at distances 1, 2, 4 (within a chunk), hand over to the strided layout
+  float total = __fadd_rn(__fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3])),
+                          __fadd_rn(__fadd_rn(part[4], part[5]), __fadd_rn(part[6], part[7])));
+  total = __fadd_rn(total, __shfl_xor_sync(kStreamAll, total, 1));
+  total = __fadd_rn(total, __shfl_xor_sync(kStreamAll, total, 2));
+  const float n = __fsqrt_rn(total);
+  const float r = __frcp_rn(__fadd_rn(n, 1e-8f));  // codec::norm_reciprocal
+  // normalise, rotate at distances 1, 2, 4 (within a chunk), hand over to the pair layout. The
+  // rows of odd vectors hold each chunk's halves swapped: with rows of Dp + 8 floats, both the
+  // chunk layout's 16-byte stores and the pair layout's 8-byte loads then hit different banks.
+  const int flip = (threadIdx.x >> 2) & 1;  // the vector's parity
 #pragma unroll
   for (int s = 0; s < kS; ++s) {
     const int c = j + 4 * s;
-    if (c < chunks) {
-      bool exact = !finite;
-      if (tiny) {
+    const float rc = c < chunks ? r : 0.0f;  // the padding's chunks: zeros, kept so for a NaN r
 #pragma unroll
-        for (int a = 0; a < 8; ++a) exact |= fabsf(z[s][a]) < small && z[s][a] != 0.0f;
-      }
-      if (!exact) {
-#pragma unroll
-        for (int a = 0; a < 8; ++a) z[s][a] = div_by_reciprocal(z[s][a], denom, recip);
-      } else {  // NaNs, infinities, elements with subnormal quotients: the division itself
-#pragma unroll
-        for (int a = 0; a < 8; ++a) z[s][a] = z[s][a] / denom;
-      }
-    } else {
-#pragma unroll
-      for (int a = 0; a < 8; ++a) z[s][a] = 0.0f;
-    }
+    for (int a = 0; a < 8; ++a) z[s][a] = __fmul_rn(z[s][a], rc);
 #pragma unroll
     for (int h = 1; h < 8; h <<= 1) {
 #pragma unroll
@@ -324,69 +362,56 @@ __device__ inline void encode_mse_stream(int d, bool nc, bool tiny, float (&z)[k
         z[s][a + h] = x - y;
       }
     }
-    float4* dst = reinterpret_cast<float4*>(row + 8 * c);
-    dst[0] = make_float4(z[s][0], z[s][1], z[s][2], z[s][3]);
-    dst[1] = make_float4(z[s][4], z[s][5], z[s][6], z[s][7]);
+    *reinterpret_cast<float4*>(row + 8 * c + 4 * flip) = make_float4(z[s][0], z[s][1], z[s][2], z[s][3]);
+    *reinterpret_cast<float4*>(row + 8 * c + 4 * (flip ^ 1)) = make_float4(z[s][4], z[s][5], z[s][6], z[s][7]);
   }
   __syncwarp();
-  float y[kM];
+  float2 y[kM];
+  const float* pairs = row + 4 * ((j >> 1) ^ flip) + 2 * (j & 1);
 #pragma unroll
-  for (int m = 0; m < kM; ++m) y[m] = row[j + 4 * m];
-  // distances 8 ... Dp/2: element j + 4m pairs with j + 4(m + h/4)
+  for (int m = 0; m < kM; ++m) y[m] = *reinterpret_cast<const float2*>(pairs + 8 * m);
+  // distances 8 ... Dp/2: pair m pairs with m + h/8
 #pragma unroll
-  for (int hm = 2; hm < kM; hm <<= 1) {
+  for (int hm = 1; hm < kM; hm <<= 1) {
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
       if (m & hm) continue;
-      const float a = y[m], b = y[m + hm];
-      y[m] = a + b;
-      y[m + hm] = a - b;
+      const float2 a = y[m], b = y[m + hm];
+      y[m] = make_float2(a.x + b.x, a.y + b.y);
+      y[m + hm] = make_float2(a.x - b.x, a.y - b.y);
     }
   }
-  // codebook indices, the norm correction's sum
-  double cpart[8];
-  const auto indices = [&](auto any) {
-    // kBatch at a time, loads before stores: the compiler keeps shared loads behind earlier shared
-    // stores, so interleaving them would leave each table lookup's latency exposed
-    constexpr int kBatch = 4;
+  // code words: the index bytes (4 bits: the pair's byte; 3 bits: the pair's 6 bits, combined
+  // below) and the centroid squares' sum. Every lookup before any store: the compiler keeps shared
+  // loads behind earlier shared stores, which would leave each lookup's latency exposed.
+  uint32_t sum = 0, bytes[kM];
 #pragma unroll
-    for (int m0 = 0; m0 < kM; m0 += kBatch) {
-      int k[kBatch];
+  for (int m = 0; m < kM; ++m) {
+    const uint32_t w0 = code_word_of(y[m].x, buckets), w1 = code_word_of(y[m].y, buckets);
+    sum += w0 + w1;
+    // the codes sit in bits 0-3 with zeros above up to kCsqShift, so the byte is the sum's
+    bytes[m] = w0 + (w1 << (kBits == 4 ? 4 : 3));
+  }
 #pragma unroll
-      for (int t = 0; t < kBatch; ++t) k[t] = codebook_lookup<decltype(any)::value>(y[m0 + t], buckets);
-      if (nc) {
+  for (int m = 0; m < kM; ++m) (kBits == 4 ? out : fields)[4 * m + j] = static_cast<uint8_t>(bytes[m]);
+  if constexpr (kBits == 3) {  // group m's 24 bits: lane j's 6 at bit 6 j; lane j writes groups j + 4 t
+    __syncwarp();
 #pragma unroll
-        for (int t = 0; t < kBatch; ++t) {
-          const int r = (m0 + t) % 8;
-          cpart[r] = m0 + t < 8 ? csq[k[t]] : __dadd_rn(cpart[r], csq[k[t]]);
-        }
-      }
-#pragma unroll
-      for (int t = 0; t < kBatch; ++t) idx[j + 4 * (m0 + t)] = static_cast<uint8_t>(k[t]);
+    for (int t = 0; t < kS; ++t) {
+      const int m = j + 4 * t;
+      const uint32_t x = *reinterpret_cast<const uint32_t*>(fields + 4 * m);
+      const uint32_t w = (x & 0x3fu) | (x >> 2 & 0xfc0u) | (x >> 4 & 0x3f000u) | (x >> 6 & 0xfc0000u);
+      out[3 * m] = static_cast<uint8_t>(w), out[3 * m + 1] = static_cast<uint8_t>(w >> 8), out[3 * m + 2] = static_cast<uint8_t>(w >> 16);
     }
-  };
-  if (finite) {
-    indices(std::false_type{});
-  } else {
-    indices(std::true_type{});
   }
   float scale = n;
-  if (nc) {  // distances 16, 8, 4: partials r ^ 4, r ^ 2, r ^ 1 in the lane; 2, 1: lanes j ^ 2, j ^ 1
-    const double q4[4] = {__dadd_rn(cpart[0], cpart[4]), __dadd_rn(cpart[1], cpart[5]),
-                          __dadd_rn(cpart[2], cpart[6]), __dadd_rn(cpart[3], cpart[7])};
-    double cn2 = __dadd_rn(__dadd_rn(q4[0], q4[2]), __dadd_rn(q4[1], q4[3]));
-    cn2 = __dadd_rn(cn2, __shfl_xor_sync(kStreamAll, cn2, 2));
-    cn2 = __dadd_rn(cn2, __shfl_xor_sync(kStreamAll, cn2, 1));
-    scale = static_cast<float>(__dmul_rn(static_cast<double>(n), sqrt(static_cast<double>(kDp))) / sqrt(cn2));
+  if (nc) {
+    int32_t cq = static_cast<int32_t>(sum >> kCsqShift);
+    cq += __shfl_xor_sync(kStreamAll, cq, 1);
+    cq += __shfl_xor_sync(kStreamAll, cq, 2);
+    scale = codec::corrected_scale(n, kDp, cq);
   }
-  __syncwarp();  // the index bytes are written; every lane's reads of the floats are done
-#pragma unroll
-  for (int s = 0; s < kS; ++s) {
-    const int c = j + 4 * s;
-    const uint2 w = *reinterpret_cast<const uint2*>(idx + 8 * c);
-    stage_indices<kBits, 2>(out + c * kBits, w.x, w.y);  // rows of Dp bits / 2 + 2 bytes
-  }
-  if (j == 0) codec::store_f16(out + kDp * kBits / 8, f32_to_f16_sat(scale));
+  if (j == 0) codec::store_f16(out + kDp * kBits / 8, f16_sat_bits(scale));
 }
 
 // uint3 / uint4: min and max (order-free), then each chunk's indices packed in the lane.
@@ -501,18 +526,25 @@ __device__ inline void encode_plain_stream(int d, float (&z)[kS][8], uint8_t* ou
   }
 }
 
+// Blocks an SM holds at least (the register budget): measured on the H200 for the MSE formats at
+// head size 128 (mse4 0.316 ms at 7 against 0.318 at 6 and 0.325 at 5; mse3 0.338 at 5 against 0.347
+// at 6 and 7, where its registers spill).
+constexpr int stream_blocks(Format f, int ks) {
+  return ks == 8 ? 3 : ks == 4 && f == Format::kMse4 ? 7 : ks == 4 && f == Format::kMse3 ? 5 : 8;
+}
+
 // n vectors of d elements (padded_dim(d) == 32 kS, packed rows of an even size); x, out and
 // offset.data 16-byte aligned. Each warp packs groups of 8 vectors, blocks stride over the groups.
 template <Format F, int kS>
-__global__ void __launch_bounds__(kStreamThreads, kS == 8 ? 3 : is_mse(F) && kS == 4 ? 6 : 8) pack_stream_kernel(bool nc, DType dt, int d, const void* x,
+__global__ void __launch_bounds__(kStreamThreads, stream_blocks(F, kS)) pack_stream_kernel(bool nc, DType dt, int d, const void* x,
                                                                       uint32_t n, Offset offset, uint8_t* out) {
   __shared__ StreamSmem<F, kS> sm;
   load_codebook(sm);
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane / kStreamLanes, j = lane % kStreamLanes;
   const int bytes = packed_size(F, d), chunks = d / 8;
-  const bool tiny = dt != DType::kFloat16 || offset.data;
-  const uint32_t buckets = bucket_base(sm.codebook.buckets);
-  uint8_t* stage = sm.rows[warp];
+  const bool fused = dt == DType::kFloat16 && !offset.data;  // exact squares
+  const uint32_t buckets = bucket_base(sm.codebook);
+  uint8_t* stage = sm.rows[warp] + StreamSmem<F, kS>::kFloatBytes;
   const uint32_t groups = (n + kStreamVectors - 1) / kStreamVectors;
   for (uint32_t group = blockIdx.x * kStreamWarps + warp; group < groups; group += gridDim.x * kStreamWarps) {
     const uint32_t v0 = group * kStreamVectors, v = v0 + g;
@@ -533,8 +565,8 @@ __global__ void __launch_bounds__(kStreamThreads, kS == 8 ? 3 : is_mse(F) && kS 
     }
     uint8_t* row_out = stage + g * bytes;
     if constexpr (is_mse(F)) {
-      float* row = reinterpret_cast<float*>(stage) + g * StreamSmem<F, kS>::kRowFloats;
-      encode_mse_stream<format_bits(F), kS>(d, nc, tiny, z, row, sm.idx[warp][g], row_out, buckets, sm.codebook.csq, j);
+      float* row = reinterpret_cast<float*>(sm.rows[warp]) + g * StreamSmem<F, kS>::kRowFloats;
+      encode_mse_stream<format_bits(F), kS>(d, nc, fused, z, row, sm.fields[warp][g], row_out, buckets, j);
     } else if constexpr (is_uint(F)) {
       // the first element as the codec converts it (a NaN's bits matter to min and max)
       float x0 = live ? load_float(dt, x, static_cast<int64_t>(v) * d) : 0.0f;

@@ -2,11 +2,14 @@
 
 This is the oracle every kernel is tested against: the CPU kernels match it byte for byte. To make
 that possible it fixes the order of every floating-point operation that decides a stored bit:
-- norms are sums of squares in float64, rounded to float32 after the square root;
+- the norm is float32: squares summed into 32 partial sums (term i into partial i % 32, in
+  ascending order), which combine in a butterfly at distance 1, 2, 4, 8, 16 (sum_squares);
+- the unit vector is x times the float32 reciprocal of (n + 1e-8);
 - the Walsh-Hadamard transform is the standard in-place butterfly (h = 1, 2, 4, ...) in float32,
   applied to the unit vector *without* the 1/sqrt(Dp) factor, so its coordinates are compared
   directly with the unit-variance Lloyd-Max boundaries (float32);
-- the norm-corrected scale is n * sqrt(Dp) / ||c_unit[idx]|| in float64, then float32, then fp16.
+- the norm-corrected scale is n * sqrt(Dp) / ||c_unit[idx]|| in float32, with ||c_unit[idx]||^2 an
+  integer sum of the centroid squares in units of 2^-13 (exact in any order), then fp16.
 """
 
 from __future__ import annotations
@@ -35,6 +38,31 @@ def fwht(x: np.ndarray) -> np.ndarray:
         x = np.stack([a + b, a - b], axis=-2).reshape(*lead, n)
         h *= 2
     return x
+
+
+def sum_squares(x: np.ndarray) -> np.ndarray:
+    """Float32 sums of squares over the last axis in the kernels' order (see the module doc)."""
+    d = x.shape[-1]
+    sq = x * x
+    width = -(-d // 32) * 32
+    if width != d:
+        sq = np.concatenate([sq, np.zeros((*sq.shape[:-1], width - d), np.float32)], axis=-1)
+    rows = sq.reshape(*sq.shape[:-1], width // 32, 32)
+    part = rows[..., 0, :]
+    for r in range(1, width // 32):
+        part = part + rows[..., r, :]
+    while part.shape[-1] > 1:  # the butterfly at distance 1, 2, ...: lane 0's sums
+        part = part[..., 0::2] + part[..., 1::2]
+    return part[..., 0]
+
+
+CSQ_FRACTION_BITS = 13
+
+
+def centroid_squares_q(bits: int) -> np.ndarray:
+    """The centroid squares c_unit[k]^2 in units of 2^-13, rounded (int64)."""
+    c = codebook.lloyd_max(bits)[0].astype(np.float64)
+    return np.floor(c * c * float(1 << CSQ_FRACTION_BITS) + 0.5).astype(np.int64)
 
 
 def pack_bits(idx: np.ndarray, bits: int) -> np.ndarray:
@@ -75,8 +103,9 @@ def mse_indices(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     x = to_f32(x)
     d = x.shape[-1]
     dp = padded_dim(d)
-    n = np.sqrt((x.astype(np.float64) ** 2).sum(-1)).astype(np.float32)
-    u = x / (n[..., None] + NORM_EPS)
+    with np.errstate(over="ignore", invalid="ignore"):
+        n = np.sqrt(sum_squares(x))
+        u = x * (np.float32(1.0) / (n + NORM_EPS))[..., None]
     if dp != d:
         u = np.concatenate([u, np.zeros((*u.shape[:-1], dp - d), np.float32)], axis=-1)
     z = fwht(u)
@@ -89,8 +118,9 @@ def pack_mse(x: np.ndarray, bits: int, norm_correction: bool) -> np.ndarray:
     idx, n = mse_indices(x, bits)
     dp = idx.shape[-1]
     if norm_correction:
-        cn2 = (codebook.lloyd_max(bits)[0][idx] ** 2).sum(-1)
-        s = n.astype(np.float64) * np.sqrt(float(dp)) / np.sqrt(cn2)
+        cq = centroid_squares_q(bits)[idx].sum(-1)
+        cn2 = cq.astype(np.float32) * np.float32(2.0**-CSQ_FRACTION_BITS)  # exact: cq < 2^24
+        s = (n * np.sqrt(np.float32(dp))) / np.sqrt(cn2)
     else:
         s = n
     s16 = sat_f16(np.asarray(s).astype(np.float32))

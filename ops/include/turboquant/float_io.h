@@ -33,6 +33,20 @@ TQ_HD float round_to(DType dt, float v) {
   }
 }
 
+// load_float in two steps, the load and the conversion, for kernels that issue several loads before
+// converting the first: with load_float's switch around each load and its conversion the compiler
+// waits for each load in turn (a round trip to memory each).
+TQ_HD uint32_t load_bits(DType dt, const void* base, int64_t i) {
+  return dt == DType::kFloat32 ? static_cast<const uint32_t*>(base)[i] : static_cast<const uint16_t*>(base)[i];
+}
+TQ_HD float bits_float(DType dt, uint32_t bits) {
+  switch (dt) {
+    case DType::kFloat16: return f16_to_f32(static_cast<uint16_t>(bits));
+    case DType::kBFloat16: return bf16_to_f32(static_cast<uint16_t>(bits));
+    default: return bits_f32(bits);
+  }
+}
+
 // n contiguous elements starting at element `first`.
 TQ_HD void load_row(DType dt, const void* base, int64_t first, int n, float* out) {
   for (int i = 0; i < n; ++i) out[i] = load_float(dt, base, first + i);

@@ -1,10 +1,12 @@
 // Encoding and decoding of one vector in every format of DESIGN.md section 2, shared by the CPU
 // and CUDA kernels (host and device), so that both produce the same bytes. Every operation that
 // decides a stored bit runs in one fixed order: compile users of this header without
-// floating-point contraction (-ffp-contract=off, nvcc -fmad=false). The float64 sums of squares
-// (norm, norm correction) use the order a CUDA warp computes them in parallel (sum_squares); the
-// Python reference sums pairwise, which differs only in the last bits of a float64 and so almost
-// never in the float32 or fp16 that is stored.
+// floating-point contraction (-ffp-contract=off, nvcc -fmad=false). The MSE encoder is float32
+// throughout, in orders a GPU computes cheaply and the Python reference (reference/formats.py)
+// follows exactly: the sum of squares in 32 partial sums and a butterfly from distance 1 up
+// (sum_squares), the division by the norm as a product with its reciprocal, and the norm
+// correction's ||c||^2 as an integer sum of the centroid squares in units of 2^-13 (exact in any
+// order; corrected_scale).
 #pragma once
 
 #include <cstdint>
@@ -56,26 +58,47 @@ TQ_HD void unpack_indices(const uint8_t* in, int n, int bits, uint8_t* idx) {
   }
 }
 
-// Sums of float64 terms in the order of a warp: lane l sums the terms i = l, l + 32, ... in
-// ascending order, then the 32 partial sums combine in a butterfly (at distance 16, 8, 4, 2, 1:
-// every lane adds its partner's sum to its own, so all lanes end with the same total).
+// Sums of float32 terms in the order of a warp: lane l sums the terms i = l, l + 32, ... in
+// ascending order, then the 32 partial sums combine in a butterfly at distance 1, 2, 4, 8, 16
+// (every lane adds its partner's sum to its own, so all lanes end with the same total): partials
+// that sit in one thread of a GPU kernel combine first.
 constexpr int kSumLanes = 32;
 
-TQ_HD double butterfly_total(double* part) {  // part[kSumLanes], overwritten
-  for (int o = kSumLanes / 2; o > 0; o >>= 1) {
-    double next[kSumLanes];
+TQ_HD float butterfly_total(float* part) {  // part[kSumLanes], overwritten
+  for (int o = 1; o < kSumLanes; o <<= 1) {
+    float next[kSumLanes];
     for (int l = 0; l < kSumLanes; ++l) next[l] = part[l] + part[l ^ o];
     for (int l = 0; l < kSumLanes; ++l) part[l] = next[l];
   }
   return part[0];
 }
 
-// sum over i < n of x[i]^2, each square in float64
-TQ_HD double sum_squares(const float* x, int n) {
-  double part[kSumLanes] = {};
-  for (int i = 0; i < n; ++i) part[i % kSumLanes] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+// sum over i < n of x[i]^2, each square rounded to float32
+TQ_HD float sum_squares(const float* x, int n) {
+  float part[kSumLanes] = {};
+  for (int i = 0; i < n; ++i) part[i % kSumLanes] += x[i] * x[i];
   return butterfly_total(part);
 }
+
+// The norm correction's centroid squares c_unit[k]^2 in units of 2^-13, rounded: a vector's
+// ||c||^2 is then an integer sum, exact in any order (Dp <= 256 terms below 2^16 each; a GPU lane's
+// share of up to 64 of them fits 22 bits). The rounding moves a scale by at most 3e-5 of itself,
+// a sixteenth of fp16's resolution.
+constexpr int kCsqFractionBits = 13;
+TQ_HD constexpr int32_t quantized_square(double c) {
+  return static_cast<int32_t>(c * c * (1 << kCsqFractionBits) + 0.5);
+}
+
+// The stored scale with norm correction: n * sqrt(Dp) / ||c_unit[idx]||, in float32, from the
+// integer sum cq of quantized_square over the vector's indices.
+TQ_HD float corrected_scale(float n, int dp, int32_t cq) {
+  const float cn2 = static_cast<float>(cq) * (1.0f / (1 << kCsqFractionBits));  // exact: cq < 2^24
+  const float root_dp = sqrtf(static_cast<float>(dp));
+  return (n * root_dp) / sqrtf(cn2);
+}
+
+// 1 / (n + 1e-8), rounded: every coordinate of the unit vector is x[i] times it.
+TQ_HD float norm_reciprocal(float n) { return 1.0f / (n + 1e-8f); }
 
 TQ_HD const double* centroids(int bits) {
 #if defined(__CUDA_ARCH__)
@@ -105,12 +128,15 @@ TQ_HD uint8_t codebook_index(int bits, float z) {
   return k;
 }
 
+// The quantized_square of the codebook of `bits` bits, index k.
+TQ_HD int32_t centroid_square_q(int bits, int k) { return quantized_square(centroids(bits)[k]); }
+
 TQ_HD void encode_mse(int bits, int d, bool norm_correction, const float* x, uint8_t* out) {
   const int dp = padded_dim(d);
-  const float n = static_cast<float>(sqrt(sum_squares(x, d)));
-  const float denom = n + 1e-8f;
+  const float n = sqrtf(sum_squares(x, d));
+  const float r = norm_reciprocal(n);
   float z[kMaxHeadDim];
-  for (int i = 0; i < d; ++i) z[i] = x[i] / denom;
+  for (int i = 0; i < d; ++i) z[i] = x[i] * r;
   for (int i = d; i < dp; ++i) z[i] = 0.0f;
   fwht_inplace(z, dp);
   uint8_t idx[kMaxHeadDim];
@@ -118,11 +144,9 @@ TQ_HD void encode_mse(int bits, int d, bool norm_correction, const float* x, uin
   pack_indices(idx, dp, bits, out);
   float s = n;
   if (norm_correction) {
-    const double* c = centroids(bits);
-    double part[kSumLanes] = {};
-    for (int i = 0; i < dp; ++i) part[i % kSumLanes] += c[idx[i]] * c[idx[i]];
-    const double cn2 = butterfly_total(part);
-    s = static_cast<float>(static_cast<double>(n) * sqrt(static_cast<double>(dp)) / sqrt(cn2));
+    int32_t cq = 0;
+    for (int i = 0; i < dp; ++i) cq += centroid_square_q(bits, idx[i]);
+    s = corrected_scale(n, dp, cq);
   }
   store_f16(out + dp * bits / 8, f32_to_f16_sat(s));
 }
