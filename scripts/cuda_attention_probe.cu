@@ -12,9 +12,10 @@
 //   into their allocations (every (b, head) region moves with them: with a capacity that makes
 //   regions a multiple of 16 bytes, shift 4 puts them all at 4 mod 16; shifts that are not multiples
 //   of 4 are refused by the launchers, which the probe prints).
-// Prints the time per step back to back, and "alone": each step after a spin kernel that keeps the
-// GPU busy while the host queues it, timed by events (median of up to 100; ~3 us of event overhead
-// included), as a layer's step runs after other kernels.
+// Prints the time per step back to back, "alone": each step after a spin kernel that keeps the GPU
+// busy while the host queues it, timed by events (median of up to 100; ~3 us of event overhead
+// included), as a layer's step runs after other kernels, and "idle-started": each step launched on
+// an idle GPU, as ONNX Runtime's steps are.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -161,6 +162,23 @@ int main(int argc, char** argv) {
   std::vector<float> alone(alone_steps);
   for (int i = 0; i < alone_steps; ++i) cudaEventElapsedTime(&alone[i], ea[i], eb[i]);
   std::sort(alone.begin(), alone.end());
+  // steps started on an idle GPU, as ONNX Runtime's are (its host work exceeds a step's GPU work):
+  // the first launch starts as it is made, the next one some microseconds later; the time from an
+  // event recorded just before the step (which includes the first launch's host cost, the same for
+  // any build) to its end
+  std::vector<float> idle(alone_steps);
+  for (int i = 0; i < alone_steps; ++i) {
+    cudaStreamSynchronize(st);
+    const auto t0 = std::chrono::steady_clock::now();
+    while (std::chrono::steady_clock::now() - t0 < std::chrono::microseconds(200)) {
+    }
+    cudaEventRecord(ea[i], st);
+    step();
+    cudaEventRecord(eb[i], st);
+  }
+  cudaStreamSynchronize(st);
+  for (int i = 0; i < alone_steps; ++i) cudaEventElapsedTime(&idle[i], ea[i], eb[i]);
+  std::sort(idle.begin(), idle.end());
 #ifdef TQ_PHASES
   // the last of the steps timed alone (after a spin kernel), then one step after 2 ms of idling
   for (int isolated = 0; isolated < 2; ++isolated) {
@@ -186,9 +204,10 @@ int main(int argc, char** argv) {
     printf("\n");
     // the split kernel's blocks (in place, tensor-core path: B x Hkv x splits of them): start and end
     // times from block 0's start, quantiles, and the slowest blocks with their SMs
-    // (make_layout's splits for 16 warps: a block per SM, at least 512 tokens a split)
-    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(B * Hkv >= sms_count ? 1 : sms_count / (B * Hkv), (S + 511) / 512));
-    const int nb = static_cast<int>(std::min<int64_t>(4096, B * Hkv * splits));
+    // (the blocks the launch had: those with a start time, as the marks of one process's runs all
+    // come from launches of the same size)
+    int nb = 0;
+    while (nb < 4096 && blocks[2 * nb] != 0) ++nb;
     std::vector<std::pair<long long, int>> ends;
     long long first = blocks[0], last_start = 0;
     for (int i = 0; i < nb; ++i) first = std::min(first, blocks[2 * i]);
@@ -274,6 +293,9 @@ int main(int argc, char** argv) {
          cudaGetErrorString(cudaGetLastError()));
   printf("B=%lld S=%lld %s/%s alone: median %.1f us (10%% %.1f, 90%% %.1f) over %d steps\n", (long long)B, (long long)S,
          format_name(kf), format_name(vf), alone[alone_steps / 2] * 1e3, alone[alone_steps / 10] * 1e3, alone[alone_steps * 9 / 10] * 1e3,
+         alone_steps);
+  printf("B=%lld S=%lld %s/%s idle-started: median %.1f us (10%% %.1f, 90%% %.1f) over %d steps\n", (long long)B, (long long)S,
+         format_name(kf), format_name(vf), idle[alone_steps / 2] * 1e3, idle[alone_steps / 10] * 1e3, idle[alone_steps * 9 / 10] * 1e3,
          alone_steps);
   return 0;
 }

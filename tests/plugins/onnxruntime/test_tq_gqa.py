@@ -199,6 +199,23 @@ def test_genai_style_decode_loop(ort_session, device):
         check_outputs(c, io.get_outputs()[0].numpy(), buffers["past_key"].numpy(), buffers["past_value"].numpy(), want)
 
 
+@pytest.mark.parametrize("b, formats, rotary", [
+    (1, ("mse4", "uint4"), 128), (64, ("mse4", "uint4"), 128), (1, ("mse3", "uint3"), 0), (64, ("fp8", "uint4"), 0),
+])
+def test_decode_step_of_the_presets_shape(ort_session, device, b, formats, rotary):
+    """A decode step of the presets' shape (head size 128, fp16, 8 KV heads of 4 query heads, the
+    GPU's tensor-core split kernel): one sequence, and 64 whose 512 (b, head) pairs take several
+    waves of blocks (the hypothesis cases have at most 6); the new rows and outputs equal the
+    reference's."""
+    rng = np.random.default_rng(b)
+    c = dict(b=b, s=1, first=False, capacity=40, lengths=[int(n) for n in rng.integers(2, 41, b)], d=128, hkv=8,
+             group=4, formats=formats, pad=0, packed=False, rotary=rotary, interleaved=False, position_ids=False,
+             dtype=TensorProto.FLOAT16, nc=True, offsets=False, seed=b)
+    model, feeds = make(c)
+    y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
+    check_outputs(c, y, pk, pv, reference(c, feeds))
+
+
 BASE = dict(b=2, s=1, first=False, capacity=16, lengths=[5, 9], d=64, hkv=2, group=2, formats=("mse4", "uint4"), pad=0,
             packed=False, rotary=0, interleaved=False, position_ids=False, dtype=TensorProto.FLOAT, nc=True,
             offsets=False, seed=1)
