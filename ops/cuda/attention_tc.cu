@@ -285,7 +285,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   uint8_t* dyn = turboquant_tc_smem;
   uint32_t dyn_at;  // the dynamic part's shared-window address
   asm("mov.u32 %0, turboquant_tc_smem;\n" : "=r"(dyn_at));
-  const int kb = static_cast<int>(p.key_row()), vb = static_cast<int>(p.value_row());
+  // (row sizes as launch set them: key_row() and value_row() work them out from the formats, a
+  // switch through a jump table in another constant bank and loops, whose cold misses held up the
+  // kernel's start)
+  const int kb = static_cast<int>(p.key_row_bytes), vb = static_cast<int>(p.value_row_bytes);
   const SmemLayout sl = smem_layout(kKeyBits, kD, kb, vb, kWarps, static_cast<int>(dyn_at % kWindow));
   if (kPermuted && dyn_at % kWindow > kDynStartMax) __trap();  // cannot happen: 1 KiB reserved + < 1 KiB static
   uint32_t* lut = reinterpret_cast<uint32_t*>(dyn + sl.table);  // [pair][lane]: half2 (centroids of the two codes)
@@ -294,7 +297,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
   const int64_t bh = blockIdx.x;
   const int split = blockIdx.y;
-  const int64_t b = bh / p.kv_heads, hkv = bh % p.kv_heads;
+  const uint32_t heads = static_cast<uint32_t>(p.kv_heads);  // (the grid's x: batch x heads < 2^31)
+  const int64_t b = blockIdx.x / heads, hkv = blockIdx.x % heads;
   const int64_t row0 = static_cast<int64_t>(blockIdx.z) * l.rows_per_block;
   const int rows = static_cast<int>(min(static_cast<int64_t>(l.rows_per_block), l.rows - row0));
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
@@ -784,6 +788,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   float* ws = reinterpret_cast<float*>(dyn + sl.states);  // [warp][row][3 + dv]: max, sum, zero sum, acc
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
+    if (2 * t + c >= rows) continue;  // a padding column: store_warp_states reads the block's rows only
     float* mine = ws + (warp * kRowsMax + 2 * t + c) * (3 + dv);
     if (g == 0) {
       mine[0] = m_run[c] * 0.693147181f;  // back to natural-log units for the merges
@@ -846,7 +851,10 @@ cudaError_t launch(const AttentionParams& p, const RotaryParams& rot, const Layo
     if (dev < kMaxDevices) opted[dev].store(smem);
   }
   const dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
-  return launch_dependent(kernel, grid, dim3(kWarps * 32), smem, stream, p, rot, l, q, past_key, past_value, partial);
+  AttentionParams kp = p;  // the row sizes worked out here, once (see the kernel's kb, vb)
+  kp.key_row_bytes = p.key_row();
+  kp.value_row_bytes = p.value_row();
+  return launch_dependent(kernel, grid, dim3(kWarps * 32), smem, stream, kp, rot, l, q, past_key, past_value, partial);
 }
 
 template <int kKeyBits, int kValBits, bool kKeyWords4 = false>

@@ -214,38 +214,50 @@ __device__ inline void load_query_rows(const AttentionParams& p, const void* q, 
 // The end of a split block whose warps each kept their own online softmax: ws[warp][row][3 + dv]
 // holds each warp's max (natural-log units), sum of weights, sum of weights x zero point and value
 // accumulators. The block's threads combine them into the partial results of its rows (row r at
-// out + r * row_stride: max, sum, acc + zero sum): first each row's largest max and each warp's
-// factor exp(max_w - max), once per row (a thread per row), then the columns as sums of the warps'
-// states times their factors (every column working out the 16 factors itself: 1.8 us at the end of
-// a small step, now 1.3). Ends with the block's threads only reading ws.
+// out + r * row_stride: max, sum, acc + zero sum): first a half-warp per row, lane w holding warp
+// w's state, works out the row's largest max by shuffles, each warp's factor exp(max_w - max) and
+// the row's weighted sums, and stores the max and the sum; then the columns, as sums of the warps'
+// accumulators times their factors. (One thread per row walking the warps in turn, and every column
+// summing the zero points again, took 1.5-1.8 us at the end of every tensor-core split block, on
+// the critical path of a step, whether or not its code was cold; this takes 0.85-0.9 us.) Ends
+// with the block's threads only reading ws.
 constexpr int kStateWarpsMax = 16, kStateRowsMax = 8;
 __device__ inline void store_warp_states(const float* ws, int warps, int rows_max, int rows, int dv, float* out,
                                          int64_t row_stride) {
-  __shared__ float factor[kStateRowsMax][kStateWarpsMax], row_max[kStateRowsMax];
-  if (threadIdx.x < rows) {
-    const int r = threadIdx.x;
-    float mx = -INFINITY;
-    for (int w = 0; w < warps; ++w) mx = fmaxf(mx, ws[(w * rows_max + r) * (3 + dv)]);
-    for (int w = 0; w < warps; ++w) {
-      const float m = ws[(w * rows_max + r) * (3 + dv)];
-      factor[r][w] = m == -INFINITY ? 0.0f : __expf(m - mx);
+  __shared__ float factor[kStateRowsMax][kStateWarpsMax], row_zero[kStateRowsMax];
+  const int tid = static_cast<int>(threadIdx.x);
+  // the warps that hold rows * 16 lanes, whole (the shuffles need every lane of a warp); needs
+  // blockDim.x >= 128 for 8 rows
+  if (tid < (rows * kStateWarpsMax + 31) / 32 * 32) {
+    const int r = tid / kStateWarpsMax, w = tid % kStateWarpsMax;
+    const bool on = r < rows && w < warps;
+    const float* st = ws + (w * rows_max + r) * (3 + dv);
+    const float m = on ? st[0] : -INFINITY;
+    float mx = m;
+#pragma unroll
+    for (int x = kStateWarpsMax / 2; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x, kStateWarpsMax));
+    const float f = m == -INFINITY ? 0.0f : __expf(m - mx);
+    float sum = on ? st[1] * f : 0.0f, zsum = on ? st[2] * f : 0.0f;
+#pragma unroll
+    for (int x = kStateWarpsMax / 2; x > 0; x >>= 1) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, x, kStateWarpsMax);
+      zsum += __shfl_xor_sync(0xffffffffu, zsum, x, kStateWarpsMax);
     }
-    row_max[r] = mx;
-  }
-  __syncthreads();
-  for (int k = threadIdx.x; k < rows * (dv + 2); k += blockDim.x) {
-    const int r = k / (dv + 2), c = k % (dv + 2);
-    float acc = 0.0f, zsum = 0.0f;
-    for (int w = 0; w < warps; ++w) {
-      const float* st = ws + (w * rows_max + r) * (3 + dv);
-      const float f = factor[r][w];
-      if (c == 1) acc += st[1] * f;
-      if (c >= 2) {
-        acc += st[3 + c - 2] * f;
-        zsum += st[2] * f;
+    if (r < rows) {
+      factor[r][w] = f;
+      if (w == 0) {
+        row_zero[r] = zsum;
+        out[r * row_stride] = mx;
+        out[r * row_stride + 1] = sum;
       }
     }
-    out[r * row_stride + c] = c == 0 ? row_max[r] : (c == 1 ? acc : acc + zsum);
+  }
+  __syncthreads();
+  for (int k = tid; k < rows * dv; k += static_cast<int>(blockDim.x)) {
+    const int r = k / dv, c = k % dv;
+    float acc = 0.0f;
+    for (int w = 0; w < warps; ++w) acc += ws[(w * rows_max + r) * (3 + dv) + 3 + c] * factor[r][w];
+    out[r * row_stride + 2 + c] = acc + row_zero[r];
   }
 }
 #endif
