@@ -46,6 +46,12 @@ namespace turboquant::cuda::detail {
 namespace {
 
 constexpr int kTok = 32;       // tokens per warp tile (two m16 row tiles)
+// Tiles per warp brought into L2 at a block's start (split kernel below). H200, B=8 S=32768 step
+// alone 84.8 -> 84.1 us, B=32 S=8192 93.6 -> 90.7 (2 rounds: 84.2, 91.4; 4: 85.6, 94.7).
+#ifndef TQ_PREFETCH_ROUNDS
+#define TQ_PREFETCH_ROUNDS 1  // (developer A/B builds set others: scripts/build_probe.sh)
+#endif
+constexpr int kPrefetchRounds = TQ_PREFETCH_ROUNDS;
 constexpr int kRowsMax = 8;    // query rows per block: the N of the products
 constexpr int kCopies = 32;    // copies of the byte table, one per lane
 constexpr float kCodeUnit = 16777216.0f;  // 2^24: value codes enter the products as fp16 subnormals
@@ -117,6 +123,17 @@ __device__ __forceinline__ void bulk_copy_tile(uint32_t bar, uint32_t kdst, cons
       " @one cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%4], [%5], %6, [%0], pol;\n}\n" ::"r"(bar),
       "r"(kdst), "l"(ksrc), "r"(kbytes), "r"(vdst), "l"(vsrc), "r"(vbytes), "r"(kbytes + vbytes)
       : "memory");
+}
+// Brings `bytes` (a multiple of 16, from a 16-byte aligned src) into L2 without waiting: a hint, so
+// it may read memory that the launch before is still writing (a later read still sees the writes).
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+// The 16-byte blocks inside [from, from + bytes) into L2.
+__device__ __forceinline__ void bulk_prefetch_l2_inside(const uint8_t* from, int64_t bytes) {
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(from) + 15) & ~uintptr_t{15};
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(from) + bytes) & ~uintptr_t{15};
+  if (hi > lo) bulk_prefetch_l2(reinterpret_cast<const void*>(lo), static_cast<uint32_t>(hi - lo));
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
@@ -308,11 +325,21 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   uint8_t* stage = warp < sl.low_warps ? dyn + sl.low_stages + warp * 2 * tile
                                        : dyn + sl.high_stages + (warp - sl.low_warps) * 2 * tile;
   const int64_t begin = static_cast<int64_t>(split) * l.split_len;
+  const uint8_t* keys = past_key + (bh * p.past_rows_or_len() + begin) * kb;  // this split's rows
+  const uint8_t* vals = past_value + (bh * p.past_rows_or_len() + begin) * vb;
+#ifdef TQ_BULK_COPY
+  // The split's first rows (the warps' first kPrefetchRounds tiles, wherever the sequence ends)
+  // into L2 now, by one lane: DRAM would otherwise idle through the set-up below (~2 us).
+  if (kPrefetchRounds > 0 && warp == kWarps - 1 && lane == 0) {
+    const int64_t rows = min(min(l.split_len, static_cast<int64_t>(kPrefetchRounds) * kWarps * kTok),
+                             p.past_rows_or_len() - begin);
+    bulk_prefetch_l2_inside(keys, rows * kb);
+    bulk_prefetch_l2_inside(vals, rows * vb);
+  }
+#endif
   // (past lengths are read before the dependency wait below: they are inputs of the op, which no
   // launch of ours writes)
   const int len = static_cast<int>(max(static_cast<int64_t>(0), min(p.past_of(b), begin + l.split_len) - begin));
-  const uint8_t* keys = past_key + (bh * p.past_rows_or_len() + begin) * kb;  // this split's rows
-  const uint8_t* vals = past_value + (bh * p.past_rows_or_len() + begin) * vb;
   constexpr int kChunks = kD / 16;  // fp8 rows: 16-byte chunks
 
   // Full tiles are copied as the 16-byte chunks that cover them (16-byte aligned, which rows of 66
@@ -443,10 +470,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     if (tid < kCodes) centroid_h[tid] = __half_as_ushort(__float2half_rn(centroid_immediate<kKeyBits == 3 ? 3 : 4>(tid)));
     __syncthreads();
     TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 14);
-    static_assert(kPairs % kWarps == 0 && kCopies == 32, "table rows per warp, a copy per lane");
+    static_assert(kCopies == 32, "a copy per lane");
 #pragma unroll
-    for (int k = 0; k < kPairs / kWarps; ++k) {
+    for (int k = 0; k < (kPairs + kWarps - 1) / kWarps; ++k) {
       const int e = warp + kWarps * k;
+      if (kPairs % kWarps != 0 && e >= kPairs) break;
       lut[e * kRowWords + lane] = centroid_h[e & (kCodes - 1)] | static_cast<uint32_t>(centroid_h[e >> kKeyBits]) << 16;
     }
   }
@@ -826,11 +854,18 @@ int tc_block_bytes(const AttentionParams& p, int warps) {
 // 99 on sm_86/89).
 int device_block_smem() { return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
 
+// The wide blocks' warps. H200, B=8 S=32768 step alone: 16 84.9 us, 12 85.4, 14 94.0, 10 97.8
+// (12 streams faster back to back, 76.7 against 80.4, but its steps alone end no earlier).
+#ifndef TQ_TC_WARPS
+#define TQ_TC_WARPS 16  // (developer A/B builds set others: scripts/build_probe.sh)
+#endif
+constexpr int kWideWarps = TQ_TC_WARPS;
+
 // One block per SM: 16 warps where their buffers fit, else 8 (head size 256, whose registers allow
 // no more, and caches with rows much wider than the packed vectors); 0: neither fits this device.
 int tc_warps(const AttentionParams& p) {
   const int limit = device_block_smem();
-  if (tc_kd(p) <= 128 && tc_block_bytes(p, 16) <= limit) return 16;
+  if (tc_kd(p) <= 128 && tc_block_bytes(p, kWideWarps) <= limit) return kWideWarps;
   return tc_block_bytes(p, 8) <= limit ? 8 : 0;
 }
 
@@ -860,13 +895,13 @@ cudaError_t launch(const AttentionParams& p, const RotaryParams& rot, const Layo
 template <int kKeyBits, int kValBits, bool kKeyWords4 = false>
 cudaError_t launch_d(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
                      const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream) {
-  const bool wide = tc_warps(p) == 16;
+  const bool wide = tc_warps(p) == kWideWarps;
   switch (tc_kd(p)) {
     case 64:
-      return wide ? launch<kKeyBits, kValBits, 64, kKeyWords4, 16>(p, rot, l, q, past_key, past_value, partial, stream)
+      return wide ? launch<kKeyBits, kValBits, 64, kKeyWords4, kWideWarps>(p, rot, l, q, past_key, past_value, partial, stream)
                   : launch<kKeyBits, kValBits, 64, kKeyWords4, 8>(p, rot, l, q, past_key, past_value, partial, stream);
     case 128:
-      return wide ? launch<kKeyBits, kValBits, 128, kKeyWords4, 16>(p, rot, l, q, past_key, past_value, partial, stream)
+      return wide ? launch<kKeyBits, kValBits, 128, kKeyWords4, kWideWarps>(p, rot, l, q, past_key, past_value, partial, stream)
                   : launch<kKeyBits, kValBits, 128, kKeyWords4, 8>(p, rot, l, q, past_key, past_value, partial, stream);
     default: return launch<kKeyBits, kValBits, 256, kKeyWords4, 8>(p, rot, l, q, past_key, past_value, partial, stream);
   }
