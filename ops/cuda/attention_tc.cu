@@ -328,11 +328,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const uint8_t* keys = past_key + (bh * p.past_rows_or_len() + begin) * kb;  // this split's rows
   const uint8_t* vals = past_value + (bh * p.past_rows_or_len() + begin) * vb;
 #ifdef TQ_BULK_COPY
-  // The split's first rows (the warps' first kPrefetchRounds tiles, wherever the sequence ends)
-  // into L2 now, by one lane: DRAM would otherwise idle through the set-up below (~2 us).
+  // The split's first rows (the warps' first kPrefetchRounds tiles) into L2 now, by one lane:
+  // DRAM would otherwise idle through the set-up below (~2 us). Up to the batch's longest past
+  // (a parameter: this sequence's own length is a load away), not the buffer's capacity.
   if (kPrefetchRounds > 0 && warp == kWarps - 1 && lane == 0) {
-    const int64_t rows = min(min(l.split_len, static_cast<int64_t>(kPrefetchRounds) * kWarps * kTok),
-                             p.past_rows_or_len() - begin);
+    const int64_t rows = min(min(l.split_len, static_cast<int64_t>(kPrefetchRounds) * kWarps * kTok), p.past_len - begin);
     bulk_prefetch_l2_inside(keys, rows * kb);
     bulk_prefetch_l2_inside(vals, rows * vb);
   }
