@@ -1,5 +1,7 @@
 """TQAttention in ONNX Runtime (CPU) against the numpy reference."""
 
+import os
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -11,6 +13,10 @@ from turboquant import models
 from turboquant.ort import run
 from turboquant.reference import attention, formats
 from turboquant.reference.numerics import bfloat16
+
+# TQ_MAX_EXAMPLES caps hypothesis's examples per test: the op tests under compute-sanitizer
+# (scripts/gpu_session.sh check) run all of them, each on fewer cases.
+MAX_EXAMPLES = int(os.environ.get("TQ_MAX_EXAMPLES", "1000"))
 
 NP = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16), TensorProto.BFLOAT16: bfloat16}
 TOL = {TensorProto.FLOAT: 2e-4, TensorProto.FLOAT16: 4e-3, TensorProto.BFLOAT16: 3e-2}
@@ -121,7 +127,7 @@ def check_case(ort_session, c, threads=2, device="cpu"):
     np.testing.assert_allclose(y32, w32, rtol=TOL[c["dtype"]], atol=TOL[c["dtype"]] * span)
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=min(250, MAX_EXAMPLES), deadline=None)
 @given(c=cases())
 def test_matches_reference(ort_session, device, c):
     check_case(ort_session, c, device=device)

@@ -1,6 +1,8 @@
 """TQGroupQueryAttention in ONNX Runtime (CPU, and CUDA where present) against the numpy reference,
 with the past/present buffer shared in place as onnxruntime-genai shares it."""
 
+import os
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -11,6 +13,10 @@ from onnx import TensorProto
 from turboquant import models
 from turboquant.ort import run
 from turboquant.reference import formats, group_query_attention
+
+# TQ_MAX_EXAMPLES caps hypothesis's examples per test: the op tests under compute-sanitizer
+# (scripts/gpu_session.sh check) run all of them, each on fewer cases.
+MAX_EXAMPLES = int(os.environ.get("TQ_MAX_EXAMPLES", "1000"))
 
 NP = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16)}
 TOL = {TensorProto.FLOAT: 2e-4, TensorProto.FLOAT16: 4e-3}
@@ -138,7 +144,7 @@ def run_shared(session, feeds, device):
     return y, shared["past_key"].numpy(), shared["past_value"].numpy(), shared
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=min(150, MAX_EXAMPLES), deadline=None)
 @given(c=cases())
 def test_matches_reference(ort_session, device, c):
     model, feeds = make(c)
@@ -146,7 +152,7 @@ def test_matches_reference(ort_session, device, c):
     check_outputs(c, y, pk, pv, reference(c, feeds))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=min(40, MAX_EXAMPLES), deadline=None)
 @given(c=cases())
 def test_shared_buffer_is_updated_in_place(ort_session, device, c):
     """present bound to past's OrtValue: the op writes the new rows into that buffer, leaves every

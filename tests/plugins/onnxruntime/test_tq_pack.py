@@ -1,5 +1,7 @@
 """TQPack / TQUnpack in ONNX Runtime (CPU) against the numpy reference."""
 
+import os
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -12,6 +14,10 @@ from turboquant.ort import run
 from turboquant.config import ALL_FORMATS, packed_size
 from turboquant.reference import formats
 from turboquant.reference.numerics import bfloat16
+
+# TQ_MAX_EXAMPLES caps hypothesis's examples per test: the op tests under compute-sanitizer
+# (scripts/gpu_session.sh check) run all of them, each on fewer cases.
+MAX_EXAMPLES = int(os.environ.get("TQ_MAX_EXAMPLES", "1000"))
 
 DTYPES = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16), TensorProto.BFLOAT16: bfloat16}
 HEAD_DIMS = [16, 64, 80, 96, 128, 256]
@@ -45,7 +51,7 @@ def vectors(draw, d=None):
     return dtype, x.astype(DTYPES[dtype])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=min(150, MAX_EXAMPLES), deadline=None)
 @given(data=vectors(), fmt=st.sampled_from(ALL_FORMATS), nc=st.booleans())
 def test_pack_matches_reference_byte_for_byte(ort_session, device, data, fmt, nc):
     dtype, x = data
@@ -72,7 +78,7 @@ def test_pack_many_vectors(ort_session, device, rng, fmt):
     np.testing.assert_array_equal(run(sess, {"x": x})[0], formats.pack(x, fmt, True))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=min(100, MAX_EXAMPLES), deadline=None)
 @given(data=vectors(), fmt=st.sampled_from(ALL_FORMATS))
 def test_unpack_matches_reference(ort_session, device, data, fmt):
     dtype, x = data
