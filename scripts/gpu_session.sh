@@ -2,8 +2,8 @@
 # On the GPU machine (see the device tool): build the package with its CUDA kernels (build), run the
 # ORT op tests on the CUDA execution provider, the TensorRT plugins' enqueue tests and the genai test
 # (test), compute-sanitizer on the op tests (check) and on the kernel probes (check-probes), the CUDA
-# benchmarks, the report's table and plots and a kernel profile (bench). One step per call of the
-# device tool.
+# benchmarks, the report's table and plots and a kernel profile (bench), the issue's headline size
+# again in a process of its own (repeat). One step per call of the device tool.
 # Expects onnxruntime-gpu under /tmp/site (shared/device/prepare-ortgpu.sh) and the ONNX Runtime
 # headers in third_party/ (scripts/fetch_headers.sh). Logs go to $OUT.
 set -uo pipefail
@@ -67,4 +67,10 @@ if [ "$step" = bench ]; then  # the benchmarks (attention, TQPack, the report's 
   timeout 60 /usr/local/cuda/bin/ncu --clock-control none --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
     --kernel-name regex:"split|finish" --launch-skip 4 --launch-count 4 python3 /tmp/one.py 2>&1 | grep -E "kernel|gpu__time|dram__" > "$OUT/ncu.log"
   cat "$OUT/ncu.log"
+fi
+if [ "$step" = repeat ]; then  # the issue's headline size again, in a process of its own (after bench)
+  cd /tmp
+  timeout 200 python3 -m turboquant.bench attention --device cuda --batch 8 --context 32768 --presets turboquant_4bit_nc \
+    --repeat 30 --json "$OUT/repeat.json" > "$OUT/repeat.log" 2>&1
+  echo "repeat rc=$?"; grep -v "^{" "$OUT/repeat.log"
 fi
