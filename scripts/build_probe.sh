@@ -5,12 +5,15 @@
 # the CPU's, and their throughput) as OUT.pack. Developer variants, as OUT.VARIANT (VARIANTS, default
 # "nopdl phases"): nopdl, no programmatic dependent launches (A/B timings); phases, the kernels mark
 # the times of their phases (TQ_PHASES, split_common.cuh) and the probe prints them; NAME:FLAGS,
-# the kernels built with FLAGS (comma-separated), e.g. both:-DTQ_PHASES,-DTQ_NO_PDL.
-#   [VARIANTS="..."] bash scripts/build_probe.sh OUT [ARCH]   (ARCH: 90)
+# the kernels built with FLAGS (comma-separated), e.g. both:-DTQ_PHASES,-DTQ_NO_PDL. TQPack's
+# developer variants, as OUT.pack.NAME (PACK_VARIANTS, default none): NAME:FLAGS, the pack probe and
+# TQPack's kernels built with FLAGS, e.g. shuffle:-DTQ_MSE3_SHUFFLE (pack_stream.cuh).
+#   [VARIANTS="..."] [PACK_VARIANTS="..."] bash scripts/build_probe.sh OUT [ARCH]   (ARCH: 90)
 set -euo pipefail
 out=$1
 arch=${2:-90}
 variants=${VARIANTS-nopdl phases}
+pack_variants=${PACK_VARIANTS-}
 nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -35,8 +38,18 @@ for v in base $variants; do
     "$nvcc" "${flags[@]}" "${vflags[@]}" -c "$f" -o "$tmp/$name/$(basename "$f" .cu).o" &
   done
 done
+for v in $pack_variants; do
+  [[ $v == *:* ]] || { echo "a pack variant is NAME:FLAGS, not $v" >&2; exit 2; }
+  IFS=, read -r -a vflags <<< "${v#*:}"
+  mkdir -p "$tmp/pack.${v%%:*}"
+  "$nvcc" "${flags[@]}" "${vflags[@]}" -fmad=false -c ops/cuda/pack.cu -o "$tmp/pack.${v%%:*}/pack_cu.o" &
+  "$nvcc" "${flags[@]}" "${vflags[@]}" -c scripts/cuda_pack_probe.cu -o "$tmp/pack.${v%%:*}/pack_probe.o" &
+done
 wait
 "$nvcc" -arch=sm_$arch "$tmp/pack_probe.o" "$tmp/pack_cu.o" "$tmp/pack_cpp.o" -o "$out.pack"
+for v in $pack_variants; do
+  "$nvcc" -arch=sm_$arch "$tmp/pack.${v%%:*}/pack_probe.o" "$tmp/pack.${v%%:*}/pack_cu.o" "$tmp/pack_cpp.o" -o "$out.pack.${v%%:*}"
+done
 common=("$tmp/pack_cu.o" "$tmp/pack_cpp.o" "$tmp/attention_cpp.o" "$tmp/gqa_cpp.o")
 "$nvcc" -arch=sm_$arch "${common[@]}" "$tmp/base"/*.o -o "$out"
 for v in $variants; do "$nvcc" -arch=sm_$arch "${common[@]}" "$tmp/${v%%:*}"/*.o -o "$out.${v%%:*}"; done

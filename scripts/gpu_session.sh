@@ -3,7 +3,8 @@
 # ORT op tests on the CUDA execution provider, the TensorRT plugins' enqueue tests and the genai test
 # (test), compute-sanitizer on the op tests (check) and on the kernel probes (check-probes), the CUDA
 # benchmarks, the report's table and plots and a kernel profile (bench), the issue's headline size
-# again in a process of its own (repeat). One step per call of the device tool.
+# again in a process of its own (repeat), TQPack's developer variants against the default kernels in
+# the pack probe (pack-ab). One step per call of the device tool.
 # Expects onnxruntime-gpu under /tmp/site (shared/device/prepare-ortgpu.sh) and the ONNX Runtime
 # headers in third_party/ (scripts/fetch_headers.sh). Logs go to $OUT.
 set -uo pipefail
@@ -75,4 +76,15 @@ if [ "$step" = repeat ]; then  # the issue's headline size again, in a process o
   timeout 200 python3 -m turboquant.bench attention --device cuda --batch 8 --context 32768 --presets turboquant_4bit_nc \
     --repeat 30 --json "$OUT/repeat.json" > "$OUT/repeat.log" 2>&1
   echo "repeat rc=$?"; grep -v "^{" "$OUT/repeat.log"
+fi
+if [ "$step" = pack-ab ]; then  # TQPack's developer variants (PACK_VARIANTS) against the default, alternating
+  cd /tmp
+  pv=${PACK_VARIANTS:-shuffle:-DTQ_MSE3_SHUFFLE}
+  ( cd "$root" && VARIANTS="" PACK_VARIANTS="$pv" NVCC=/usr/local/cuda/bin/nvcc bash scripts/build_probe.sh /tmp/probe ) > "$OUT/pack_ab_build.log" 2>&1 \
+    || { echo "probe build failed"; tail -20 "$OUT/pack_ab_build.log"; exit 1; }
+  for round in 1 2 3; do
+    for b in /tmp/probe.pack $(for v in $pv; do echo /tmp/probe.pack.${v%%:*}; done); do
+      echo "== round $round $(basename "$b")"; timeout 120 "$b" | grep -E "byte checks|copy:|four lanes"
+    done
+  done 2>&1 | tee "$OUT/pack_ab.log"
 fi

@@ -313,6 +313,36 @@ __device__ inline uint16_t f16_sat_bits(float f) {
   return __half_as_ushort(__float2half_rn(fminf(fmaxf(f, -kFp16Max), kFp16Max)));
 }
 
+#ifdef TQ_MSE3_SHUFFLE
+// Developer variant (scripts/build_probe.sh PACK_VARIANTS, not yet timed on a GPU): mse3's code-pair
+// fields from the vector's four lanes through shuffles instead of shared memory. bytes[m]: this
+// lane's field of group m in byte 0 (zeros above it up to bit 10). Byte l of xs[t] becomes lane l's
+// field of group j + 4 t: the words u[t] (byte q: group 4 t + q, for lane q) are a 4 x 4 byte matrix
+// over the lanes, transposed in two rounds (lanes j ^ 2, then j ^ 1), each sending two words'
+// halves in one register; byte permutes with selectors that depend on j put the bytes in place.
+template <int kS>
+__device__ inline void transpose_fields(const uint32_t (&bytes)[4 * kS], int j, uint32_t (&xs)[kS]) {
+  static_assert(kS % 2 == 0, "the rounds take the words in pairs");
+  const bool h = (j & 2) != 0, e = (j & 1) != 0;
+  const uint32_t send1 = h ? 0x5410u : 0x7632u, keep_a = h ? 0x5432u : 0x5410u, keep_b = h ? 0x7632u : 0x7610u;
+  const uint32_t send2 = e ? 0x6420u : 0x7531u;
+  // the last permutes' selectors for j = 0 .. 3 (16 bits each; the permute reads the low 16)
+  const uint32_t place_a = static_cast<uint32_t>(0x1435405235145240ull >> (16 * j));
+  const uint32_t place_b = static_cast<uint32_t>(0x1637607237167260ull >> (16 * j));
+#pragma unroll
+  for (int t = 0; t < kS; t += 2) {
+    uint32_t a = __byte_perm(__byte_perm(bytes[4 * t], bytes[4 * t + 1], 0x0040), __byte_perm(bytes[4 * t + 2], bytes[4 * t + 3], 0x0040), 0x5410);
+    uint32_t b = __byte_perm(__byte_perm(bytes[4 * t + 4], bytes[4 * t + 5], 0x0040), __byte_perm(bytes[4 * t + 6], bytes[4 * t + 7], 0x0040), 0x5410);
+    // round 1: the bytes for the other half of the lanes (q with bit 1 unlike j's) go to lane j ^ 2
+    uint32_t r = __shfl_xor_sync(kStreamAll, __byte_perm(a, b, send1), 2);
+    a = __byte_perm(a, r, keep_a), b = __byte_perm(b, r, keep_b);  // [own q, own q + 1, lane j ^ 2's q, q + 1]
+    // round 2: the bytes of group column j ^ 1 go to lane j ^ 1
+    r = __shfl_xor_sync(kStreamAll, __byte_perm(a, b, send2), 1);
+    xs[t] = __byte_perm(a, r, place_a), xs[t + 1] = __byte_perm(b, r, place_b);
+  }
+}
+#endif
+
 // MSE formats. z: the lane's chunks (chunk layout), offset removed; row: the vector's floats in
 // shared memory; fields: its 3-bit scratch; out: its staged packed row; j: the lane within the
 // vector; fused: whether the squares may be fused into the sums (exact squares: fp16 without an
@@ -392,17 +422,29 @@ __device__ inline void encode_mse_stream(int d, bool nc, bool fused, float (&z)[
     // the codes sit in bits 0-3 with zeros above up to kCsqShift, so the byte is the sum's
     bytes[m] = w0 + (w1 << (kBits == 4 ? 4 : 3));
   }
-#pragma unroll
-  for (int m = 0; m < kM; ++m) (kBits == 4 ? out : fields)[4 * m + j] = static_cast<uint8_t>(bytes[m]);
   if constexpr (kBits == 3) {  // group m's 24 bits: lane j's 6 at bit 6 j; lane j writes groups j + 4 t
+#ifdef TQ_MSE3_SHUFFLE
+    uint32_t xs[kS];  // byte l of xs[t]: lane l's field of group j + 4 t
+    transpose_fields<kS>(bytes, j, xs);
+#else
+#pragma unroll
+    for (int m = 0; m < kM; ++m) fields[4 * m + j] = static_cast<uint8_t>(bytes[m]);
     __syncwarp();
+#endif
 #pragma unroll
     for (int t = 0; t < kS; ++t) {
       const int m = j + 4 * t;
-      const uint32_t x = *reinterpret_cast<const uint32_t*>(fields + 4 * m);
+#ifdef TQ_MSE3_SHUFFLE
+      const uint32_t x = xs[t];
+#else
+      const uint32_t x = *reinterpret_cast<const uint32_t*>(fields + 4 * m);  // byte l: lane l's field
+#endif
       const uint32_t w = (x & 0x3fu) | (x >> 2 & 0xfc0u) | (x >> 4 & 0x3f000u) | (x >> 6 & 0xfc0000u);
       out[3 * m] = static_cast<uint8_t>(w), out[3 * m + 1] = static_cast<uint8_t>(w >> 8), out[3 * m + 2] = static_cast<uint8_t>(w >> 16);
     }
+  } else {
+#pragma unroll
+    for (int m = 0; m < kM; ++m) out[4 * m + j] = static_cast<uint8_t>(bytes[m]);
   }
   float scale = n;
   if (nc) {
