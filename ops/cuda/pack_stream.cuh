@@ -331,8 +331,10 @@ __device__ inline void transpose_fields(const uint32_t (&bytes)[4 * kS], int j, 
   const uint32_t place_b = static_cast<uint32_t>(0x1637607237167260ull >> (16 * j));
 #pragma unroll
   for (int t = 0; t < kS; t += 2) {
-    uint32_t a = __byte_perm(__byte_perm(bytes[4 * t], bytes[4 * t + 1], 0x0040), __byte_perm(bytes[4 * t + 2], bytes[4 * t + 3], 0x0040), 0x5410);
-    uint32_t b = __byte_perm(__byte_perm(bytes[4 * t + 4], bytes[4 * t + 5], 0x0040), __byte_perm(bytes[4 * t + 6], bytes[4 * t + 7], 0x0040), 0x5410);
+    const auto word = [&](int k) {  // bytes 0 of bytes[k .. k + 3]
+      return __byte_perm(__byte_perm(bytes[k], bytes[k + 1], 0x0040), __byte_perm(bytes[k + 2], bytes[k + 3], 0x0040), 0x5410);
+    };
+    uint32_t a = word(4 * t), b = word(4 * t + 4);
     // round 1: the bytes for the other half of the lanes (q with bit 1 unlike j's) go to lane j ^ 2
     uint32_t r = __shfl_xor_sync(kStreamAll, __byte_perm(a, b, send1), 2);
     a = __byte_perm(a, r, keep_a), b = __byte_perm(b, r, keep_b);  // [own q, own q + 1, lane j ^ 2's q, q + 1]
