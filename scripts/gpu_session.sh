@@ -4,7 +4,11 @@
 # (test), compute-sanitizer on the op tests (check) and on the kernel probes (check-probes), the CUDA
 # benchmarks, the report's table and plots and a kernel profile (bench), the issue's headline size
 # again in a process of its own (repeat), TQPack's developer variants against the default kernels in
-# the pack probe (pack-ab). One step per call of the device tool.
+# the pack probe (pack-ab; pack-ab-build builds its probes alone, e.g. in the background). One step
+# per call of the device tool.
+# pack-ab's PACK_VARIANTS: NAME:FLAGS ... as in scripts/build_probe.sh; PACK_BASELINE: a source tree
+# under the repo root whose pack probe joins the rounds (e.g. `git archive COMMIT ops scripts`
+# extracted into .carry/baseline and carried with pack-ab-build's call).
 # Expects onnxruntime-gpu under /tmp/site (shared/device/prepare-ortgpu.sh) and the ONNX Runtime
 # headers in third_party/ (scripts/fetch_headers.sh). Logs go to $OUT.
 set -uo pipefail
@@ -61,7 +65,8 @@ if [ "$step" = bench ]; then  # the benchmarks (attention, TQPack, the report's 
   cd /tmp
   timeout 330 python3 -m turboquant.bench attention --device cuda --repeat 30 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"; grep -v "^{" "$OUT/bench.log"
-  timeout 100 python3 -m turboquant.bench pack --device cuda --json "$OUT/pack.json" 2>&1 | tee "$OUT/pack.log" | tail -8
+  timeout 150 python3 -m turboquant.bench pack --device cuda --vectors 65536 262144 1048576 2097152 --json "$OUT/pack.json" \
+    --plot "$OUT/pack-cuda.png" 2>&1 | tee "$OUT/pack.log" | tail -9
   timeout 150 python3 -m turboquant.bench report --device cuda --batch 8 --context 2048 8192 32768 --repeat 20 \
     --out /tmp/report > "$OUT/report.log" 2>&1; echo "report rc=$?"
   # one file for the report's four (the device tool brings back at most 8 files a call)
@@ -77,14 +82,41 @@ if [ "$step" = repeat ]; then  # the issue's headline size again, in a process o
     --repeat 30 --json "$OUT/repeat.json" > "$OUT/repeat.log" 2>&1
   echo "repeat rc=$?"; grep -v "^{" "$OUT/repeat.log"
 fi
-if [ "$step" = pack-ab ]; then  # TQPack's developer variants (PACK_VARIANTS) against the default, alternating
+if [ "$step" = pack-ab-build ] || [ "$step" = pack-ab ]; then  # the pack probes of pack-ab (on its own: in the background, beside other steps)
+  pv=${PACK_VARIANTS:-b6:-DTQ_STREAM_BLOCKS_MSE3=6}
+  if [ "$step" = pack-ab-build ] || [ ! -x /tmp/probe.pack ]; then
+    {  # from a copy: a carried baseline does not outlive its call
+      rm -rf /tmp/pabsrc && cp -r "$root" /tmp/pabsrc &&
+        ( cd /tmp/pabsrc && VARIANTS="" PACK_VARIANTS="$pv" NVCC=/usr/local/cuda/bin/nvcc bash scripts/build_probe.sh /tmp/probe ) &&
+        if [ -n "${PACK_BASELINE:-}" ]; then
+          ( cd "/tmp/pabsrc/$PACK_BASELINE" && VARIANTS="" PACK_VARIANTS="" NVCC=/usr/local/cuda/bin/nvcc bash scripts/build_probe.sh /tmp/probe_baseline )
+        fi
+      echo "pack-ab build exit $?"
+    } > /tmp/pack_ab_build.log 2>&1
+  fi
+fi
+if [ "$step" = pack-ab ]; then  # TQPack's developer variants (PACK_VARIANTS; PACK_BASELINE: an earlier source tree) against the default, alternating
   cd /tmp
-  pv=${PACK_VARIANTS:-shuffle:-DTQ_MSE3_SHUFFLE}
-  ( cd "$root" && VARIANTS="" PACK_VARIANTS="$pv" NVCC=/usr/local/cuda/bin/nvcc bash scripts/build_probe.sh /tmp/probe ) > "$OUT/pack_ab_build.log" 2>&1 \
-    || { echo "probe build failed"; tail -20 "$OUT/pack_ab_build.log"; exit 1; }
-  for round in 1 2 3; do
-    for b in /tmp/probe.pack $(for v in $pv; do echo /tmp/probe.pack.${v%%:*}; done); do
-      echo "== round $round $(basename "$b")"; timeout 120 "$b" | grep -E "byte checks|copy:|four lanes"
+  cp /tmp/pack_ab_build.log "$OUT/pack_ab_build.log"
+  grep -q "pack-ab build exit 0" /tmp/pack_ab_build.log || { echo "probe build failed"; tail -20 /tmp/pack_ab_build.log; exit 1; }
+  probes="/tmp/probe.pack $(for v in $pv; do echo /tmp/probe.pack.${v%%:*}; done)"
+  [ -n "${PACK_BASELINE:-}" ] && probes="$probes /tmp/probe_baseline.pack"
+  {
+    # round 1: byte checks and every format's timing; rounds 2 and 3: the MSE formats' timings
+    for b in $probes; do echo "== round 1 $(basename "$b")"; timeout 120 "$b" | grep -E "byte checks|differ|copy:|four lanes"; done
+    for round in 2 3; do
+      for b in $probes; do
+        for f in mse3 mse4; do echo "== round $round $(basename "$b") $f"; timeout 60 "$b" 2097152 $f | grep -E "copy:|four lanes"; done
+      done
     done
-  done 2>&1 | tee "$OUT/pack_ab.log"
+    # per kernel: warp instructions, issue, shared-memory wavefronts and bank conflicts, occupancy
+    for b in $probes; do
+      for f in mse3 mse4; do
+        echo "== ncu $(basename "$b") $f"
+        timeout 60 /usr/local/cuda/bin/ncu --clock-control none --kernel-name regex:pack_stream --launch-skip 1 --launch-count 1 \
+          --metrics gpu__time_duration.sum,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__warps_active.avg.pct_of_peak_sustained_active \
+          "$b" 2097152 $f 2>&1 | grep -E "__|==PROF==|rror"
+      done
+    done
+  } 2>&1 | tee "$OUT/pack_ab.log"
 fi

@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -58,26 +59,31 @@ constexpr int stage_row_bytes(int dp) {
 // still gets its code.
 // A code word: the index k in bits 0-3, codec::centroid_square_q(k) from bit kCsqShift; summing a
 // lane's words sums its centroid squares above bit kCsqShift, below which the indices' sum stays.
-// In shared memory the table has kBucketCopies copies, entry by entry, and lane l reads copy l % 16:
-// the sixteen lanes of a half-warp, whose 8-byte loads go together, hit different banks.
+// In shared memory the boundaries and the words are two tables of kCopies copies, entry by entry,
+// lane l reading copy l % kCopies. With 32 copies a warp's lookups in either table hit 32 different
+// banks, one wavefront each. (An earlier layout, 16 copies of 8-byte {boundary, word} entries, took
+// 2 wavefronts for the pair and 2 more for the next bucket's word, whose lanes l and l + 16 shared
+// a bank.) Head size 256 keeps 16 copies (two-way conflicts), as 32 do not fit the 48 KB of static
+// shared memory beside its rows.
 constexpr int kBucketHalf = 24;
 constexpr int kBuckets = 2 * kBucketHalf + 1;
-constexpr int kBucketCopies = 16;
+constexpr int bucket_copies(int ks) { return ks == 8 ? 16 : 32; }
 constexpr float kClamp = kBucketHalf / 8.0f;
 constexpr int kCsqShift = 10;
 
-struct alignas(8) BucketEntry {
-  float next;     // the first boundary >= the bucket's start, or NaN
-  uint32_t word;  // the code word of the boundaries below the bucket's start
-};
-
 struct alignas(16) CodebookTables {
-  BucketEntry buckets[kBuckets + 1];  // (+ 1: a last bucket's successor, never read)
+  float next[kBuckets];          // the first boundary >= the bucket's start, or NaN
+  uint32_t word[kBuckets + 1];   // the code word of the boundaries below the bucket's start (+ 1: a
+                                 // last bucket's successor, never read)
 };
 
 // The copies in shared memory: [bucket][copy].
+template <int kCopies>
 struct alignas(16) SharedBuckets {
-  BucketEntry entry[kBuckets + 1][kBucketCopies];
+  static constexpr int kStride = sizeof(float) * kCopies;  // bytes from a bucket to the next
+  static constexpr int kWordOffset = kStride * kBuckets;   // bytes from the boundaries to the words
+  float next[kBuckets][kCopies];
+  uint32_t word[kBuckets + 1][kCopies];
 };
 
 template <int kBits>
@@ -95,7 +101,8 @@ constexpr CodebookTables make_codebook_tables() {
     const float lo = (i - kBucketHalf - 0.5f) / 8.0f;
     int k = 0;
     while (k < kBounds && b[k] < lo) ++k;
-    t.buckets[i] = {k < kBounds ? b[k] : std::numeric_limits<float>::quiet_NaN(), code_word<kBits>(k)};
+    if (i < kBuckets) t.next[i] = k < kBounds ? b[k] : std::numeric_limits<float>::quiet_NaN();
+    t.word[i] = code_word<kBits>(k);
   }
   return t;
 }
@@ -145,20 +152,19 @@ struct __align__(16) StreamSmem {
   static constexpr int kFloatBytes = is_mse(F) ? kStreamVectors * kRowFloats * 4 : 0;
   static constexpr int kWarpBytes = kFloatBytes + (kStreamVectors * stage_row_bytes<F>(kDp) + 15) / 16 * 16;
   alignas(16) uint8_t rows[kStreamWarps][kWarpBytes];
-  // mse3: each code pair's 6 bits as a byte, 4 per group of 8 codes (rows of Dp / 2 + 16 bytes: the
-  // eight vectors' bytes on different banks, and their words too)
-  static constexpr int kFieldBytes = F == Format::kMse3 ? kDp / 2 + 16 : 4;
-  alignas(4) uint8_t fields[kStreamWarps][kStreamVectors][kFieldBytes];
-  SharedBuckets codebook;  // MSE formats
+  static constexpr int kCopies = bucket_copies(kS);
+  SharedBuckets<kCopies> codebook;  // MSE formats
 };
 
-// Copies the codebook tables of F (MSE formats) for the block, kBucketCopies times; syncs it.
+// Copies the codebook tables of F (MSE formats) for the block; syncs it.
 template <Format F, int kS>
 __device__ inline void load_codebook(StreamSmem<F, kS>& sm) {
   if constexpr (is_mse(F)) {
-    const BucketEntry* src = (format_bits(F) == 3 ? kCodebookTables3 : kCodebookTables4).buckets;
-    for (int i = threadIdx.x; i < (kBuckets + 1) * kBucketCopies; i += blockDim.x) {
-      sm.codebook.entry[i / kBucketCopies][i % kBucketCopies] = src[i / kBucketCopies];
+    const CodebookTables& src = format_bits(F) == 3 ? kCodebookTables3 : kCodebookTables4;
+    constexpr int kCopies = StreamSmem<F, kS>::kCopies;
+    for (int i = threadIdx.x; i < (kBuckets + 1) * kCopies; i += blockDim.x) {
+      if (i < kBuckets * kCopies) sm.codebook.next[i / kCopies][i % kCopies] = src.next[i / kCopies];
+      sm.codebook.word[i / kCopies][i % kCopies] = src.word[i / kCopies];
     }
     __syncthreads();
   }
@@ -172,32 +178,35 @@ __device__ inline uint32_t shared_address(const void* p) { return static_cast<ui
 // multiply-adds and one shift-add of addresses (32-bit, wrapping).
 constexpr float kRound = 12582912.0f;
 constexpr uint32_t kRoundBits = 0x4b400000u;
-constexpr uint32_t kBucketStride = sizeof(BucketEntry) * kBucketCopies;
-static_assert(kBucketStride == 128, "a lookup shifts the bucket by 7");
 
 // The shared address that this lane's bucket lookups of the bit pattern of the rounded bucket
 // start from. (Passed through a shuffle so that the compiler cannot split the constant back out.)
-__device__ inline uint32_t bucket_base(const SharedBuckets& t) {
+template <int kCopies>
+__device__ inline uint32_t bucket_base(const SharedBuckets<kCopies>& t) {
+  static_assert(offsetof(SharedBuckets<kCopies>, word) == SharedBuckets<kCopies>::kWordOffset, "the words follow the boundaries");
   const int lane = threadIdx.x & 31;
-  const uint32_t base = shared_address(&t.entry[0][0]) - kRoundBits * kBucketStride;
-  return __shfl_sync(kStreamAll, base, 0) + static_cast<uint32_t>(lane % kBucketCopies) * sizeof(BucketEntry);
+  const uint32_t base = shared_address(&t.next[0][0]) - kRoundBits * SharedBuckets<kCopies>::kStride;
+  return __shfl_sync(kStreamAll, base, 0) + static_cast<uint32_t>(lane % kCopies) * sizeof(float);
 }
 
 // The code word of z (codec::codebook_index: the number of boundaries <= z, and its centroid
-// square) through the buckets, for any z. The loads are not volatile, so that the compiler may
-// issue those of several elements ahead of their uses: the tables are written once, before the
+// square) through the buckets, for any z: the bucket's boundary, then the word of the bucket or
+// (z at or above the boundary) of the next one. The loads are not volatile, so that the compiler
+// may issue those of several elements ahead of their uses: the tables are written once, before the
 // block's first __syncthreads, and every address comes from bucket_base, which follows it.
+template <int kCopies>
 __device__ inline uint32_t code_word_of(float z, uint32_t base) {
+  using Table = SharedBuckets<kCopies>;
+  constexpr int kShift = kCopies == 32 ? 7 : 6;
+  static_assert(Table::kStride == 1 << kShift, "a lookup shifts the bucket by kShift");
   const float t = __saturatef(__fmaf_rn(z, 1.0f / (2 * kClamp), 0.5f));
   const float bucket = __fmaf_rn(t, static_cast<float>(kBuckets - 1), kRound);
-  const uint32_t at = base + (__float_as_uint(bucket) << 7);
+  const uint32_t at = base + (__float_as_uint(bucket) << kShift);
   float next;
   uint32_t word;
-  asm("ld.shared.v2.b32 {%0, %1}, [%2];" : "=f"(next), "=r"(word) : "r"(at));
-  // at or above the boundary: the next bucket's word (this lane's copy), loaded by these lanes only
-  asm("{\n .reg .pred p;\n setp.le.f32 p, %1, %2;\n @p ld.shared.b32 %0, [%3];\n}"
-      : "+r"(word)
-      : "f"(next), "f"(z), "r"(at + kBucketStride + 4));
+  asm("ld.shared.f32 %0, [%1];" : "=f"(next) : "r"(at));
+  const uint32_t word_at = next <= z ? at + Table::kStride : at;
+  asm("ld.shared.b32 %0, [%1+%2];" : "=r"(word) : "r"(word_at), "n"(Table::kWordOffset));
   return word;
 }
 
@@ -253,17 +262,17 @@ __device__ inline void convert_chunks(DType dt, const uint4 (&u)[kS], float (&z)
 }
 
 // The lane's chunks j, j + 4, ... of the vector starting at element e of x (16-byte aligned), of
-// which the first `chunks` exist (and none when !live); the others are zeros. One branch on the
-// type per vector, the loads predicated.
+// which the first `chunks` exist; the others are zeros. One branch on the type per vector, and for
+// 16-bit types one on whether every chunk exists (the padded size: no predicates, no zeros).
 template <bool kNanBits, int kS>
-__device__ inline void load_chunks(DType dt, const void* x, int64_t e, bool live, int chunks, int j, float (&z)[kS][8]) {
+__device__ inline void load_chunks(DType dt, const void* x, int64_t e, int chunks, int j, float (&z)[kS][8]) {
   const uint4 zero = make_uint4(0, 0, 0, 0);
   if (dt == DType::kFloat32) {
     const uint4* p = reinterpret_cast<const uint4*>(static_cast<const float*>(x) + e);
 #pragma unroll
     for (int s = 0; s < kS; ++s) {
       const int c = j + 4 * s;
-      const bool ok = live && c < chunks;
+      const bool ok = c < chunks;
       const uint4 a = ok ? __ldcs(p + 2 * c) : zero, b = ok ? __ldcs(p + 2 * c + 1) : zero;
       const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
@@ -271,10 +280,15 @@ __device__ inline void load_chunks(DType dt, const void* x, int64_t e, bool live
     }
     return;
   }
-  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + e);
+  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + e) + j;
   uint4 u[kS];
+  if (chunks == 4 * kS) {
 #pragma unroll
-  for (int s = 0; s < kS; ++s) u[s] = live && j + 4 * s < chunks ? __ldcs(p + j + 4 * s) : zero;
+    for (int s = 0; s < kS; ++s) u[s] = __ldcs(p + 4 * s);
+  } else {
+#pragma unroll
+    for (int s = 0; s < kS; ++s) u[s] = j + 4 * s < chunks ? __ldcs(p + 4 * s) : zero;
+  }
   convert_chunks<kNanBits>(dt, u, z);
 }
 
@@ -313,46 +327,13 @@ __device__ inline uint16_t f16_sat_bits(float f) {
   return __half_as_ushort(__float2half_rn(fminf(fmaxf(f, -kFp16Max), kFp16Max)));
 }
 
-#ifdef TQ_MSE3_SHUFFLE
-// Developer variant (scripts/build_probe.sh PACK_VARIANTS, not yet timed on a GPU): mse3's code-pair
-// fields from the vector's four lanes through shuffles instead of shared memory. bytes[m]: this
-// lane's field of group m in byte 0 (zeros above it up to bit 10). Byte l of xs[t] becomes lane l's
-// field of group j + 4 t: the words u[t] (byte q: group 4 t + q, for lane q) are a 4 x 4 byte matrix
-// over the lanes, transposed in two rounds (lanes j ^ 2, then j ^ 1), each sending two words'
-// halves in one register; byte permutes with selectors that depend on j put the bytes in place.
-template <int kS>
-__device__ inline void transpose_fields(const uint32_t (&bytes)[4 * kS], int j, uint32_t (&xs)[kS]) {
-  static_assert(kS % 2 == 0, "the rounds take the words in pairs");
-  const bool h = (j & 2) != 0, e = (j & 1) != 0;
-  const uint32_t send1 = h ? 0x5410u : 0x7632u, keep_a = h ? 0x5432u : 0x5410u, keep_b = h ? 0x7632u : 0x7610u;
-  const uint32_t send2 = e ? 0x6420u : 0x7531u;
-  // the last permutes' selectors for j = 0 .. 3 (16 bits each; the permute reads the low 16)
-  const uint32_t place_a = static_cast<uint32_t>(0x1435405235145240ull >> (16 * j));
-  const uint32_t place_b = static_cast<uint32_t>(0x1637607237167260ull >> (16 * j));
-#pragma unroll
-  for (int t = 0; t < kS; t += 2) {
-    const auto word = [&](int k) {  // bytes 0 of bytes[k .. k + 3]
-      return __byte_perm(__byte_perm(bytes[k], bytes[k + 1], 0x0040), __byte_perm(bytes[k + 2], bytes[k + 3], 0x0040), 0x5410);
-    };
-    uint32_t a = word(4 * t), b = word(4 * t + 4);
-    // round 1: the bytes for the other half of the lanes (q with bit 1 unlike j's) go to lane j ^ 2
-    uint32_t r = __shfl_xor_sync(kStreamAll, __byte_perm(a, b, send1), 2);
-    a = __byte_perm(a, r, keep_a), b = __byte_perm(b, r, keep_b);  // [own q, own q + 1, lane j ^ 2's q, q + 1]
-    // round 2: the bytes of group column j ^ 1 go to lane j ^ 1
-    r = __shfl_xor_sync(kStreamAll, __byte_perm(a, b, send2), 1);
-    xs[t] = __byte_perm(a, r, place_a), xs[t + 1] = __byte_perm(b, r, place_b);
-  }
-}
-#endif
-
 // MSE formats. z: the lane's chunks (chunk layout), offset removed; row: the vector's floats in
-// shared memory; fields: its 3-bit scratch; out: its staged packed row; j: the lane within the
+// shared memory (then mse3's scratch); out: its staged packed row; j: the lane within the
 // vector; fused: whether the squares may be fused into the sums (exact squares: fp16 without an
 // offset, whose squares are normal floats of at most 22 significant bits).
 template <int kBits, int kS>
-__device__ inline void encode_mse_stream(int d, bool nc, bool fused, float (&z)[kS][8], float* row, uint8_t* fields,
-                                         uint8_t* out, uint32_t buckets, int j) {
-  constexpr int kDp = 32 * kS, kM = 4 * kS;
+__device__ inline void encode_mse_stream(int d, bool nc, bool fused, float (&z)[kS][8], float* row, uint8_t* out, uint32_t buckets, int j) {
+  constexpr int kDp = 32 * kS, kM = 4 * kS, kCopies = bucket_copies(kS);
   const int chunks = d / 8;
   // the norm: the lane holds partials 8 j + a whole; the butterfly's distances 1, 2, 4 in the
   // lane, then 8 and 16 across lanes j ^ 1 and j ^ 2
@@ -419,29 +400,29 @@ __device__ inline void encode_mse_stream(int d, bool nc, bool fused, float (&z)[
   uint32_t sum = 0, bytes[kM];
 #pragma unroll
   for (int m = 0; m < kM; ++m) {
-    const uint32_t w0 = code_word_of(y[m].x, buckets), w1 = code_word_of(y[m].y, buckets);
+    const uint32_t w0 = code_word_of<kCopies>(y[m].x, buckets), w1 = code_word_of<kCopies>(y[m].y, buckets);
     sum += w0 + w1;
     // the codes sit in bits 0-3 with zeros above up to kCsqShift, so the byte is the sum's
     bytes[m] = w0 + (w1 << (kBits == 4 ? 4 : 3));
   }
   if constexpr (kBits == 3) {  // group m's 24 bits: lane j's 6 at bit 6 j; lane j writes groups j + 4 t
-#ifdef TQ_MSE3_SHUFFLE
-    uint32_t xs[kS];  // byte l of xs[t]: lane l's field of group j + 4 t
-    transpose_fields<kS>(bytes, j, xs);
-#else
+    // each code pair's 6 bits as a byte, 4 per group, in the vector's row (its floats are read):
+    // rows start on banks 8 g (mod 32), and vectors 4-7 start 4 words further, so the eight
+    // vectors' bytes fall on different banks, and their words too
+    uint8_t* fields = reinterpret_cast<uint8_t*>(row) + 16 * ((threadIdx.x >> 4) & 1);
+    static_assert((kDp + 8) % 32 == 8, "the rows start on banks 8 g");
+    __syncwarp();
 #pragma unroll
     for (int m = 0; m < kM; ++m) fields[4 * m + j] = static_cast<uint8_t>(bytes[m]);
     __syncwarp();
-#endif
 #pragma unroll
     for (int t = 0; t < kS; ++t) {
       const int m = j + 4 * t;
-#ifdef TQ_MSE3_SHUFFLE
-      const uint32_t x = xs[t];
-#else
       const uint32_t x = *reinterpret_cast<const uint32_t*>(fields + 4 * m);  // byte l: lane l's field
-#endif
-      const uint32_t w = (x & 0x3fu) | (x >> 2 & 0xfc0u) | (x >> 4 & 0x3f000u) | (x >> 6 & 0xfc0000u);
+      // w = f0 | f1 << 6 | f2 << 12 | f3 << 18 from x = f0 | f1 << 8 | f2 << 16 | f3 << 24 (fields
+      // below 64): f1 and f3 moved down by 2 bits (x - 192 (f1 + f3 << 16)), then f2 f3 by 4
+      const uint32_t y = x - 192u * __byte_perm(x, 0, 0x4341);
+      const uint32_t w = y - (y >> 16) * 0xf000u;
       out[3 * m] = static_cast<uint8_t>(w), out[3 * m + 1] = static_cast<uint8_t>(w >> 8), out[3 * m + 2] = static_cast<uint8_t>(w >> 16);
     }
   } else {
@@ -570,11 +551,20 @@ __device__ inline void encode_plain_stream(int d, float (&z)[kS][8], uint8_t* ou
   }
 }
 
-// Blocks an SM holds at least (the register budget): measured on the H200 for the MSE formats at
-// head size 128 (mse4 0.316 ms at 7 against 0.318 at 6 and 0.325 at 5; mse3 0.338 at 5 against 0.347
-// at 6 and 7, where its registers spill).
+// Blocks an SM holds at least (the register budget) for the MSE formats at head size 128, measured
+// on the H200 in the pack probe: mse4 7 (0.316 ms against 0.318 at 6 and 0.325 at 5, session 11);
+// mse3 7, as many as its shared memory allows (0.291 ms, session 17; 0.334 at 5 before its fields
+// moved into the row and its lookups to a copy per lane; 0.302 at 7 against 0.303 at 6 in a build
+// whose grid was one wave of blocks). TQ_STREAM_BLOCKS_MSE3 / _MSE4 override them for timing
+// (scripts/build_probe.sh PACK_VARIANTS).
+#ifndef TQ_STREAM_BLOCKS_MSE3
+#define TQ_STREAM_BLOCKS_MSE3 7
+#endif
+#ifndef TQ_STREAM_BLOCKS_MSE4
+#define TQ_STREAM_BLOCKS_MSE4 7
+#endif
 constexpr int stream_blocks(Format f, int ks) {
-  return ks == 8 ? 3 : ks == 4 && f == Format::kMse4 ? 7 : ks == 4 && f == Format::kMse3 ? 5 : 8;
+  return ks == 8 ? 3 : ks == 4 && f == Format::kMse4 ? TQ_STREAM_BLOCKS_MSE4 : ks == 4 && f == Format::kMse3 ? TQ_STREAM_BLOCKS_MSE3 : 8;
 }
 
 // n vectors of d elements (padded_dim(d) == 32 kS, packed rows of an even size); x, out and
@@ -594,7 +584,8 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks(F, kS)) pack_str
     const uint32_t v0 = group * kStreamVectors, v = v0 + g;
     const bool live = v < n;
     float z[kS][8];
-    load_chunks<!is_mse(F) && !is_uint(F)>(dt, x, static_cast<int64_t>(v) * d, live, chunks, j, z);
+    // (a vector past the end packs the last one's elements: its row is not written out)
+    load_chunks<!is_mse(F) && !is_uint(F)>(dt, x, static_cast<int64_t>(live ? v : n - 1) * d, chunks, j, z);
     if (offset.data) {
       const float* off = offset.row_for(live ? v : 0, d);
 #pragma unroll
@@ -610,7 +601,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks(F, kS)) pack_str
     uint8_t* row_out = stage + g * bytes;
     if constexpr (is_mse(F)) {
       float* row = reinterpret_cast<float*>(sm.rows[warp]) + g * StreamSmem<F, kS>::kRowFloats;
-      encode_mse_stream<format_bits(F), kS>(d, nc, fused, z, row, sm.fields[warp][g], row_out, buckets, j);
+      encode_mse_stream<format_bits(F), kS>(d, nc, fused, z, row, row_out, buckets, j);
     } else if constexpr (is_uint(F)) {
       // the first element as the codec converts it (a NaN's bits matter to min and max)
       float x0 = live ? load_float(dt, x, static_cast<int64_t>(v) * d) : 0.0f;

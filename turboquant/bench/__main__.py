@@ -16,6 +16,13 @@ from ..config import TQ_PRESETS
 from . import attention
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive count, not {text}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m turboquant.bench", description=__doc__.split("\n\n")[1])
     sub = p.add_subparsers(dest="what", required=True)
@@ -44,20 +51,28 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", default="bench-report", help="folder for the table, JSON and plots (default ./bench-report)")
     k = sub.add_parser("pack", help="TQPack throughput per format, against a copy in the same run")
     k.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    k.add_argument("--vectors", type=int, default=1 << 21, help="fp16 vectors per call (default 2097152: 512 MiB)")
+    k.add_argument("--vectors", type=_positive, nargs="+", default=[1 << 21],
+                   help="fp16 vectors per call (default 2097152: 512 MiB; several: a sweep)")
     k.add_argument("--head-dim", type=int, default=128)
     k.add_argument("--threads", type=int, default=os.cpu_count())
     k.add_argument("--repeat", type=int, default=20)
     k.add_argument("--json", help="write the results here as JSON")
+    k.add_argument("--plot", help="write a PNG of each format's fraction of the copy rate against the vectors per call here")
     args = p.parse_args(argv)
     if args.what == "pack":
         from . import pack
 
-        rows = pack.run(args.device, args.vectors, args.head_dim, args.threads, args.repeat)
-        print(pack.report(rows, args.device))
+        rows = []
+        for n in args.vectors:
+            rows_n = pack.run(args.device, n, args.head_dim, args.threads, args.repeat)
+            print(pack.report(rows_n, args.device), flush=True)
+            rows += rows_n
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
+        if args.plot:
+            pack.plot(rows, args.device, args.plot)
+            print(f"plot written to {args.plot}")
         return 0
     if args.what == "report":
         from . import report

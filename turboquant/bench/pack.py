@@ -7,6 +7,7 @@ per format, as the attention bench takes them (cuda.time_iobinding): a call run 
 (ONNX Runtime's per-Run cost included) and calls run back to back (the GPU time of one).
 
     python -m turboquant.bench pack --device cuda --vectors 2097152
+    python -m turboquant.bench pack --device cuda --vectors 65536 262144 2097152 --plot pack-cuda.png
 """
 
 from __future__ import annotations
@@ -107,3 +108,31 @@ def report(rows: list[dict], device: str) -> str:
             line += f"{r['seconds_pipelined'] * 1e3:>20.3f}{r['GBps_pipelined']:>10.1f}{pf:>13}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], device: str, path: str) -> None:
+    """A PNG of each format's throughput as a fraction of the copy rate against the vectors per call:
+    solid lines for calls back to back (GPU time), dashed for calls run and waited for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    series = [("copy_fraction_pipelined", "-", "back to back"), ("copy_fraction", "--", "waited for")]
+    for i, fmt in enumerate(dict.fromkeys(r["format"] for r in rows)):
+        for key, style, how in series:
+            pts = sorted((r["vectors"], r[key]) for r in rows if r["format"] == fmt and r.get(key))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, color=f"C{i}", linestyle=style, label=f"{fmt}, {how}")
+    ax.axhline(1.0, color="grey", linewidth=0.8)  # the copy
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(f"fp16 vectors of {rows[0]['head_dim']} per call")
+    ax.set_ylabel("(bytes read + written) / time, x copy rate")
+    ax.set_title(f"TQPack on {device}, against a copy in the same run")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from turboquant.bench.__main__ import main
 from turboquant.config import packed_size
 
@@ -29,3 +31,21 @@ def test_pack_report_prints_back_to_back_times_where_measured():
     text = report([row], "cuda")
     assert "back to back" in text and "2.000" in text and "1.000" in text
     assert "back to back" not in report([{k: v for k, v in row.items() if "pipelined" not in k}], "cpu")
+
+
+def test_pack_bench_sweeps_vector_counts_and_plots_them(tmp_path, capsys):
+    out, png = tmp_path / "pack.json", tmp_path / "pack.png"
+    assert main(["pack", "--device", "cpu", "--vectors", "256", "1024", "--head-dim", "64", "--threads", "1",
+                 "--repeat", "2", "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["vectors"], r["format"]) for r in rows] == [(n, f) for n in (256, 1024) for f in
+                                                          ("mse4", "mse3", "fp8", "uint4", "uint3", "raw16")]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "256 fp16 vectors" in printed and "1024 fp16 vectors" in printed and f"plot written to {png}" in printed
+
+
+def test_pack_bench_refuses_a_vector_count_that_is_not_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["pack", "--device", "cpu", "--vectors", "256", "0"])
+    assert "--vectors: must be a positive count, not 0" in capsys.readouterr().err
