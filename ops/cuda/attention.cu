@@ -1,4 +1,4 @@
-// TQAttention on the GPU (DESIGN.md section 3).
+// TQAttention on the GPU (docs/design.md section 3).
 //
 // 1. present = past ++ pack(new - offset): a copy kernel (when present is not past's buffer) and
 //    the finish kernel's packing blocks (same codec as the CPU).
