@@ -793,7 +793,7 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
     if (e != cudaSuccess) return e;
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
   } else if (prefill_supported(p, q, k, v, mask, y)) {  // a first prompt: its rows on tensor cores
-    if ((e = launch_prefill(p, q, k, v, y, stream)) != cudaSuccess) return e;
+    if ((e = launch_prefill(p, q, k, v, mask, y, stream)) != cudaSuccess) return e;
     Layout packs_only = l;
     packs_only.rows = 0;  // the finish kernel then only packs the new tokens
     return finish(p, rot, packs_only, q, k, v, mask, nullptr, y, present_key, present_value, false, stream);
