@@ -470,7 +470,8 @@ __device__ inline void encode_uint_stream(int d, float x0, float (&z)[kS][8], ui
     const float a = __shfl_xor_sync(kStreamAll, mn, o), b = __shfl_xor_sync(kStreamAll, mx, o);
     mn = a < mn ? a : mn;
     mx = b > mx ? b : mx;
-    nan = nan || __shfl_xor_sync(kStreamAll, static_cast<int>(nan), o) != 0;
+    const int other_nan = __shfl_xor_sync(kStreamAll, static_cast<int>(nan), o);  // every lane shuffles
+    nan = nan || other_nan != 0;
   }
   const float levels = static_cast<float>((1 << kBits) - 1);
   const float range = (mx - mn) / levels;
