@@ -670,18 +670,21 @@ __device__ inline void copy_item(const CopyJob& j, int64_t i) {
 // at the copy rate of the device (cudaMemcpy2DAsync moved these rows at about half of it on an H200).
 struct CopyJobs {
   CopyJob job[4];
-  __host__ __device__ int64_t items() const { return job[0].items() + job[1].items() + job[2].items() + job[3].items(); }
+  int64_t end[4];  // items of jobs 0..j together, worked out on the host
+  CopyJobs(const CopyJob& a, const CopyJob& b, const CopyJob& c, const CopyJob& d) : job{a, b, c, d} {
+    int64_t n = 0;
+    for (int j = 0; j < 4; ++j) end[j] = n += job[j].items();
+  }
 };
 
 __global__ void __launch_bounds__(kThreads) copy_kernel(CopyJobs jobs) {
   launch_dependents();  // the split kernel reads the past, not the present
-  const int64_t total = jobs.items();
+  const int64_t total = jobs.end[3];
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     int q = 0;
-    int64_t at = i;
-    while (q < 3 && at >= jobs.job[q].items()) at -= jobs.job[q++].items();
-    copy_item(jobs.job[q], at);
+    while (q < 3 && i >= jobs.end[q]) ++q;
+    copy_item(jobs.job[q], q > 0 ? i - jobs.end[q - 1] : i);
   }
 }
 
@@ -704,11 +707,11 @@ CopyJob zero_job(const AttentionParams& p, int64_t row_bytes, const uint8_t* pas
 
 cudaError_t copy_past(const AttentionParams& p, const uint8_t* past_key, uint8_t* present_key,
                       const uint8_t* past_value, uint8_t* present_value, int num_sms, cudaStream_t stream) {
-  const CopyJobs jobs{{copy_job(p, p.key_row(), past_key, present_key),
-                       copy_job(p, p.value_row(), past_value, present_value),
-                       zero_job(p, p.key_row(), past_key, present_key),
-                       zero_job(p, p.value_row(), past_value, present_value)}};
-  const int64_t items = jobs.items();
+  const CopyJobs jobs(copy_job(p, p.key_row(), past_key, present_key),
+                      copy_job(p, p.value_row(), past_value, present_value),
+                      zero_job(p, p.key_row(), past_key, present_key),
+                      zero_job(p, p.value_row(), past_value, present_value));
+  const int64_t items = jobs.end[3];
   if (items == 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((items + kThreads - 1) / kThreads, 8LL * std::max(num_sms, 1));
   copy_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(jobs);
