@@ -227,16 +227,17 @@ def test_never_overwrites_the_input_files(exported, tmp_path):
 
     src = _external(exported, tmp_path)
     os.link(src, tmp_path / "hard.onnx")
-    os.link(tmp_path / "e.onnx.data", tmp_path / "linked.onnx.data")  # what -o linked.onnx would write
     before = _files(tmp_path)
-    for out, what in [("e.onnx.data", "external data file e.onnx.data"), ("hard.onnx", "model"),
-                      ("linked.onnx", "external data file e.onnx.data")]:
+    for out, what in [("e.onnx.data", "external data file e.onnx.data"), ("hard.onnx", "model")]:
         with pytest.raises(RewriteError, match=f"is the input's {what}; turboquant never overwrites its input"):
             export(src, "turboquant_k8v4", tmp_path / out)
-    assert _files(tmp_path) == before
     r = cli(src, "--preset", "turboquant_k8v4", "-o", tmp_path / "e.onnx.data")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "never overwrites" in r.stderr
     assert _files(tmp_path) == before
+    os.link(tmp_path / "e.onnx.data", tmp_path / "linked.onnx.data")  # what -o linked.onnx would write
+    with pytest.raises(RewriteError, match="linked.onnx.data is the input's external data file e.onnx.data"):
+        export(src, "turboquant_k8v4", tmp_path / "linked.onnx")
+    assert _files(tmp_path) == {**before, "linked.onnx.data": before["e.onnx.data"]}
     (tmp_path / "hard.onnx").unlink()
     (tmp_path / "linked.onnx.data").unlink()  # onnx refuses data files with several links
     onnx.checker.check_model(str(src))  # still loads, with its data
