@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from turboquant.eval.__main__ import main
@@ -79,6 +80,8 @@ def test_bad_input_refused_before_the_run(tiny, tmp_path, capsys, monkeypatch):
         ([src, dst, "--text", text, "--json", tmp_path / "folder"], f"--json {tmp_path / 'folder'} is a folder"),
         ([src, dst, "--text", text, "--threads", "-1"], "argument --threads: must be a positive count, not -1"),
         ([src, dst, "--text", text, "--threads", "0"], "argument --threads: must be a positive count, not 0"),
+        *([([src, dst, "--text", text, "--device", "cuda"], "--device cuda: this ONNX Runtime has no CUDAExecutionProvider")]
+          if "CUDAExecutionProvider" not in ort.get_available_providers() else []),
     ]:
         with pytest.raises(SystemExit) as e:
             main([str(a) for a in argv] + base)
