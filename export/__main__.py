@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from turboquant.cli import non_negative
+from turboquant.arguments import non_negative
 from turboquant.config import TQ_PRESETS
 
 from .errors import RewriteError

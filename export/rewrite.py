@@ -163,7 +163,7 @@ def _data_file(out: pathlib.Path) -> pathlib.Path:
 
 
 def _check_writable(path: pathlib.Path, what: str = "the output") -> None:
-    from turboquant.cli import check_output_file
+    from turboquant.arguments import check_output_file
 
     try:
         check_output_file(path, what)

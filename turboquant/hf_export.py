@@ -15,7 +15,7 @@ import argparse
 import pathlib
 import sys
 
-from .cli import check_output_file
+from .arguments import check_output_file
 
 GGUF_MAGIC = b"GGUF"
 

@@ -12,9 +12,9 @@ import argparse
 import json
 import os
 
-from ..cli import cuda_missing
-from ..cli import head_dim as _head_dim
-from ..cli import positive as _positive
+from ..arguments import cuda_missing
+from ..arguments import head_dim as _head_dim
+from ..arguments import positive as _positive
 from ..config import TQ_PRESETS
 from . import attention
 

@@ -7,7 +7,7 @@ import json
 import pathlib
 import sys
 
-from turboquant.cli import check_output_file, cuda_missing, positive, read_onnx
+from turboquant.arguments import check_output_file, cuda_missing, positive, read_onnx
 from turboquant.config import TQ_PRESETS
 
 

@@ -20,7 +20,7 @@ import re
 import shutil
 import sys
 
-from ..cli import non_negative_list, positive, read_onnx
+from ..arguments import non_negative_list, positive, read_onnx
 
 _TRITON_TYPES = {1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 6: "TYPE_INT32", 7: "TYPE_INT64", 9: "TYPE_BOOL",
                  10: "TYPE_FP16", 11: "TYPE_FP64", 16: "TYPE_BF16"}
