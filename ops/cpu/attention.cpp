@@ -1,4 +1,4 @@
-// TQAttention on the CPU (DESIGN.md sections 3 and 4).
+// TQAttention on the CPU (docs/design.md sections 3 and 4).
 //
 // Work is split into tasks of up to kMaxRows query rows (the query heads of one GQA group, at one or
 // more positions) against one KV head, so every packed KV byte is read once per task. Per task:

@@ -1,4 +1,4 @@
-// TQAttention on the GPU (DESIGN.md section 3).
+// TQAttention on the GPU (docs/design.md section 3).
 //
 // 1. present = past ++ pack(new - offset): a copy kernel (when present is not past's buffer) and
 //    the finish kernel's packing blocks (same codec as the CPU).
@@ -25,6 +25,7 @@
 #include <cuda_pipeline.h>
 
 #include "pack_device.cuh"
+#include "prefill.cuh"
 #include "split_common.cuh"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/float_io.h"
@@ -791,6 +792,11 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
     }
     if (e != cudaSuccess) return e;
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  } else if (prefill_supported(p, q, k, v, mask, y)) {  // a first prompt: its rows on tensor cores
+    if ((e = launch_prefill(p, q, k, v, mask, y, stream)) != cudaSuccess) return e;
+    Layout packs_only = l;
+    packs_only.rows = 0;  // the finish kernel then only packs the new tokens
+    return finish(p, rot, packs_only, q, k, v, mask, nullptr, y, present_key, present_value, false, stream);
   }
   return finish(p, rot, l, q, k, v, mask, static_cast<const float*>(workspace), y, present_key, present_value, split,
                 stream);

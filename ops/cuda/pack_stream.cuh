@@ -552,10 +552,9 @@ __device__ inline void encode_plain_stream(int d, float (&z)[kS][8], uint8_t* ou
 }
 
 // Blocks an SM holds at least (the register budget) for the MSE formats at head size 128, measured
-// on the H200 in the pack probe: mse4 7 (0.316 ms against 0.318 at 6 and 0.325 at 5, session 11);
-// mse3 7, as many as its shared memory allows (0.291 ms, session 17; 0.334 at 5 before its fields
-// moved into the row and its lookups to a copy per lane; 0.302 at 7 against 0.303 at 6 in a build
-// whose grid was one wave of blocks). TQ_STREAM_BLOCKS_MSE3 / _MSE4 override them for timing
+// the fastest of the pack probe's sweep on the H200 (docs/performance.md): mse4 7, 6 and 5 slower;
+// mse3 7, as many as its shared memory allows, fewer slower again (a grid of one wave of blocks
+// gained nothing at any count). TQ_STREAM_BLOCKS_MSE3 / _MSE4 override them for timing
 // (scripts/build_probe.sh PACK_VARIANTS).
 #ifndef TQ_STREAM_BLOCKS_MSE3
 #define TQ_STREAM_BLOCKS_MSE3 7

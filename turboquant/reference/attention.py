@@ -1,4 +1,4 @@
-"""Numpy reference of TQAttention (DESIGN.md sections 3 and 4), the oracle for the kernels.
+"""Numpy reference of TQAttention (docs/design.md sections 3 and 4), the oracle for the kernels.
 
 Semantics: ONNX Attention (opset 23) over a cache whose past entries are packed. The new tokens'
 K/V are attended exactly (in float64 here) and packed into present; past tokens are attended from

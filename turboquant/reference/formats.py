@@ -1,4 +1,4 @@
-"""Numpy reference of the packed per-vector formats (DESIGN.md section 2, format version 1).
+"""Numpy reference of the packed per-vector formats (docs/design.md section 2, format version 1).
 
 This is the oracle every kernel is tested against: the CPU kernels match it byte for byte. To make
 that possible it fixes the order of every floating-point operation that decides a stored bit:

@@ -1,4 +1,4 @@
-// Encoding and decoding of one vector in every format of DESIGN.md section 2, shared by the CPU
+// Encoding and decoding of one vector in every format of docs/design.md section 2, shared by the CPU
 // and CUDA kernels (host and device), so that both produce the same bytes. Every operation that
 // decides a stored bit runs in one fixed order: compile users of this header without
 // floating-point contraction (-ffp-contract=off, nvcc -fmad=false). The MSE encoder is float32

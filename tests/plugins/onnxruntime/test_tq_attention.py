@@ -141,6 +141,24 @@ def test_presets_every_head_dim(ort_session, device, d, kf, vf):
     check_case(ort_session, c, device=device)
 
 
+@pytest.mark.parametrize("sq, d, dtype, layout, causal, kf, vf, mask, mask_shape", [
+    (300, 128, TensorProto.FLOAT16, "bsd", True, "mse4", "uint4", None, "full"),
+    (257, 64, TensorProto.BFLOAT16, "bhsd", True, "mse3", "uint3", None, "full"),
+    (130, 128, TensorProto.BFLOAT16, "bsd", False, "fp8", "uint4", None, "full"),
+    (1000, 128, TensorProto.FLOAT16, "bhsd", True, "mse3", "uint4", None, "full"),
+    (200, 128, TensorProto.FLOAT16, "bsd", True, "mse4", "uint4", "float", "b1qk"),
+    (150, 64, TensorProto.FLOAT16, "bsd", False, "mse4", "uint4", "bool", "full"),
+    (129, 128, TensorProto.BFLOAT16, "bhsd", False, "mse4", "uint4", "float16", "k"),
+])
+def test_first_prompt(ort_session, device, sq, d, dtype, layout, causal, kf, vf, mask, mask_shape):
+    """A prompt with no past, long enough for several tiles of query rows and keys (on CUDA the
+    tensor-core prefill kernel, which the short hypothesis cases reach only with one tile), with and
+    without masks."""
+    c = dict(b=2, hkv=2, group=4, sq=sq, sp=0, d=d, kf=kf, vf=vf, dtype=dtype, layout=layout, mask=mask,
+             mask_shape=mask_shape, causal=causal, scale=None, offsets=False, nc=True, values="normal", seed=sq)
+    check_case(ort_session, c, device=device)
+
+
 def test_threads_give_the_same_result(ort_session):
     c = dict(b=2, hkv=4, group=4, sq=3, sp=300, d=128, kf="mse4", vf="uint4", dtype=TensorProto.FLOAT, layout="bhsd",
              mask=None, mask_shape="full", causal=True, scale=None, offsets=True, nc=True, values="normal", seed=7)

@@ -222,6 +222,23 @@ def test_decode_step_of_the_presets_shape(ort_session, device, b, formats, rotar
     check_outputs(c, y, pk, pv, reference(c, feeds))
 
 
+@pytest.mark.parametrize("b, s, d, formats, rotary, packed", [
+    (2, 300, 128, ("mse4", "uint4"), 128, False), (1, 257, 64, ("mse3", "uint3"), 0, True),
+    (3, 130, 128, ("fp8", "uint4"), 64, False), (1, 1000, 128, ("raw16", "raw16"), 0, False),
+])
+def test_first_prompt_of_several_tiles(ort_session, device, b, s, d, formats, rotary, packed):
+    """A first prompt long enough for several tiles of query rows and keys (on CUDA the tensor-core
+    prefill kernel), right padded, written into a buffer with rows to spare; the new rows and outputs
+    equal the reference's."""
+    lengths = [s - 37 * i for i in range(b)]
+    c = dict(b=b, s=s, first=True, capacity=s + 9, lengths=lengths, d=d, hkv=2, group=4, formats=formats, pad=0,
+             packed=packed, rotary=rotary, interleaved=False, position_ids=False, dtype=TensorProto.FLOAT16, nc=True,
+             offsets=False, seed=s)
+    model, feeds = make(c)
+    y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
+    check_outputs(c, y, pk, pv, reference(c, feeds))
+
+
 BASE = dict(b=2, s=1, first=False, capacity=16, lengths=[5, 9], d=64, hkv=2, group=2, formats=("mse4", "uint4"), pad=0,
             packed=False, rotary=0, interleaved=False, position_ids=False, dtype=TensorProto.FLOAT, nc=True,
             offsets=False, seed=1)
