@@ -25,33 +25,53 @@ class TinyConfig:
     vocab: int = 512
     seed: int = 0
     key_bias: float = 0.0  # qwen2: std of random k_proj biases, i.e. a fixed per-channel component in the keys
+    mlp: int | None = None  # the MLP's inner width (default 2 x hidden)
+    max_positions: int = 1024
+    init_range: float = 0.08  # std of the random weights
+    head_scale: float = 6.0  # the output projection's extra factor (peaked predictions)
 
 
-def build_model(cfg: TinyConfig):
+def build_model(cfg: TinyConfig, device: str | None = None, dtype=None):
+    """device, dtype: where and in which torch dtype the weights are made (default: the CPU, fp32);
+    a large model made on the GPU in fp16 takes seconds instead of minutes."""
+    import contextlib
+
     import torch
     import transformers
 
     torch.manual_seed(cfg.seed)
-    common = dict(vocab_size=cfg.vocab, initializer_range=0.08, use_cache=True)
-    if cfg.family in ("llama", "qwen2"):
-        klass = transformers.LlamaConfig if cfg.family == "llama" else transformers.Qwen2Config
-        hf = klass(hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden, num_hidden_layers=cfg.layers,
-                   num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                   max_position_embeddings=1024, tie_word_embeddings=False, **common)
-        model = transformers.AutoModelForCausalLM.from_config(hf)
-    elif cfg.family == "gpt2":
-        if cfg.heads * cfg.head_dim != cfg.hidden:
-            raise ValueError("gpt2: hidden must equal heads * head_dim")
-        hf = transformers.GPT2Config(n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads, n_positions=1024, **common)
-        model = transformers.GPT2LMHeadModel(hf)
-    else:
-        raise ValueError(f"unknown family {cfg.family!r}")
+    common = dict(vocab_size=cfg.vocab, initializer_range=cfg.init_range, use_cache=True)
+    old_dtype = torch.get_default_dtype()
+    place = torch.device(device) if device else contextlib.nullcontext()
+    try:
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        with place:
+            model = _hf_model(cfg, common, transformers)
+    finally:
+        torch.set_default_dtype(old_dtype)
     with torch.no_grad():  # peaked predictions: a larger output projection
-        model.get_output_embeddings().weight.mul_(6.0)
+        model.get_output_embeddings().weight.mul_(cfg.head_scale)
         if cfg.key_bias and cfg.family == "qwen2":
             for layer in model.model.layers:
                 layer.self_attn.k_proj.bias.normal_(0.0, cfg.key_bias)
     return model.eval()
+
+
+def _hf_model(cfg: TinyConfig, common: dict, transformers):
+    if cfg.family in ("llama", "qwen2"):
+        klass = transformers.LlamaConfig if cfg.family == "llama" else transformers.Qwen2Config
+        hf = klass(hidden_size=cfg.hidden, intermediate_size=cfg.mlp or 2 * cfg.hidden, num_hidden_layers=cfg.layers,
+                   num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                   max_position_embeddings=cfg.max_positions, tie_word_embeddings=False, **common)
+        return transformers.AutoModelForCausalLM.from_config(hf)
+    if cfg.family == "gpt2":
+        if cfg.heads * cfg.head_dim != cfg.hidden:
+            raise ValueError("gpt2: hidden must equal heads * head_dim")
+        hf = transformers.GPT2Config(n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads, n_positions=cfg.max_positions,
+                                     **common)
+        return transformers.GPT2LMHeadModel(hf)
+    raise ValueError(f"unknown family {cfg.family!r}")
 
 
 class _CacheIO:
@@ -99,15 +119,16 @@ def export_model(model, path: str | os.PathLike, exporter: str = "torchscript", 
     torch_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
     model = model.to(torch_dtype).eval()
     c = model.config
+    device = next(model.parameters()).device
     layers = c.num_hidden_layers
     heads = c.num_attention_heads
     kv = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     b, s, p = 1, 3, 4
-    ids = torch.randint(0, c.vocab_size, (b, s))
-    am = torch.ones(b, p + s, dtype=torch.int64)
-    pos = torch.arange(p, p + s)[None]
-    flat = [torch.randn(b, kv, p, head_dim, dtype=torch_dtype) for _ in range(2 * layers)]
+    ids = torch.randint(0, c.vocab_size, (b, s), device=device)
+    am = torch.ones(b, p + s, dtype=torch.int64, device=device)
+    pos = torch.arange(p, p + s, device=device)[None]
+    flat = [torch.randn(b, kv, p, head_dim, dtype=torch_dtype, device=device) for _ in range(2 * layers)]
     names_in = ["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
     names_out = ["logits"] + [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
     wrapper = _CacheIO(model, layers).module
@@ -140,10 +161,11 @@ def _run_exporter(exporter, wrapper, args, path, names_in, names_out, flat) -> N
 
 
 def _set_ir_version(path: pathlib.Path, ir_version: int = 10) -> None:
-    """onnxruntime 1.31 refuses IR versions above 13; pin a widely readable one."""
+    """onnxruntime 1.31 refuses IR versions above 13; pin a widely readable one. A model over 2 GB
+    keeps its weights in external files, which are left where they are."""
     import onnx
 
-    m = onnx.load(str(path))
+    m = onnx.load(str(path), load_external_data=False)
     if m.ir_version > ir_version:
         m.ir_version = ir_version
         onnx.save(m, str(path))
@@ -212,21 +234,40 @@ def save_tokenizer(folder: str | os.PathLike, vocab: int) -> None:
 
 
 def export_genai(cfg: TinyConfig, folder: str | os.PathLike, precision: str = "fp32",
-                 provider: str = "cpu") -> pathlib.Path:
+                 provider: str = "cpu", device: str | None = None) -> pathlib.Path:
     """Builds a tiny decoder with onnxruntime-genai's model builder (GroupQueryAttention, packed QKV,
     rotary inside the op, a shared past/present buffer in genai_config.json); returns model.onnx's
-    path in folder/model. Needs the onnxruntime-genai package."""
-    import subprocess
-    import sys
-
+    path in folder/model. Needs the onnxruntime-genai package. device: where the random weights are
+    made (given one: in fp16 when precision is fp16), before they are saved as a Hugging Face folder."""
     folder = pathlib.Path(folder)
-    hf_dir, out = folder / "hf", folder / "model"
-    model = build_model(cfg)
+    hf_dir = folder / "hf"
+    dtype = None
+    if device is not None and precision == "fp16":
+        import torch
+
+        dtype = torch.float16
+    save_hf_folder(build_model(cfg, device, dtype), cfg, hf_dir)
+    return build_genai(hf_dir, folder / "model", precision, provider, folder / "cache")
+
+
+def save_hf_folder(model, cfg: TinyConfig, hf_dir: str | os.PathLike) -> pathlib.Path:
+    """A Hugging Face model folder (weights, config, a made-up word tokenizer) that genai's builder reads."""
     model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 2
     model.save_pretrained(hf_dir)
     save_tokenizer(hf_dir, cfg.vocab)
+    return pathlib.Path(hf_dir)
+
+
+def build_genai(hf_dir: str | os.PathLike, out: str | os.PathLike, precision: str = "fp32", provider: str = "cpu",
+                cache: str | os.PathLike | None = None) -> pathlib.Path:
+    """Runs onnxruntime-genai's model builder on a Hugging Face folder; returns out/model.onnx."""
+    import subprocess
+    import sys
+
+    out = pathlib.Path(out)
+    cache = pathlib.Path(cache) if cache else out.parent / "cache"
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
-           "-p", precision, "-e", provider, "-c", str(folder / "cache")]
+           "-p", precision, "-e", provider, "-c", str(cache)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0 or not (out / "model.onnx").is_file():
         raise RuntimeError(f"onnxruntime-genai's builder failed ({' '.join(cmd)}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")

@@ -16,7 +16,7 @@ from ..arguments import cuda_missing
 from ..arguments import head_dim as _head_dim
 from ..arguments import positive as _positive
 from ..config import TQ_PRESETS
-from . import attention
+from . import attention, decode_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--repeat", type=_positive, default=20)
     k.add_argument("--json", help="write the results here as JSON")
     k.add_argument("--plot", help="write a PNG of each format's fraction of the copy rate against the vectors per call here")
+    decode_cli.add_parsers(sub)
     args = p.parse_args(argv)
+    if args.what in decode_cli.COMMANDS:  # their own checks (decode_cli)
+        return decode_cli.main(args)
     _check(p, args)
     if args.what == "pack":
         from . import pack

@@ -1,0 +1,86 @@
+"""Caches filled to a given length without a prefill: a short block of random rows per cache
+tensor (random float K/V for float layers; random K/V packed by TQPack through ONNX Runtime for
+packed layers) repeated along the sequence axis on the device by an Expand graph, so that the long
+cache never passes through the host. Decode time does not depend on the values."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from .. import models
+from ..ort import inference_session
+from .cache_layout import CacheTensor
+
+UNIT = 256  # distinct random rows per tensor and sequence
+_ONNX = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16, np.uint8: TensorProto.UINT8}
+
+
+def _repeat_model(elem: int) -> onnx.ModelProto:
+    """unit [B, H, u, W] -> its rows repeated to [B, H, rows, W] (Unsqueeze, Expand, Reshape, Slice:
+    every fixed-size type on every provider)."""
+    nodes = [
+        helper.make_node("Unsqueeze", ["unit", "axis"], ["u5"]),
+        helper.make_node("Expand", ["u5", "shape5"], ["e5"]),
+        helper.make_node("Reshape", ["e5", "shape4"], ["r4"]),
+        helper.make_node("Slice", ["r4", "zero", "rows", "axis"], ["cache"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "repeat_rows",
+        [helper.make_tensor_value_info("unit", elem, ["B", "H", "U", "W"]),
+         helper.make_tensor_value_info("shape5", TensorProto.INT64, [5]),
+         helper.make_tensor_value_info("shape4", TensorProto.INT64, [4]),
+         helper.make_tensor_value_info("rows", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("cache", elem, ["B", "H", "R", "W"])],
+        initializer=[helper.make_tensor("axis", TensorProto.INT64, [1], [2]),
+                     helper.make_tensor("zero", TensorProto.INT64, [1], [0])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=models.IR_VERSION)
+
+
+class RandomFill:
+    def __init__(self, device: str, seed: int = 0):
+        self.device = device
+        self.rng = np.random.default_rng(seed)
+        providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        self._repeat = {dt: ort.InferenceSession(_repeat_model(e).SerializeToString(), providers=providers)
+                        for dt, e in _ONNX.items()}
+        self._packers: dict = {}
+
+    def unit(self, c: CacheTensor, batch: int) -> np.ndarray:
+        """UNIT random rows [batch, heads, UNIT, width] of c's dtype; packed by TQPack for uint8 caches."""
+        if c.dtype is not np.uint8:
+            return self.rng.standard_normal((batch, c.heads, UNIT, c.width)).astype(c.dtype)
+        key = (c.key_format, c.head_dim, c.norm_correction)
+        if key not in self._packers:
+            extra = {"norm_correction": int(c.norm_correction)} if c.key_format.startswith("mse") else {}
+            self._packers[key] = inference_session(models.pack_model(c.key_format, c.head_dim, TensorProto.FLOAT16, **extra))
+        x = self.rng.standard_normal((batch, c.heads, UNIT, c.head_dim)).astype(np.float16)
+        packed = self._packers[key].run(None, {"x": x})[0]
+        row = np.zeros((batch, c.heads, UNIT, c.width), np.uint8)  # a shared buffer's row may be wider
+        row[..., :packed.shape[-1]] = packed
+        return row
+
+    def tensor(self, c: CacheTensor, batch: int, rows: int) -> ort.OrtValue:
+        """c's cache for batch sequences of `rows` rows, an OrtValue on the device."""
+        unit = self.unit(c, batch)
+        reps = -(-rows // UNIT)
+        sess = self._repeat[c.dtype]
+        io = sess.io_binding()
+        io.bind_cpu_input("unit", unit)
+        io.bind_cpu_input("shape5", np.array([batch, c.heads, reps, UNIT, c.width], np.int64))
+        io.bind_cpu_input("shape4", np.array([batch, c.heads, reps * UNIT, c.width], np.int64))
+        io.bind_cpu_input("rows", np.array([rows], np.int64))
+        io.bind_output("cache", self.device)
+        sess.run_with_iobinding(io)
+        return io.get_outputs()[0]
+
+    def caches(self, tensors: list[CacheTensor], batch: int, rows: int, numpy: bool = False) -> dict:
+        """Every cache input of a model, by name; numpy arrays instead of OrtValues where the decode
+        loop feeds numpy (DecoderSession on the CPU)."""
+        out = {}
+        for c in tensors:
+            v = self.tensor(c, batch, rows)
+            out[c.name] = v.numpy() if numpy else v
+        return out

@@ -1,0 +1,158 @@
+"""The `decode` and `models` subcommands of python -m turboquant.bench: their arguments, the
+checks made before any work (exit status 2 and a message naming the argument), and the runs."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+COMMANDS = ("decode", "models")
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(float(text)) if "e" in text.lower() else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, not {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, not {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, not {text}")
+    return v
+
+
+def add_parsers(sub) -> None:
+    from .decode_models import BUILDERS, SHAPES
+
+    d = sub.add_parser("decode", help="whole-model decode: tokens/s, time to first token, KV bytes, memory, capacity",
+                       description="Times each model's decode steps at batch B and context S in one process, on the "
+                       "same token ids, through the decode loop a user runs; prints ratios to the first model.")
+    d.add_argument("models", nargs="+", metavar="MODEL",
+                   help="ORIGINAL.onnx REWRITTEN.onnx [more] (.onnx files, or onnxruntime-genai folders)")
+    d.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    d.add_argument("--batch", type=_count, default=1, help="sequences decoded together (B)")
+    d.add_argument("--context", type=_count, default=1024, help="tokens in the cache when the timed steps start (S)")
+    d.add_argument("--steps", type=_count, default=16, help="timed decode steps (median reported; 2 more warm up)")
+    d.add_argument("--prefill-chunk", type=_count, help="tokens per prefill call (default: the whole prompt at once; "
+                   "onnxruntime-genai's runtime always takes it at once)")
+    d.add_argument("--runtime", choices=["ort", "genai"], default="ort",
+                   help="ort: turboquant's DecoderSession / SharedBufferDecoder loops; genai: og.Generator (genai folders)")
+    d.add_argument("--fill", choices=["prefill", "random"], default="prefill",
+                   help="how the caches reach S tokens: a real prefill, or random K/V (packed through TQPack) without one")
+    d.add_argument("--ttft-budget", type=_seconds, default=120.0, metavar="SECONDS",
+                   help="--fill random: the prefill timed for ttft is given up after this long (0: none)")
+    d.add_argument("--capacity", type=_count, metavar="BYTES",
+                   help="report the largest batch at S and the longest context at B whose KV cache fits in BYTES (e.g. 80e9)")
+    d.add_argument("--threads", type=_count, help="intra-op threads (default: ONNX Runtime's)")
+    d.add_argument("--json", metavar="FILE", help="write the records here (a list of JSON objects)")
+    d.add_argument("--plot", metavar="FILE", help="write a PNG of tokens/s, ttft and KV bytes per model here")
+    m = sub.add_parser("models", help="the decode benchmark's random-weight Llama-shape models",
+                       description="Builds a random-weight decoder of a Llama shape with onnxruntime-genai's builder "
+                       "or torch.onnx's TorchScript exporter, and optionally its turboquant rewrite in DIR/tq.")
+    m.add_argument("--shape", choices=list(SHAPES), required=True,
+                   help="llama8b (Llama-3.1-8B), llama3b (Llama-3.2-3B), small (8B attention, 4 layers), tiny (tests)")
+    m.add_argument("--builder", choices=list(BUILDERS), required=True)
+    m.add_argument("--precision", choices=["fp16", "fp32"], default="fp16")
+    m.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the weights are made and which provider genai's builder targets")
+    m.add_argument("-o", "--output", required=True, metavar="DIR", help="a new or empty folder")
+    m.add_argument("--rewrite", nargs="?", const="turboquant_4bit_nc", metavar="PRESET",
+                   help="also write the turboquant rewrite to DIR/tq (default preset turboquant_4bit_nc)")
+    m.add_argument("--boundary", type=int, help="the rewrite's boundary layers (default 2; 1 for models under 6 layers)")
+
+
+def _fail(arg: str, message: str) -> int:
+    print(f"error: argument {arg}: {message}", file=sys.stderr)
+    return 2
+
+
+def main(args) -> int:
+    return _decode(args) if args.what == "decode" else _models(args)
+
+
+def _decode(args) -> int:
+    from . import decode, decode_report
+    from .cache_layout import LayoutError, check_same_model, inspect
+
+    try:
+        infos = [inspect(p) for p in args.models]
+        for i, info in enumerate(infos[1:], 2):
+            check_same_model(infos[0], info, f"MODEL {i}")
+    except LayoutError as e:
+        return _fail(e.arg, str(e))
+    if args.runtime == "genai":
+        if args.fill == "random":
+            return _fail("--fill", "random needs the ort runtime: onnxruntime-genai fills its own caches by a prefill")
+        for p, info in zip(args.models, infos):
+            if info.genai_folder is None:
+                return _fail("MODEL", f"{p}: --runtime genai needs an onnxruntime-genai folder (genai_config.json)")
+        try:
+            import onnxruntime_genai  # noqa: F401
+        except ImportError:
+            return _fail("--runtime", "genai: onnxruntime-genai is not installed")
+    for info in infos:
+        if info.shared and info.max_length and args.context + decode.WARMUP + args.steps > info.max_length:
+            return _fail("--context", f"{args.context} + {decode.WARMUP + args.steps} steps exceed {info.path}'s "
+                         f"context_length {info.max_length}")
+    for flag in ("json", "plot"):
+        target = getattr(args, flag)
+        if target and pathlib.Path(target).exists():
+            return _fail(f"--{flag}", f"{target} exists; choose a new file (results never overwrite a file)")
+        if target and not pathlib.Path(target).absolute().parent.is_dir():
+            return _fail(f"--{flag}", f"{pathlib.Path(target).parent} is not a folder")
+    if args.device == "cuda":
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            return _fail("--device", "cuda: this onnxruntime has no CUDAExecutionProvider")
+    opts = decode.Options(device=args.device, batch=args.batch, context=args.context, steps=args.steps,
+                          prefill_chunk=args.prefill_chunk, runtime=args.runtime, fill=args.fill,
+                          ttft_budget=args.ttft_budget, capacity=args.capacity, threads=args.threads)
+    records = decode.run(args.models, infos, opts, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(decode_report.table(records))
+    if args.json:
+        decode_report.write_json(records, args.json)
+        print(f"records written to {args.json}")
+    if args.plot:
+        decode_report.plot(records, args.plot)
+        print(f"plot written to {args.plot}")
+    return 1 if all(r.error for r in records) else 0
+
+
+def _models(args) -> int:
+    from .decode_models import build
+
+    out = pathlib.Path(args.output)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        return _fail("-o", f"{out} exists and is not an empty folder (nothing is overwritten)")
+    if args.builder == "genai":
+        try:
+            import onnxruntime_genai  # noqa: F401
+        except ImportError:
+            return _fail("--builder", "genai: onnxruntime-genai (its model builder) is not installed")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return _fail("--device", "cuda: torch sees no CUDA device")
+    if args.rewrite:
+        from ..config import TQ_PRESETS
+
+        if args.rewrite not in TQ_PRESETS:
+            return _fail("--rewrite", f"unknown preset {args.rewrite!r}; one of {', '.join(TQ_PRESETS)}")
+    if args.boundary is not None and args.boundary < 0:
+        return _fail("--boundary", f"must not be negative, not {args.boundary}")
+    paths = build(args.shape, args.builder, args.precision, args.device, out, args.rewrite, args.boundary,
+                  log=lambda s: print(s, flush=True))
+    for k, v in paths.items():
+        print(f"{k}: {v}")
+    return 0

@@ -1,0 +1,90 @@
+"""bench decode's table (ratios to the first model, notes on how each figure was made), JSON and plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import tempfile
+
+from .decode import Record
+
+
+def _f(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _ratio(a, b, invert: bool = False) -> str:
+    if a is None or b is None or a == 0 or b == 0:
+        return "-"
+    return f"{(b / a if invert else a / b):.2f}x"
+
+
+def table(records: list[Record]) -> str:
+    """A markdown table; the x columns are each model against the first: tokens/s (higher is
+    better), ttft, KV bytes and peak (first / this: above 1x means this model needs less)."""
+    first = records[0]
+    cap = any(r.capacity_bytes for r in records)
+    head = ["model", "ms/step", "tokens/s", "x tok/s", "ttft ms", "x ttft", "KV MB", "x KV", "peak MB", "fill"]
+    if cap:
+        head[9:9] = [f"max batch @S", f"max context @B", "x batch"]
+    lines = [f"device {first.device}, batch {first.batch}, context {first.context}, {first.steps} timed steps, "
+             f"runtime {first.runtime}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    notes: dict[str, int] = {}
+
+    def note(text: str) -> str:
+        notes.setdefault(text, len(notes) + 1)
+        return f"[{notes[text]}]"
+
+    for r in records:
+        if r.error:
+            lines.append(f"| {r.model} | failed: {r.error} |" + " |" * (len(head) - 2))
+            continue
+        row = [r.model, _f(r.ms_per_step, ".2f"), _f(r.tokens_per_s, ".1f"), _ratio(r.tokens_per_s, first.tokens_per_s),
+               f"{_f(r.ttft_ms, '.0f')} {note(r.ttft_how)}", _ratio(r.ttft_ms, first.ttft_ms, invert=True),
+               f"{r.kv_bytes / 1e6:.1f}", _ratio(r.kv_bytes, first.kv_bytes, invert=True),
+               f"{_f(r.peak_bytes and r.peak_bytes / 1e6, '.0f')} {note(r.peak_how)}", r.fill.split(" ")[0] + (f" {note(r.fill)}" if " " in r.fill else "")]
+        if cap:
+            row[9:9] = [f"{_f(r.capacity_batch, 'd')} {note(r.capacity_check or '')}", _f(r.capacity_context, "d"),
+                        _ratio(r.capacity_batch, first.capacity_batch)]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    lines.append("x columns: against the first model, above 1x is better (more tokens/s, a shorter ttft, a smaller KV "
+                 "cache, more sequences)")
+    lines += [f"[{n}] {text}" for text, n in notes.items()]
+    loops = {r.loop for r in records if r.loop}
+    lines.append("decode loop: " + "; ".join(sorted(loops)))
+    return "\n".join(lines)
+
+
+def write_json(records: list[Record], path: str | os.PathLike) -> None:
+    """Atomic: a temporary file beside the target, renamed over it."""
+    path = pathlib.Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump([dataclasses.asdict(r) for r in records], f, indent=1)
+    os.replace(tmp, path)
+
+
+def plot(records: list[Record], path: str | os.PathLike) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if not r.error]
+    names = [pathlib.Path(r.model).parent.name + "/" + pathlib.Path(r.model).name for r in ok]
+    panels = [("tokens/s", [r.tokens_per_s for r in ok]), ("time to first token, s", [(r.ttft_ms or 0) / 1e3 for r in ok]),
+              ("KV cache at S, GB", [r.kv_bytes / 1e9 for r in ok])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
+    for ax, (title, values) in zip(axes, panels):
+        ax.bar(range(len(values)), values, color=[f"C{i}" for i in range(len(values))])
+        ax.set_xticks(range(len(values)), names, rotation=30, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=9)
+    r0 = records[0]
+    fig.suptitle(f"decode on {r0.device}: batch {r0.batch}, context {r0.context} ({r0.runtime} runtime)", fontsize=10)
+    fig.tight_layout()
+    tmp = pathlib.Path(path).with_name(f".{pathlib.Path(path).name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
