@@ -122,22 +122,25 @@ def run_ort(info: ModelInfo, opts: Options, ids: np.ndarray, rec: Record) -> Non
     from .cache_fill import RandomFill
 
     s = opts.context
+    chunk, why = opts.prefill_chunk, ""
+    if info.shared and opts.batch > 1 and chunk and chunk < s:
+        chunk, why = None, " (GroupQueryAttention takes a prompt in chunks only at batch 1)"
     dec = _session(info, opts)
     rec.loop = f"{type(dec).__name__}{', IO binding, caches on the device' if opts.device == 'cuda' else ''}"
     if opts.fill == "prefill":
-        secs, cache, _ = prefill(dec, ids[:, :s], opts.prefill_chunk)
+        secs, cache, _ = prefill(dec, ids[:, :s], chunk)
         rec.ttft_ms = secs * 1e3
         rec.fill = "prefill"
-        rec.ttft_how = f"prefill of {s} tokens {_chunk_text(opts.prefill_chunk, s)}, then the first token"
+        rec.ttft_how = f"prefill of {s} tokens {_chunk_text(chunk, s)}{why}, then the first token"
     else:
         if opts.ttft_budget > 0:
-            secs, cache, done = prefill(dec, ids[:, :s], opts.prefill_chunk, opts.ttft_budget)
+            secs, cache, done = prefill(dec, ids[:, :s], chunk, opts.ttft_budget)
             if secs is None:
-                rec.ttft_how = (f"not measured: the prefill {_chunk_text(opts.prefill_chunk, s)} passed "
+                rec.ttft_how = (f"not measured: the prefill {_chunk_text(chunk, s)}{why} passed "
                                 f"{opts.ttft_budget:g} s after {done} of {s} tokens")
             else:
                 rec.ttft_ms = secs * 1e3
-                rec.ttft_how = f"prefill of {s} tokens {_chunk_text(opts.prefill_chunk, s)}, then the first token"
+                rec.ttft_how = f"prefill of {s} tokens {_chunk_text(chunk, s)}{why}, then the first token"
             del cache
             gc.collect()
         else:

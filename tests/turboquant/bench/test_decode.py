@@ -1,0 +1,177 @@
+"""python -m turboquant.bench decode and models on the CPU: tiny models of both builders (same
+attention layout as the benchmark's, 3 layers), their rewrites, the records, the capacity search
+against the cache layout's byte count, random cache fills, genai's runtime, and the refusals of bad
+arguments. No timing is asserted."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from turboquant import examples, models
+from turboquant.bench import __main__ as bench
+from turboquant.bench import cache_fill, cache_layout, decode_models
+from turboquant.config import packed_size
+
+FIELDS = {"model", "device", "batch", "context", "ms_per_step", "tokens_per_s", "ttft_ms", "kv_bytes", "peak_bytes",
+          "fill", "ttft_how", "runtime"}
+TINY = decode_models.SHAPES["tiny"]
+
+
+def _bytes_per_token(rewritten: bool, genai: bool) -> int:
+    """Cache bytes per token of the tiny models, from their config alone: 3 layers, 2 KV heads of 64,
+    fp32; the rewrite packs layer 1 (boundary 1) as mse4 keys and uint4 values, genai's in one
+    raw16-wide row of uint8 per layer."""
+    h, d = TINY.kv_heads, TINY.head_dim
+    if not rewritten:
+        return TINY.layers * 2 * h * d * 4
+    if genai:
+        return TINY.layers * 2 * h * 2 * d
+    return 2 * 2 * h * d * 4 + h * (packed_size("mse4", d) + packed_size("uint4", d))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Both builders through the `models` command, each with its rewrite."""
+    out = {}
+    for builder in decode_models.BUILDERS:
+        if builder == "genai":
+            pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai's builder makes the genai models")
+        folder = tmp_path_factory.mktemp("models") / builder
+        assert bench.main(["models", "--shape", "tiny", "--builder", builder, "--precision", "fp32", "--device", "cpu",
+                           "-o", str(folder), "--rewrite"]) == 0
+        out[builder] = (folder / "model" / "model.onnx", folder / "tq" / "model.onnx")
+    return out
+
+
+def _decode(tmp_path, *args) -> list[dict]:
+    path = tmp_path / "r.json"
+    assert bench.main(["decode", *map(str, args), "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def test_models_of_both_builders(built):
+    for builder, (orig, tq) in built.items():
+        o, t = cache_layout.inspect(orig), cache_layout.inspect(tq)
+        assert o.layers == t.layers == TINY.layers and o.preset is None and t.preset == "turboquant_4bit_nc"
+        assert o.shared == (builder == "genai") and [c.heads for c in o.caches] == [TINY.kv_heads] * 2 * TINY.layers
+        compressed = [c.layer for c in t.caches if c.key_format not in (None, "raw16")]
+        assert compressed == [1, 1]  # boundary 1 on a 3-layer model
+    assert (built["genai"][1].parent / "genai_config.json").is_file()
+
+
+@pytest.mark.parametrize("builder", decode_models.BUILDERS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_records_are_well_formed(built, tmp_path, builder, batch):
+    orig, tq = built[builder]
+    recs = _decode(tmp_path, orig, tq, "--context", 40, "--steps", 3, "--batch", batch, "--prefill-chunk", 16)
+    assert [r["model"] for r in recs] == [str(orig), str(tq)]
+    for r, rewritten in zip(recs, (False, True)):
+        assert FIELDS <= set(r) and r["error"] is None
+        assert (r["device"], r["batch"], r["context"], r["runtime"], r["fill"]) == ("cpu", batch, 40, "ort", "prefill")
+        assert r["ms_per_step"] > 0 and r["tokens_per_s"] == pytest.approx(batch * 1000 / r["ms_per_step"])
+        # GroupQueryAttention refuses a chunk after the first at batch > 1: one call there
+        one_call = builder == "genai" and batch > 1
+        assert r["ttft_ms"] > 0 and ("in one call" if one_call else "chunks of 16") in r["ttft_how"]
+        assert r["kv_bytes"] == batch * 40 * _bytes_per_token(rewritten, builder == "genai")
+        assert r["peak_bytes"] is None or r["peak_bytes"] >= 0
+        assert r["loop"].startswith("SharedBufferDecoder" if builder == "genai" else "DecoderSession")
+
+
+@pytest.mark.parametrize("builder", decode_models.BUILDERS)
+def test_random_fill_for_original_and_rewritten(built, tmp_path, builder):
+    orig, tq = built[builder]
+    recs = _decode(tmp_path, orig, tq, "--context", 700, "--steps", 2, "--fill", "random", "--ttft-budget", 0)
+    for r in recs:
+        assert r["error"] is None and r["fill"].startswith("random") and r["ms_per_step"] > 0
+        assert r["ttft_ms"] is None and "not measured" in r["ttft_how"]
+    (tmp_path / "again").mkdir()
+    recs = _decode(tmp_path / "again", orig, tq, "--context", 50, "--steps", 2, "--fill", "random")
+    assert all(r["ttft_ms"] > 0 and r["ttft_how"].startswith("prefill of 50") for r in recs)
+
+
+def test_random_fill_repeats_packed_rows_of_the_layout(built):
+    t = cache_layout.inspect(built["torchscript"][1])
+    fill = cache_fill.RandomFill("cpu")
+    caches = fill.caches(t.caches, 2, cache_fill.UNIT + 10, numpy=True)
+    for c in t.caches:
+        a = caches[c.name]
+        assert a.shape == (2, c.heads, cache_fill.UNIT + 10, c.width) and a.dtype == c.dtype
+        np.testing.assert_array_equal(a[:, :, cache_fill.UNIT:], a[:, :, :10])
+    packed = [c for c in t.caches if c.dtype is np.uint8]
+    assert {c.key_format for c in packed} == {"mse4", "uint4"} and all(c.head_dim == TINY.head_dim for c in packed)
+    assert len(np.unique(caches[packed[0].name][..., -2:])) > 1  # packed random vectors, not zeros
+
+
+@pytest.mark.parametrize("budget", [10**5, 10**6, 3 * 10**6 + 7])
+@pytest.mark.parametrize("builder", decode_models.BUILDERS)
+def test_capacity_agrees_with_the_layout(built, tmp_path, builder, budget):
+    orig, tq = built[builder]
+    s, b = 64, 2
+    recs = _decode(tmp_path, orig, tq, "--context", s, "--batch", b, "--steps", 1, "--capacity", budget, "--fill", "random",
+                   "--ttft-budget", 0)
+    for r, rewritten in zip(recs, (False, True)):
+        per = _bytes_per_token(rewritten, builder == "genai")
+        assert r["capacity_batch"] == budget // (s * per) and r["capacity_context"] == budget // (b * per)
+        assert r["capacity_batch"] * s * per <= budget < (r["capacity_batch"] + 1) * s * per
+        if r["capacity_batch"]:
+            assert r["capacity_check"] == f"allocated {r['capacity_batch'] * s * per} bytes on cpu for batch {r['capacity_batch']}"
+
+
+def test_genai_runtime(built, tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    orig, tq = built["genai"]
+    recs = _decode(tmp_path, orig.parent, tq.parent, "--context", 30, "--steps", 3, "--runtime", "genai")
+    for r in recs:
+        assert r["error"] is None and r["runtime"] == "genai" and "og.Generator" in r["loop"]
+        assert r["ms_per_step"] > 0 and r["ttft_ms"] > 0 and "append_tokens of 30" in r["ttft_how"]
+
+
+def test_table_and_plot(built, tmp_path, capsys):
+    orig, tq = built["torchscript"]
+    assert bench.main(["decode", str(orig), str(tq), "--context", "20", "--steps", "2", "--plot", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| model |" in out and "1.00x" in out and "prefill of 20 tokens in one call" in out
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def _fails(capsys, argv: list[str], arg: str) -> str:
+    try:
+        rc = bench.main(argv)
+    except SystemExit as e:  # argparse's own checks
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and f"argument {arg}" in err, err
+    return err
+
+
+def test_bad_arguments_exit_2_naming_the_argument(built, tmp_path, capsys):
+    orig, tq = map(str, built["torchscript"])
+    _fails(capsys, ["decode", orig, tq, "--batch", "0"], "--batch")
+    _fails(capsys, ["decode", orig, tq, "--context", "0"], "--context")
+    _fails(capsys, ["decode", orig, tq, "--steps", "-1"], "--steps")
+    _fails(capsys, ["decode", orig, tq, "--capacity", "0"], "--capacity")
+    onnx.save(models.pack_model("mse4", 64), tmp_path / "nocache.onnx")
+    assert "no KV cache" in _fails(capsys, ["decode", str(tmp_path / "nocache.onnx")], "MODEL")
+    _fails(capsys, ["decode", str(tmp_path / "absent.onnx")], "MODEL")
+    (tmp_path / "taken.json").write_text("[]")
+    _fails(capsys, ["decode", orig, tq, "--json", str(tmp_path / "taken.json")], "--json")
+    assert (tmp_path / "taken.json").read_text() == "[]"
+    _fails(capsys, ["decode", orig, tq, "--runtime", "genai"], "MODEL")
+    _fails(capsys, ["decode", *map(str, built["genai"]), "--runtime", "genai", "--fill", "random"], "--fill")
+    _fails(capsys, ["models", "--shape", "tiny", "--builder", "torchscript", "-o", str(tmp_path)], "-o")
+
+
+def test_rewrite_of_another_model_is_refused(built, tmp_path, capsys):
+    """A rewrite paired with an original it was not made from: another layer count, other KV heads,
+    another builder's export of the same shapes."""
+    orig, tq = map(str, built["torchscript"])
+    deeper = examples.export(examples.TinyConfig(**{**TINY.__dict__, "layers": 4}), tmp_path / "deeper.onnx")
+    err = _fails(capsys, ["decode", str(deeper), tq], "MODEL 2")
+    assert "4 cache layers against 3" in err or "3 cache layers against 4" in err
+    heads = examples.export(examples.TinyConfig(**{**TINY.__dict__, "heads": 2, "kv_heads": 1}), tmp_path / "heads.onnx")
+    assert "KV heads" in _fails(capsys, ["decode", str(heads), tq], "MODEL 2")
+    _fails(capsys, ["decode", orig, str(built["genai"][1])], "MODEL 2")
+    wider = examples.export(examples.TinyConfig(**{**TINY.__dict__, "hidden": 512}), tmp_path / "wider.onnx")
+    assert "weights of shapes" in _fails(capsys, ["decode", str(wider), tq], "MODEL 2")
