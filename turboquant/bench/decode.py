@@ -26,8 +26,7 @@ WARMUP = 2  # decode steps run before the timed ones
 @dataclasses.dataclass
 class Options:
     device: str = "cpu"
-    batch: int = 1
-    context: int = 1024
+    points: list[tuple[int, int]] = dataclasses.field(default_factory=lambda: [(1, 1024)])  # (batch, context), in order
     steps: int = 16
     prefill_chunk: int | None = None  # None: the prompt in one call
     runtime: str = "ort"  # "ort" or "genai"
@@ -74,13 +73,13 @@ def _providers(device: str) -> list:
     return ["CPUExecutionProvider"]
 
 
-def _session(info: ModelInfo, opts: Options):
+def _session(info: ModelInfo, opts: Options, max_length: int):
     from ..decoder import DecoderSession
     from ..shared_buffer import SharedBufferDecoder
 
     if info.shared:
-        return SharedBufferDecoder(info.path, max_length=opts.context + WARMUP + opts.steps,
-                                   head_size=info.caches[0].width, providers=_providers(opts.device), threads=opts.threads)
+        return SharedBufferDecoder(info.path, max_length=max_length, head_size=info.caches[0].width,
+                                   providers=_providers(opts.device), threads=opts.threads)
     return DecoderSession(info.path, providers=_providers(opts.device), threads=opts.threads)
 
 
@@ -118,15 +117,16 @@ def decode_steps(dec, ids: np.ndarray, cache, past: int, steps: int) -> list[flo
     return times
 
 
-def run_ort(info: ModelInfo, opts: Options, ids: np.ndarray, rec: Record) -> None:
+def run_ort(info: ModelInfo, opts: Options, dec, ids: np.ndarray, rec: Record) -> None:
+    """One (batch, context) point of a model through its decode loop `dec`."""
     from .cache_fill import RandomFill
 
-    s = opts.context
+    b, s = rec.batch, rec.context
     chunk, why = opts.prefill_chunk, ""
-    if info.shared and opts.batch > 1 and chunk and chunk < s:
-        chunk, why = None, " (GroupQueryAttention takes a prompt in chunks only at batch 1)"
-    dec = _session(info, opts)
-    rec.loop = f"{type(dec).__name__}{', IO binding, caches on the device' if opts.device == 'cuda' else ''}"
+    if info.shared:
+        dec.max_length = s + WARMUP + opts.steps  # the shared buffers' rows, as genai's max_length
+        if b > 1 and chunk and chunk < s:
+            chunk, why = None, " (GroupQueryAttention takes a prompt in chunks only at batch 1)"
     if opts.fill == "prefill":
         secs, cache, _ = prefill(dec, ids[:, :s], chunk)
         rec.ttft_ms = secs * 1e3
@@ -134,43 +134,53 @@ def run_ort(info: ModelInfo, opts: Options, ids: np.ndarray, rec: Record) -> Non
         rec.ttft_how = f"prefill of {s} tokens {_chunk_text(chunk, s)}{why}, then the first token"
     else:
         if opts.ttft_budget > 0:
-            secs, cache, done = prefill(dec, ids[:, :s], chunk, opts.ttft_budget)
-            if secs is None:
+            try:
+                secs, cache, done = prefill(dec, ids[:, :s], chunk, opts.ttft_budget)
+                del cache
+            except Exception as e:  # noqa: BLE001 - a prefill too large for the device still leaves the decode to time
+                secs, done = None, f"failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+            if secs is None and isinstance(done, str):
+                rec.ttft_how = f"not measured: the prefill {_chunk_text(chunk, s)}{why} {done}"
+            elif secs is None:
                 rec.ttft_how = (f"not measured: the prefill {_chunk_text(chunk, s)}{why} passed "
                                 f"{opts.ttft_budget:g} s after {done} of {s} tokens")
             else:
                 rec.ttft_ms = secs * 1e3
                 rec.ttft_how = f"prefill of {s} tokens {_chunk_text(chunk, s)}{why}, then the first token"
-            del cache
             gc.collect()
         else:
             rec.ttft_how = "not measured (--ttft-budget 0)"
         rows = dec.max_length if info.shared else s
         numpy = not info.shared and opts.device == "cpu"
-        cache = RandomFill(opts.device, opts.seed).caches(info.caches, opts.batch, rows, numpy=numpy)
+        cache = RandomFill(opts.device, opts.seed).caches(info.caches, b, rows, numpy=numpy)
         rec.fill = "random (random K/V repeated to S rows; packed layers through TQPack)"
     times = decode_steps(dec, ids, cache, s, opts.steps)
     rec.ms_per_step = statistics.median(times) * 1e3
 
 
-def run_genai(info: ModelInfo, opts: Options, ids: np.ndarray, rec: Record) -> None:
+def _genai_model(info: ModelInfo, opts: Options):
     import onnxruntime_genai as og
 
-    s = opts.context
     config = og.Config(str(info.genai_folder))
     config.clear_providers()
     if opts.device == "cuda":
         config.append_provider("cuda")
-    model = og.Model(config)
+    return og.Model(config)
+
+
+def run_genai(info: ModelInfo, opts: Options, model, ids: np.ndarray, rec: Record) -> None:
+    """One (batch, context) point through onnxruntime-genai's own generator on og.Model `model`."""
+    import onnxruntime_genai as og
+
+    b, s = rec.batch, rec.context
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=s + opts.steps + WARMUP + 1, batch_size=opts.batch, do_sample=False)
+    params.set_search_options(max_length=s + opts.steps + WARMUP + 1, batch_size=b, do_sample=False)
     gen = og.Generator(model, params)
     t0 = time.perf_counter()
     gen.append_tokens(ids[:, :s].astype(np.int32))
     gen.generate_next_token()  # picks the first token from the prompt's logits
     gen.get_next_tokens()
     rec.ttft_ms = (time.perf_counter() - t0) * 1e3
-    rec.loop = "onnxruntime-genai og.Generator"
     rec.fill = "prefill (og.Generator.append_tokens)"
     rec.ttft_how = f"append_tokens of {s} tokens in one call, then generate_next_token"
     times = []
@@ -181,60 +191,81 @@ def run_genai(info: ModelInfo, opts: Options, ids: np.ndarray, rec: Record) -> N
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
     rec.ms_per_step = statistics.median(times) * 1e3
-    del gen, params, model
+    del gen, params
 
 
-def capacity(info: ModelInfo, opts: Options) -> tuple[int, int]:
-    """(largest batch at context S, longest context at batch B) whose caches fit opts.capacity bytes,
+def capacity(info: ModelInfo, budget: int, batch: int, context: int) -> tuple[int, int]:
+    """(largest batch at `context`, longest context at `batch`) whose caches fit `budget` bytes,
     from the model's cache layout."""
     per = info.bytes_per_token()
-    return opts.capacity // (opts.context * per), opts.capacity // (opts.batch * per)
+    return budget // (context * per), budget // (batch * per)
 
 
-def check_capacity(info: ModelInfo, opts: Options, batch: int) -> str:
-    """Allocates the caches of `batch` sequences of S tokens on the device where the budget fits in
+def check_capacity(info: ModelInfo, device: str, batch: int, context: int) -> str:
+    """Allocates the caches of `batch` sequences of `context` tokens on the device where they fit in
     its free memory; says what was done."""
     import onnxruntime as ort
 
     if batch == 0:
-        return f"not allocated: one sequence of {opts.context} tokens needs {info.kv_bytes(1, opts.context)} bytes"
-    free = memory.device_free() if opts.device == "cuda" else memory.available_host()
-    need = info.kv_bytes(batch, opts.context)
+        return f"not allocated: one sequence of {context} tokens needs {info.kv_bytes(1, context)} bytes"
+    free = memory.device_free() if device == "cuda" else memory.available_host()
+    need = info.kv_bytes(batch, context)
     if free is None or need > free:
-        return f"not allocated: {need / 1e9:.1f} GB > {(free or 0) / 1e9:.1f} GB free on {opts.device}"
+        return f"not allocated: {need / 1e9:.1f} GB > {(free or 0) / 1e9:.1f} GB free on {device}"
     try:
-        held = [ort.OrtValue.ortvalue_from_shape_and_type([batch, c.heads, opts.context, c.width], c.dtype, opts.device, 0)
+        held = [ort.OrtValue.ortvalue_from_shape_and_type([batch, c.heads, context, c.width], c.dtype, device, 0)
                 for c in info.caches]
     except Exception as e:  # noqa: BLE001 - an allocation the device refuses is the answer
         return f"allocation of {need} bytes failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     got = sum(int(np.prod(v.shape())) * np.dtype(c.dtype).itemsize for v, c in zip(held, info.caches))
     del held
-    return f"allocated {got} bytes on {opts.device} for batch {batch}"
+    return f"allocated {got} bytes on {device} for batch {batch}"
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print) -> list[Record]:
+    """Every model at every point; a model is loaded once for all points (its session or og.Model)."""
     vocab = min(i.vocab for i in infos if i.vocab) if any(i.vocab for i in infos) else 32000
-    ids = token_ids(vocab, opts.batch, opts.context + WARMUP + opts.steps, opts.seed)
+    ids = {(b, s): token_ids(vocab, b, s + WARMUP + opts.steps, opts.seed) for b, s in opts.points}
+    longest = max(s for _, s in opts.points) + WARMUP + opts.steps
     records = []
     for path, info in zip(paths, infos):
-        rec = Record(path, opts.device, opts.batch, opts.context, None, None, None, info.kv_bytes(opts.batch, opts.context),
-                     None, runtime=opts.runtime, peak_how=memory.HOW[opts.device], steps=opts.steps)
-        log(f"{path}: {opts.runtime} runtime, {opts.fill} fill, B={opts.batch}, S={opts.context} ...")
+        memory.release()
+        base = memory.PeakSampler(opts.device).sample()
         try:
-            with memory.PeakSampler(opts.device) as peak:
-                (run_genai if opts.runtime == "genai" else run_ort)(info, opts, ids, rec)
-                gc.collect()
-            rec.peak_bytes = peak.added
-            rec.tokens_per_s = opts.batch * 1e3 / rec.ms_per_step
-        except Exception as e:  # noqa: BLE001 - one model failing (out of memory, say) is recorded, the others still run
-            rec.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-            log(f"  failed: {rec.error}")
+            runner = _genai_model(info, opts) if opts.runtime == "genai" else _session(info, opts, longest)
+            load_error = None
+        except Exception as e:  # noqa: BLE001 - a model that cannot load is recorded, the others still run
+            runner, load_error = None, _error(e)
+        for b, s in opts.points:
+            rec = Record(path, opts.device, b, s, None, None, None, info.kv_bytes(b, s), None, runtime=opts.runtime,
+                         peak_how=memory.HOW[opts.device], steps=opts.steps, error=load_error)
+            rec.loop = ("onnxruntime-genai og.Generator" if opts.runtime == "genai" else
+                        f"{'SharedBufferDecoder' if info.shared else 'DecoderSession'}"
+                        f"{', IO binding, caches on the device' if opts.device == 'cuda' else ''}")
+            log(f"{path}: {opts.runtime} runtime, {opts.fill} fill, B={b}, S={s} ...")
+            if runner is not None:
+                try:
+                    with memory.PeakSampler(opts.device, base) as peak:
+                        (run_genai if opts.runtime == "genai" else run_ort)(info, opts, runner, ids[b, s], rec)
+                        gc.collect()
+                    rec.peak_bytes = peak.added
+                    rec.tokens_per_s = b * 1e3 / rec.ms_per_step
+                except Exception as e:  # noqa: BLE001 - one point failing (out of memory, say) is recorded
+                    rec.error = _error(e)
+            if rec.error:
+                log(f"  failed: {rec.error}")
+            gc.collect()
+            if opts.capacity:
+                rec.capacity_bytes = opts.capacity
+                rec.capacity_batch, rec.capacity_context = capacity(info, opts.capacity, b, s)
+                rec.capacity_check = check_capacity(info, opts.device, rec.capacity_batch, s)
+                if info.max_length and rec.capacity_context > info.max_length:
+                    rec.capacity_check += f"; the longest context is beyond genai_config's context_length {info.max_length}"
+            records.append(rec)
+        del runner
         gc.collect()
-        if opts.capacity:
-            rec.capacity_bytes = opts.capacity
-            rec.capacity_batch, rec.capacity_context = capacity(info, opts)
-            rec.capacity_check = check_capacity(info, opts, rec.capacity_batch)
-            if info.max_length and rec.capacity_context > info.max_length:
-                rec.capacity_check += f"; the longest context is beyond genai_config's context_length {info.max_length}"
-        records.append(rec)
     return records

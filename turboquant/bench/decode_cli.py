@@ -39,8 +39,10 @@ def add_parsers(sub) -> None:
     d.add_argument("models", nargs="+", metavar="MODEL",
                    help="ORIGINAL.onnx REWRITTEN.onnx [more] (.onnx files, or onnxruntime-genai folders)")
     d.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    d.add_argument("--batch", type=_count, default=1, help="sequences decoded together (B)")
-    d.add_argument("--context", type=_count, default=1024, help="tokens in the cache when the timed steps start (S)")
+    d.add_argument("--batch", type=_count, nargs="+", default=[1],
+                   help="sequences decoded together (B); several: paired with --context's values in order")
+    d.add_argument("--context", type=_count, nargs="+", default=[1024],
+                   help="tokens in the cache when the timed steps start (S); several: one point each, one session per model")
     d.add_argument("--steps", type=_count, default=16, help="timed decode steps (median reported; 2 more warm up)")
     d.add_argument("--prefill-chunk", type=_count, help="tokens per prefill call (default: the whole prompt at once; "
                    "onnxruntime-genai's runtime always takes it at once)")
@@ -99,9 +101,15 @@ def _decode(args) -> int:
             import onnxruntime_genai  # noqa: F401
         except ImportError:
             return _fail("--runtime", "genai: onnxruntime-genai is not installed")
+    if len(args.batch) != len(args.context) and 1 not in (len(args.batch), len(args.context)):
+        return _fail("--context", f"{len(args.context)} values do not pair with --batch's {len(args.batch)}")
+    n = max(len(args.batch), len(args.context))
+    points = list(zip(args.batch * n if len(args.batch) == 1 else args.batch,
+                      args.context * n if len(args.context) == 1 else args.context))
+    longest = max(args.context)
     for info in infos:
-        if info.shared and info.max_length and args.context + decode.WARMUP + args.steps > info.max_length:
-            return _fail("--context", f"{args.context} + {decode.WARMUP + args.steps} steps exceed {info.path}'s "
+        if info.shared and info.max_length and longest + decode.WARMUP + args.steps > info.max_length:
+            return _fail("--context", f"{longest} + {decode.WARMUP + args.steps} steps exceed {info.path}'s "
                          f"context_length {info.max_length}")
     for flag in ("json", "plot"):
         target = getattr(args, flag)
@@ -114,7 +122,7 @@ def _decode(args) -> int:
 
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             return _fail("--device", "cuda: this onnxruntime has no CUDAExecutionProvider")
-    opts = decode.Options(device=args.device, batch=args.batch, context=args.context, steps=args.steps,
+    opts = decode.Options(device=args.device, points=points, steps=args.steps,
                           prefill_chunk=args.prefill_chunk, runtime=args.runtime, fill=args.fill,
                           ttft_budget=args.ttft_budget, capacity=args.capacity, threads=args.threads)
     records = decode.run(args.models, infos, opts, log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -22,8 +22,12 @@ def _ratio(a, b, invert: bool = False) -> str:
 
 
 def table(records: list[Record]) -> str:
-    """A markdown table; the x columns are each model against the first: tokens/s (higher is
-    better), ttft, KV bytes and peak (first / this: above 1x means this model needs less)."""
+    """One markdown table per (batch, context) point; the x columns are each model against the first."""
+    points = list(dict.fromkeys((r.batch, r.context) for r in records))
+    return "\n\n".join(point_table([r for r in records if (r.batch, r.context) == p]) for p in points)
+
+
+def point_table(records: list[Record]) -> str:
     first = records[0]
     cap = any(r.capacity_bytes for r in records)
     head = ["model", "ms/step", "tokens/s", "x tok/s", "ttft ms", "x ttft", "KV MB", "x KV", "peak MB", "fill"]
@@ -74,7 +78,7 @@ def plot(records: list[Record], path: str | os.PathLike) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in records if not r.error]
-    names = [pathlib.Path(r.model).parent.name + "/" + pathlib.Path(r.model).name for r in ok]
+    names = [f"{pathlib.Path(r.model).parent.name}/{pathlib.Path(r.model).name} B{r.batch} S{r.context}" for r in ok]
     panels = [("tokens/s", [r.tokens_per_s for r in ok]), ("time to first token, s", [(r.ttft_ms or 0) / 1e3 for r in ok]),
               ("KV cache at S, GB", [r.kv_bytes / 1e9 for r in ok])]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
@@ -83,7 +87,7 @@ def plot(records: list[Record], path: str | os.PathLike) -> None:
         ax.set_xticks(range(len(values)), names, rotation=30, ha="right", fontsize=7)
         ax.set_title(title, fontsize=9)
     r0 = records[0]
-    fig.suptitle(f"decode on {r0.device}: batch {r0.batch}, context {r0.context} ({r0.runtime} runtime)", fontsize=10)
+    fig.suptitle(f"decode on {r0.device} ({r0.runtime} runtime)", fontsize=10)
     fig.tight_layout()
     tmp = pathlib.Path(path).with_name(f".{pathlib.Path(path).name}.tmp.png")
     fig.savefig(tmp, dpi=120)

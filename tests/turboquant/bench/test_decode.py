@@ -119,6 +119,19 @@ def test_capacity_agrees_with_the_layout(built, tmp_path, builder, budget):
             assert r["capacity_check"] == f"allocated {r['capacity_batch'] * s * per} bytes on cpu for batch {r['capacity_batch']}"
 
 
+def test_points_of_a_sweep(built, tmp_path, capsys):
+    """Several (batch, context) points: one record per model and point, models in the order given,
+    a table per point; a lone --batch pairs with every context."""
+    orig, tq = built["genai"]
+    recs = _decode(tmp_path, orig, tq, "--context", 20, 90, "--batch", 2, "--steps", 2)
+    assert [(r["model"], r["batch"], r["context"]) for r in recs] == [
+        (str(orig), 2, 20), (str(orig), 2, 90), (str(tq), 2, 20), (str(tq), 2, 90)]
+    assert all(r["error"] is None and r["kv_bytes"] == 2 * r["context"] * _bytes_per_token(r["model"] == str(tq), True)
+               for r in recs)
+    assert capsys.readouterr().out.count("| model |") == 2
+    _fails(capsys, ["decode", str(orig), "--context", "20", "30", "--batch", "1", "2", "3"], "--context")
+
+
 def test_genai_runtime(built, tmp_path):
     pytest.importorskip("onnxruntime_genai")
     orig, tq = built["genai"]
