@@ -43,7 +43,9 @@ class RandomFill:
     def __init__(self, device: str, seed: int = 0):
         self.device = device
         self.rng = np.random.default_rng(seed)
-        providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        # the arena grows by what is asked: a long cache is not rounded up to a power of two
+        providers = ([("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})] if device == "cuda"
+                     else ["CPUExecutionProvider"])
         self._repeat = {dt: ort.InferenceSession(_repeat_model(e).SerializeToString(), providers=providers)
                         for dt, e in _ONNX.items()}
         self._packers: dict = {}

@@ -32,6 +32,7 @@ class Options:
     runtime: str = "ort"  # "ort" or "genai"
     fill: str = "prefill"  # "prefill" or "random"
     ttft_budget: float = 120.0  # fill random: seconds the prefill for ttft may take before it is given up
+    ttft_max_tokens: int | None = None  # fill random: the prefill for ttft only where batch x context is at most this
     capacity: int | None = None
     threads: int | None = None
     seed: int = 0
@@ -133,7 +134,9 @@ def run_ort(info: ModelInfo, opts: Options, dec, ids: np.ndarray, rec: Record) -
         rec.fill = "prefill"
         rec.ttft_how = f"prefill of {s} tokens {_chunk_text(chunk, s)}{why}, then the first token"
     else:
-        if opts.ttft_budget > 0:
+        if opts.ttft_max_tokens is not None and b * s > opts.ttft_max_tokens:
+            rec.ttft_how = f"not measured: batch x context {b * s} above --ttft-max-tokens {opts.ttft_max_tokens}"
+        elif opts.ttft_budget > 0:
             try:
                 secs, cache, done = prefill(dec, ids[:, :s], chunk, opts.ttft_budget)
                 del cache
@@ -233,6 +236,15 @@ def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print) -> l
     longest = max(s for _, s in opts.points) + WARMUP + opts.steps
     records = []
     for path, info in zip(paths, infos):
+        # capacity first: its allocation check needs the device memory a loaded model's arena would hold
+        checks = {}
+        if opts.capacity:
+            for b, s in opts.points:
+                fit = capacity(info, opts.capacity, b, s)
+                note = check_capacity(info, opts.device, fit[0], s)
+                if info.max_length and fit[1] > info.max_length:
+                    note += f"; the longest context is beyond genai_config's context_length {info.max_length}"
+                checks[b, s] = (*fit, note)
         memory.release()
         base = memory.PeakSampler(opts.device).sample()
         try:
@@ -261,10 +273,7 @@ def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print) -> l
             gc.collect()
             if opts.capacity:
                 rec.capacity_bytes = opts.capacity
-                rec.capacity_batch, rec.capacity_context = capacity(info, opts.capacity, b, s)
-                rec.capacity_check = check_capacity(info, opts.device, rec.capacity_batch, s)
-                if info.max_length and rec.capacity_context > info.max_length:
-                    rec.capacity_check += f"; the longest context is beyond genai_config's context_length {info.max_length}"
+                rec.capacity_batch, rec.capacity_context, rec.capacity_check = checks[b, s]
             records.append(rec)
         del runner
         gc.collect()

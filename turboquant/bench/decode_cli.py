@@ -52,6 +52,9 @@ def add_parsers(sub) -> None:
                    help="how the caches reach S tokens: a real prefill, or random K/V (packed through TQPack) without one")
     d.add_argument("--ttft-budget", type=_seconds, default=120.0, metavar="SECONDS",
                    help="--fill random: the prefill timed for ttft is given up after this long (0: none)")
+    d.add_argument("--ttft-max-tokens", type=_count, metavar="N",
+                   help="--fill random: time a prefill for ttft only where batch x context is at most N (a prompt "
+                   "taken in one call cannot be stopped by --ttft-budget)")
     d.add_argument("--capacity", type=_count, metavar="BYTES",
                    help="report the largest batch at S and the longest context at B whose KV cache fits in BYTES (e.g. 80e9)")
     d.add_argument("--threads", type=_count, help="intra-op threads (default: ONNX Runtime's)")
@@ -69,6 +72,8 @@ def add_parsers(sub) -> None:
     m.add_argument("-o", "--output", required=True, metavar="DIR", help="a new or empty folder")
     m.add_argument("--rewrite", nargs="?", const="turboquant_4bit_nc", metavar="PRESET",
                    help="also write the turboquant rewrite to DIR/tq (default preset turboquant_4bit_nc)")
+    m.add_argument("--no-calibration", action="store_true",
+                   help="rewrite without key offsets or scales (no data-free calibration run of the original on the CPU)")
     m.add_argument("--boundary", type=int, help="the rewrite's boundary layers (default 2; 1 for models under 6 layers)")
 
 
@@ -124,7 +129,7 @@ def _decode(args) -> int:
             return _fail("--device", "cuda: this onnxruntime has no CUDAExecutionProvider")
     opts = decode.Options(device=args.device, points=points, steps=args.steps,
                           prefill_chunk=args.prefill_chunk, runtime=args.runtime, fill=args.fill,
-                          ttft_budget=args.ttft_budget, capacity=args.capacity, threads=args.threads)
+                          ttft_budget=args.ttft_budget, ttft_max_tokens=args.ttft_max_tokens, capacity=args.capacity, threads=args.threads)
     records = decode.run(args.models, infos, opts, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(decode_report.table(records))
     if args.json:
@@ -160,7 +165,7 @@ def _models(args) -> int:
     if args.boundary is not None and args.boundary < 0:
         return _fail("--boundary", f"must not be negative, not {args.boundary}")
     paths = build(args.shape, args.builder, args.precision, args.device, out, args.rewrite, args.boundary,
-                  log=lambda s: print(s, flush=True))
+                  calibrate=not args.no_calibration, log=lambda s: print(s, flush=True))
     for k, v in paths.items():
         print(f"{k}: {v}")
     return 0

@@ -41,8 +41,9 @@ def default_boundary(cfg: TinyConfig) -> int:
 
 
 def build(shape: str, builder: str, precision: str, device: str, out: pathlib.Path, rewrite: str | None = None,
-          boundary: int | None = None, log=print) -> dict[str, pathlib.Path]:
-    """Makes the model (and its rewrite with preset `rewrite`) under out; returns the paths made."""
+          boundary: int | None = None, calibrate: bool = True, log=print) -> dict[str, pathlib.Path]:
+    """Makes the model (and its rewrite with preset `rewrite`) under out; returns the paths made.
+    calibrate=False: the rewrite without key offsets and scales (export's offsets=False)."""
     import torch
 
     from .. import examples
@@ -68,7 +69,7 @@ def build(shape: str, builder: str, precision: str, device: str, out: pathlib.Pa
         from turboquant.export import export
 
         t1 = time.perf_counter()
-        result = export(paths["original"], rewrite, out / "tq" / "model.onnx", progress=False,
+        result = export(paths["original"], rewrite, out / "tq" / "model.onnx", progress=False, offsets=calibrate,
                         boundary=default_boundary(cfg) if boundary is None else boundary)
         log(result.summary())
         paths["rewritten"] = result.output

@@ -87,8 +87,11 @@ def test_random_fill_for_original_and_rewritten(built, tmp_path, builder):
         assert r["error"] is None and r["fill"].startswith("random") and r["ms_per_step"] > 0
         assert r["ttft_ms"] is None and "not measured" in r["ttft_how"]
     (tmp_path / "again").mkdir()
-    recs = _decode(tmp_path / "again", orig, tq, "--context", 50, "--steps", 2, "--fill", "random")
-    assert all(r["ttft_ms"] > 0 and r["ttft_how"].startswith("prefill of 50") for r in recs)
+    recs = _decode(tmp_path / "again", orig, tq, "--context", 50, 60, "--steps", 2, "--fill", "random",
+                   "--ttft-max-tokens", 55)
+    assert [r["ttft_ms"] is not None for r in recs] == [True, False, True, False]
+    assert all(r["ttft_how"].startswith("prefill of 50") for r in recs if r["context"] == 50)
+    assert all("above --ttft-max-tokens 55" in r["ttft_how"] for r in recs if r["context"] == 60)
 
 
 def test_random_fill_repeats_packed_rows_of_the_layout(built):
