@@ -39,6 +39,35 @@ def _repeat_model(elem: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=models.IR_VERSION)
 
 
+def _zeros_model(elem: int) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("ConstantOfShape", ["shape"], ["cache"], value=helper.make_tensor("v", elem, [1], [0]))],
+        "zeros", [helper.make_tensor_value_info("shape", TensorProto.INT64, [4])],
+        [helper.make_tensor_value_info("cache", elem, ["B", "H", "R", "W"])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=models.IR_VERSION)
+
+
+def allocate(tensors: list[CacheTensor], batch: int, rows: int, device: str) -> int:
+    """Allocates (and zeroes) every cache tensor for batch sequences of `rows` rows on the device,
+    all held at once, then frees them; returns the bytes held. The tensors come from a session of
+    their own, whose arena goes with it (OrtValues made directly would stay in a process-wide one)."""
+    providers = ([("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})] if device == "cuda"
+                 else ["CPUExecutionProvider"])
+    sessions = {}
+    held = []
+    for c in tensors:
+        if c.dtype not in sessions:
+            sessions[c.dtype] = ort.InferenceSession(_zeros_model(_ONNX[c.dtype]).SerializeToString(), providers=providers)
+        io = sessions[c.dtype].io_binding()
+        io.bind_cpu_input("shape", np.array([batch, c.heads, rows, c.width], np.int64))
+        io.bind_output("cache", device)
+        sessions[c.dtype].run_with_iobinding(io)
+        held.append(io.get_outputs()[0])
+    total = sum(int(np.prod(v.shape())) * np.dtype(c.dtype).itemsize for v, c in zip(held, tensors))
+    del held, sessions
+    return total
+
+
 class RandomFill:
     def __init__(self, device: str, seed: int = 0):
         self.device = device

@@ -207,7 +207,7 @@ def capacity(info: ModelInfo, budget: int, batch: int, context: int) -> tuple[in
 def check_capacity(info: ModelInfo, device: str, batch: int, context: int) -> str:
     """Allocates the caches of `batch` sequences of `context` tokens on the device where they fit in
     its free memory; says what was done."""
-    import onnxruntime as ort
+    from .cache_fill import allocate
 
     if batch == 0:
         return f"not allocated: one sequence of {context} tokens needs {info.kv_bytes(1, context)} bytes"
@@ -216,12 +216,9 @@ def check_capacity(info: ModelInfo, device: str, batch: int, context: int) -> st
     if free is None or need > free:
         return f"not allocated: {need / 1e9:.1f} GB > {(free or 0) / 1e9:.1f} GB free on {device}"
     try:
-        held = [ort.OrtValue.ortvalue_from_shape_and_type([batch, c.heads, context, c.width], c.dtype, device, 0)
-                for c in info.caches]
+        got = allocate(info.caches, batch, context, device)
     except Exception as e:  # noqa: BLE001 - an allocation the device refuses is the answer
         return f"allocation of {need} bytes failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    got = sum(int(np.prod(v.shape())) * np.dtype(c.dtype).itemsize for v, c in zip(held, info.caches))
-    del held
     return f"allocated {got} bytes on {device} for batch {batch}"
 
 
@@ -229,8 +226,9 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
-def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print) -> list[Record]:
-    """Every model at every point; a model is loaded once for all points (its session or og.Model)."""
+def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print, on_record=None) -> list[Record]:
+    """Every model at every point; a model is loaded once for all points (its session or og.Model).
+    on_record(records so far): called after each record, e.g. to save partial results."""
     vocab = min(i.vocab for i in infos if i.vocab) if any(i.vocab for i in infos) else 32000
     ids = {(b, s): token_ids(vocab, b, s + WARMUP + opts.steps, opts.seed) for b, s in opts.points}
     longest = max(s for _, s in opts.points) + WARMUP + opts.steps
@@ -275,6 +273,8 @@ def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print) -> l
                 rec.capacity_bytes = opts.capacity
                 rec.capacity_batch, rec.capacity_context, rec.capacity_check = checks[b, s]
             records.append(rec)
+            if on_record is not None:
+                on_record(records)
         del runner
         gc.collect()
     return records

@@ -130,7 +130,14 @@ def _decode(args) -> int:
     opts = decode.Options(device=args.device, points=points, steps=args.steps,
                           prefill_chunk=args.prefill_chunk, runtime=args.runtime, fill=args.fill,
                           ttft_budget=args.ttft_budget, ttft_max_tokens=args.ttft_max_tokens, capacity=args.capacity, threads=args.threads)
-    records = decode.run(args.models, infos, opts, log=lambda s: print(s, file=sys.stderr, flush=True))
+    def saved(records):  # after every record: a run cut short keeps what it measured
+        if args.json:
+            decode_report.write_json(records, args.json)
+        r = records[-1]
+        print(f"  {r.ms_per_step or float('nan'):.2f} ms/step, ttft {r.ttft_ms or float('nan'):.0f} ms"
+              f"{', ' + r.error if r.error else ''}", file=sys.stderr, flush=True)
+
+    records = decode.run(args.models, infos, opts, log=lambda s: print(s, file=sys.stderr, flush=True), on_record=saved)
     print(decode_report.table(records))
     if args.json:
         decode_report.write_json(records, args.json)

@@ -27,8 +27,16 @@ def table(records: list[Record]) -> str:
     return "\n\n".join(point_table([r for r in records if (r.batch, r.context) == p]) for p in points)
 
 
+def _labels(records: list[Record]) -> dict[str, str]:
+    """Model paths without the folder they all share (the JSON keeps them whole)."""
+    names = list(dict.fromkeys(r.model for r in records))
+    common = os.path.commonpath([os.path.dirname(n) or "." for n in names]) if len(names) > 1 else os.path.dirname(names[0])
+    return {n: os.path.relpath(n, common) if common else n for n in names}
+
+
 def point_table(records: list[Record]) -> str:
     first = records[0]
+    label = _labels(records)
     cap = any(r.capacity_bytes for r in records)
     head = ["model", "ms/step", "tokens/s", "x tok/s", "ttft ms", "x ttft", "KV MB", "x KV", "peak MB", "fill"]
     if cap:
@@ -43,9 +51,9 @@ def point_table(records: list[Record]) -> str:
 
     for r in records:
         if r.error:
-            lines.append(f"| {r.model} | failed: {r.error} |" + " |" * (len(head) - 2))
+            lines.append(f"| {label[r.model]} | failed: {r.error} |" + " |" * (len(head) - 2))
             continue
-        row = [r.model, _f(r.ms_per_step, ".2f"), _f(r.tokens_per_s, ".1f"), _ratio(r.tokens_per_s, first.tokens_per_s),
+        row = [label[r.model], _f(r.ms_per_step, ".2f"), _f(r.tokens_per_s, ".1f"), _ratio(r.tokens_per_s, first.tokens_per_s),
                f"{_f(r.ttft_ms, '.0f')} {note(r.ttft_how)}", _ratio(r.ttft_ms, first.ttft_ms, invert=True),
                f"{r.kv_bytes / 1e6:.1f}", _ratio(r.kv_bytes, first.kv_bytes, invert=True),
                f"{_f(r.peak_bytes and r.peak_bytes / 1e6, '.0f')} {note(r.peak_how)}", r.fill.split(" ")[0] + (f" {note(r.fill)}" if " " in r.fill else "")]
