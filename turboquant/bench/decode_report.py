@@ -40,7 +40,7 @@ def point_table(records: list[Record]) -> str:
     cap = any(r.capacity_bytes for r in records)
     head = ["model", "ms/step", "tokens/s", "x tok/s", "ttft ms", "x ttft", "KV MB", "x KV", "peak MB", "fill"]
     if cap:
-        head[9:9] = [f"max batch @S", f"max context @B", "x batch"]
+        head[9:9] = ["max batch @S", "max context @B", "x batch"]
     lines = [f"device {first.device}, batch {first.batch}, context {first.context}, {first.steps} timed steps, "
              f"runtime {first.runtime}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes: dict[str, int] = {}
