@@ -56,7 +56,8 @@ def build(shape: str, builder: str, precision: str, device: str, out: pathlib.Pa
     if builder == "genai":
         hf = examples.save_hf_folder(examples.build_model(cfg, device, dtype), cfg, out / "hf")
         log(f"random {shape} weights saved to {hf} ({time.perf_counter() - t0:.0f} s)")
-        torch.cuda.empty_cache() if device == "cuda" else None
+        if device == "cuda":  # the builder may want the GPU: the weights made there are saved, let go
+            torch.cuda.empty_cache()
         paths["original"] = examples.build_genai(hf, out / "model", precision, device, out / "cache")
     else:
         model = examples.build_model(cfg, device, dtype)
