@@ -87,11 +87,15 @@ def plot(records: list[Record], path: str | os.PathLike) -> None:
 
     ok = [r for r in records if not r.error]
     names = [f"{pathlib.Path(r.model).parent.name}/{pathlib.Path(r.model).name} B{r.batch} S{r.context}" for r in ok]
-    panels = [("tokens/s", [r.tokens_per_s for r in ok]), ("time to first token, s", [(r.ttft_ms or 0) / 1e3 for r in ok]),
+    panels = [("tokens/s", [r.tokens_per_s for r in ok]),
+              ("time to first token, s", [None if r.ttft_ms is None else r.ttft_ms / 1e3 for r in ok]),
               ("KV cache at S, GB", [r.kv_bytes / 1e9 for r in ok])]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
     for ax, (title, values) in zip(axes, panels):
-        ax.bar(range(len(values)), values, color=[f"C{i}" for i in range(len(values))])
+        ax.bar(range(len(values)), [v or 0 for v in values], color=[f"C{i}" for i in range(len(values))])
+        for i, v in enumerate(values):
+            if v is None:  # a figure not measured (see the JSON's ttft_how) is marked, not drawn as zero
+                ax.text(i, 0, "not measured", ha="center", va="bottom", fontsize=7, rotation=90)
         ax.set_xticks(range(len(values)), names, rotation=30, ha="right", fontsize=7)
         ax.set_title(title, fontsize=9)
     r0 = records[0]
