@@ -191,3 +191,19 @@ def test_rewrite_of_another_model_is_refused(built, tmp_path, capsys):
     _fails(capsys, ["decode", orig, str(built["genai"][1])], "MODEL 2")
     wider = examples.export(examples.TinyConfig(**{**TINY.__dict__, "hidden": 512}), tmp_path / "wider.onnx")
     assert "weights of shapes" in _fails(capsys, ["decode", str(wider), tq], "MODEL 2")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("builder", decode_models.BUILDERS)
+@pytest.mark.parametrize("fill", ["prefill", "random"])
+def test_cuda_decode(cuda_ready, built, tmp_path, builder, fill):
+    """The same models on the CUDA provider: IO binding with device-resident caches, random caches
+    made on the device, the capacity's caches allocated there, peak memory from the device."""
+    orig, tq = built[builder]
+    recs = _decode(tmp_path, orig, tq, "--device", "cuda", "--context", 300, 600, "--batch", 2, "--steps", 3,
+                   "--fill", fill, "--prefill-chunk", 128, "--capacity", 10**7)
+    for r in recs:
+        assert r["error"] is None and r["device"] == "cuda" and "caches on the device" in r["loop"]
+        assert r["ms_per_step"] > 0 and r["fill"].startswith(fill) and r["ttft_ms"] > 0
+        held = r["capacity_batch"] * r["kv_bytes"] // r["batch"]  # the layout's bytes at the largest batch
+        assert r["capacity_check"] == f"allocated {held} bytes on cuda for batch {r['capacity_batch']}"
