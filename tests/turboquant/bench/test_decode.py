@@ -21,13 +21,13 @@ TINY = decode_models.SHAPES["tiny"]
 
 def _bytes_per_token(rewritten: bool, genai: bool) -> int:
     """Cache bytes per token of the tiny models, from their config alone: 3 layers, 2 KV heads of 64,
-    fp32; the rewrite packs layer 1 (boundary 1) as mse4 keys and uint4 values, genai's in one
-    raw16-wide row of uint8 per layer."""
+    fp32; the rewrite packs layer 1 (boundary 1) as mse4 keys and uint4 values, genai's in uint8 rows
+    of its own width (the wider format's) while the boundary layers keep raw16 rows."""
     h, d = TINY.kv_heads, TINY.head_dim
     if not rewritten:
         return TINY.layers * 2 * h * d * 4
     if genai:
-        return TINY.layers * 2 * h * 2 * d
+        return 2 * 2 * h * 2 * d + 2 * h * max(packed_size("mse4", d), packed_size("uint4", d))
     return 2 * 2 * h * d * 4 + h * (packed_size("mse4", d) + packed_size("uint4", d))
 
 
