@@ -123,10 +123,10 @@ def _decode(args) -> int:
         if target and not pathlib.Path(target).absolute().parent.is_dir():
             return _fail(f"--{flag}", f"{pathlib.Path(target).parent} is not a folder")
     if args.device == "cuda":
-        import onnxruntime as ort
+        from ..arguments import cuda_missing
 
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            return _fail("--device", "cuda: this onnxruntime has no CUDAExecutionProvider")
+        if cuda_missing():
+            return _fail("--device", f"cuda: {cuda_missing()}")
     opts = decode.Options(device=args.device, points=points, steps=args.steps,
                           prefill_chunk=args.prefill_chunk, runtime=args.runtime, fill=args.fill,
                           ttft_budget=args.ttft_budget, ttft_max_tokens=args.ttft_max_tokens, capacity=args.capacity, threads=args.threads)
