@@ -1,4 +1,4 @@
-"""python -m turboquant.bench attention|report|pack --device cpu|cuda [options]
+"""python -m turboquant.bench attention|report|pack|prefill --device cpu|cuda [options]
 
 Times one decode step (one new token) of TQAttention for each preset and of ONNX Runtime's own
 attention (GroupQueryAttention on fp32, fp16 and its own int8/int4/fp8 caches, ONNX Attention-23)
@@ -13,7 +13,7 @@ import json
 import os
 
 from ..config import TQ_PRESETS
-from . import attention
+from . import attention, prefill
 
 
 def _positive(text: str) -> int:
@@ -58,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--repeat", type=int, default=20)
     k.add_argument("--json", help="write the results here as JSON")
     k.add_argument("--plot", help="write a PNG of each format's fraction of the copy rate against the vectors per call here")
+    prefill.add_parser(sub)
     args = p.parse_args(argv)
+    if args.what == "prefill":
+        return prefill.main(args)
     if args.what == "pack":
         from . import pack
 
