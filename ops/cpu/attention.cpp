@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "tiles.h"
@@ -130,6 +131,15 @@ struct NibblePairs {
 };
 const NibblePairs kNibbles;
 
+struct CentroidFloats {
+  float c3[8], c4[16];
+  CentroidFloats() {
+    for (int i = 0; i < 8; ++i) c3[i] = static_cast<float>(codebook::kCentroids3[i]);
+    for (int i = 0; i < 16; ++i) c4[i] = static_cast<float>(codebook::kCentroids4[i]);
+  }
+};
+const CentroidFloats kCentroidFloats;
+
 struct Fp8Table {
   float t[256];
   Fp8Table() {
@@ -164,7 +174,7 @@ void score_mse_rows(int bits, int dp, const float* lut, const uint8_t* keys, int
 
 // Buffers of one thread, reused from task to task (a task's take up to a few hundred KB).
 struct Scratch {
-  std::vector<float> q, acc, qrot, lut, scores;
+  std::vector<float> q, acc, qrot, lut, scores, kt, vt;
 };
 Scratch& thread_scratch() {
   thread_local Scratch s;
@@ -247,6 +257,9 @@ class Runner {
   Runner(const AttentionParams& p, const void* q, const void* mask, const NewTiles& fresh, const uint8_t* past_key,
          const uint8_t* past_value, void* y)
       : p_(p), q_(q), mask_(mask), new_(fresh), past_key_(past_key), past_value_(past_value), y_(y) {
+    // A call with a tile of new keys has tasks of many rows: they score the past by decoded tiles,
+    // which every row shares; a decode step's few rows score it by lookup tables, which need no decoding.
+    tiled_past_ = p.new_len >= tiles::kKeys;
     group_ = static_cast<int>(p.q_heads / p.kv_heads);
     past_rows_ = p.past_rows_or_len();
     key_bytes_ = p.key_row();
@@ -274,7 +287,9 @@ class Runner {
       tiles::load_row8(p_.dtype, q_, t.b * p_.q.b + st.hq[r] * p_.q.h + st.pos[r] * p_.q.s, d, qr);
       for (int i = 0; i < d; ++i) qr[i] *= p_.scale;
     }
-    if (sp > 0) {
+    if (sp > 0 && tiled_past_) {
+      past_tiles(t, st, sp, w);
+    } else if (sp > 0) {
       for (int r0 = 0; r0 < rows; r0 += kLutRows) past(t, st, r0, std::min(kLutRows, rows - r0), sp, w);
     }
     if (p_.new_len > 0) fresh(t, st, sp, w);
@@ -354,29 +369,115 @@ class Runner {
     }
   }
 
-  // All the task's rows against the new tokens they may see, a tile of tiles::kKeys keys at a time
-  // (the key tile transposed, D x kKeys, and the value tile, kKeys x Dv, from NewTiles).
+  // All the task's rows against the new tokens they may see, from NewTiles.
   void fresh(const Task& t, Rows& st, int64_t sp, Scratch& w) const {
+    const int64_t bh = t.b * p_.kv_heads + t.hkv;
+    tile_pass(t, st, sp, p_.new_len, w.q.data(), p_.head_dim, w, false, [&](int64_t n0, int) {
+      return std::pair{new_.key_tile(bh, n0 / tiles::kKeys), new_.value_rows(bh, n0)};
+    });
+  }
+
+  // All the task's rows against the past keys they may see, in tiles decoded once per task into float32:
+  // MSE keys in the rotated domain (centroid times the key's scale; the rows' queries rotated once),
+  // so that score = q_rot . tile as for exact keys; values decoded whole.
+  void past_tiles(const Task& t, Rows& st, int64_t sp, Scratch& w) const {
     using tiles::kKeys;
     const int d = p_.head_dim, dv = p_.v_head_dim, rows = t.rows;
+    const bool mse = is_mse(p_.key_format);
+    const int dq = mse ? padded_dim(d) : d;
+    const float* qm = w.q.data();
+    if (mse) {
+      w.qrot.assign(static_cast<size_t>(rows) * dq, 0.0f);
+      for (int r = 0; r < rows; ++r) {
+        float* qr = &w.qrot[static_cast<size_t>(r) * dq];
+        for (int i = 0; i < d; ++i) qr[i] = w.q[static_cast<size_t>(r) * d + i] * (1.0f / static_cast<float>(dq));
+        codec::fwht_inplace(qr, dq);
+      }
+      qm = w.qrot.data();
+    }
+    w.kt.resize(static_cast<size_t>(dq) * kKeys);
+    w.vt.resize(static_cast<size_t>(kKeys) * dv);
+    const uint8_t* keys = past_key_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * key_bytes_;
+    const uint8_t* vals = past_value_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * value_bytes_;
+    tile_pass(t, st, 0, sp, qm, dq, w, true, [&](int64_t j0, int n) {
+      float *kt = w.kt.data(), *vt = w.vt.data();
+      float row[kMaxHeadDim];
+      for (int u = 0; u < kKeys; ++u) {
+        if (u < n) {
+          decode_key_row(keys + (j0 + u) * key_bytes_, dq, row);
+          decode_value_row(vals + (j0 + u) * value_bytes_, vt + u * dv);
+        } else {
+          std::memset(row, 0, sizeof(float) * dq);
+        }
+        for (int i = 0; i < dq; ++i) kt[i * kKeys + u] = row[i];
+      }
+      return std::pair<const float*, const float*>{kt, vt};
+    });
+  }
+
+  // MSE: centroids times the stored scale (the rotated domain, dp values); other formats decoded.
+  void decode_key_row(const uint8_t* kb, int dq, float* out) const {
+    if (!is_mse(p_.key_format)) {
+      if (p_.key_format == Format::kFp8) {
+        for (int i = 0; i < dq; ++i) out[i] = kFp8Table.t[kb[i]];
+      } else {
+        decode_vector(p_.key_format, dq, kb, out);
+      }
+      return;
+    }
+    const int bits = format_bits(p_.key_format);
+    const float s = load_f16_le(kb + dq * bits / 8);
+    const float* c = bits == 3 ? kCentroidFloats.c3 : kCentroidFloats.c4;
+    if (bits == 4) {
+      for (int i = 0; i < dq; i += 2, ++kb) {
+        out[i] = c[*kb & 15u] * s;
+        out[i + 1] = c[*kb >> 4] * s;
+      }
+      return;
+    }
+    for (int i = 0; i < dq; i += 8, kb += 3) {
+      const uint32_t w = kb[0] | (kb[1] << 8) | (kb[2] << 16);
+      for (int k = 0; k < 8; ++k) out[i + k] = c[(w >> (3 * k)) & 7u] * s;
+    }
+  }
+
+  void decode_value_row(const uint8_t* vb, float* out) const {
+    const int dv = p_.v_head_dim;
+    if (is_uint(p_.value_format)) {
+      const int nb = payload_bytes(p_.value_format, dv);
+      codes_as_floats(format_bits(p_.value_format), dv, vb, out);
+      const float scale = load_f16_le(vb + nb), zero = load_f16_le(vb + nb + 2);
+      for (int i = 0; i < dv; ++i) out[i] = out[i] * scale + zero;
+    } else if (p_.value_format == Format::kFp8) {
+      for (int i = 0; i < dv; ++i) out[i] = kFp8Table.t[vb[i]];
+    } else {
+      decode_vector(p_.value_format, dv, vb, out);
+    }
+  }
+
+  // Keys [first, first + count) that some row of the task may see, a tile of tiles::kKeys at a time:
+  // tile(j, n) gives the transposed key tile (dq x kKeys, zero past n) and the value rows (Dv floats
+  // apart) of keys first + j ...; rows scored by qm (dq floats a row), masked, folded, summed.
+  template <class Tile>
+  void tile_pass(const Task& t, Rows& st, int64_t first, int64_t count, const float* qm, int dq, Scratch& w,
+                 bool past_keys, Tile tile) const {
+    using tiles::kKeys;
+    const int dv = p_.v_head_dim, rows = t.rows;
     int64_t visible = 0;
-    for (int r = 0; r < rows; ++r) visible = std::max(visible, std::min(st.limit[r] + 1 - sp, p_.new_len));
-    if (visible <= 0) return;
+    for (int r = 0; r < rows; ++r) visible = std::max(visible, std::min(st.limit[r] + 1 - first, count));
     w.scores.resize(std::max<size_t>(w.scores.size(), static_cast<size_t>(rows) * kKeys));
     float* sc = w.scores.data();
-    const int64_t bh = t.b * p_.kv_heads + t.hkv;
-    for (int64_t n0 = 0; n0 < visible; n0 += kKeys) {
-      const int n = static_cast<int>(std::min<int64_t>(kKeys, visible - n0));
-      const float* kt = new_.key_tile(bh, n0 / kKeys);
-      const float* vr = new_.value_rows(bh, n0);
-      tiles::tile_all_rows(rows, w.q.data(), d, kt, n, vr, dv, dv, sc, w.acc.data(), true);
+    for (int64_t j0 = 0; j0 < visible; j0 += kKeys) {
+      const int n = static_cast<int>(std::min<int64_t>(kKeys, visible - j0));
+      const auto [kt, vr] = tile(j0, n);
+      tiles::tile_all_rows(rows, qm, dq, kt, n, vr, dv, dv, sc, w.acc.data(), true);
       for (int r = 0; r < rows; ++r) {
         float* s = sc + r * kKeys;
         for (int u = n; u < kKeys; ++u) s[u] = kNegInf;
-        apply_mask(t.b, st.hq[r], st.pos[r], st.limit[r], sp + n0, n, s);
+        apply_mask(t.b, st.hq[r], st.pos[r], st.limit[r], first + j0, n, s);
       }
-      fold(st, 0, rows, sc, kKeys, kKeys, w.acc.data(), false);
-      tiles::tile_all_rows(rows, w.q.data(), d, kt, n, vr, dv, dv, sc, w.acc.data(), false);
+      fold(st, 0, rows, sc, kKeys, kKeys, w.acc.data(), past_keys);
+      tiles::tile_all_rows(rows, qm, dq, kt, n, vr, dv, dv, sc, w.acc.data(), false);
     }
   }
 
@@ -504,6 +605,7 @@ class Runner {
   const uint8_t *past_key_, *past_value_;
   void* y_;
   int group_;
+  bool tiled_past_;
   int64_t past_rows_, key_bytes_, value_bytes_;
 };
 
