@@ -26,7 +26,7 @@ inline V8 load8(const float* p) {
 inline void store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Keys per tile of exact keys: the score tile is rows x kKeys, the transposed key tile D x kKeys.
-constexpr int kKeys = 32;
+constexpr int kKeys = 64;
 // Rows per register block: 6 rows x 16 columns of accumulators is 12 of AVX2's 16 registers.
 constexpr int kRowBlock = 6;
 
@@ -111,8 +111,7 @@ template <int RB>
 inline void tile_rows(const float* q, int d, const float* kt, int n, const float* v, int64_t ldv, int dv, float* s,
                       float* acc, bool scores) {
   if (scores) {
-    score_block<RB>(q, d, kt, 0, s);
-    if (n > 16) score_block<RB>(q, d, kt, 16, s);
+    for (int c0 = 0; c0 < n; c0 += 16) score_block<RB>(q, d, kt, c0, s);
     return;
   }
   int c = 0;
@@ -120,8 +119,7 @@ inline void tile_rows(const float* q, int d, const float* kt, int n, const float
   if (c < dv) value_block<RB, 1>(s, v, ldv, n, dv, c, acc);
 }
 
-// For rows [0, rows): scores s[r][0 .. kKeys) = q[r] . kt (scores = true; columns past 16 only when
-// n > 16), or acc[r] += s[r][0 .. n) . v (scores = false; v rows ldv floats apart), in register
+// For rows [0, rows): scores s[r][0 .. n rounded up to 16) = q[r] . kt (scores = true), or acc[r] += s[r][0 .. n) . v (scores = false; v rows ldv floats apart), in register
 // blocks of kRowBlock rows.
 inline void tile_all_rows(int rows, const float* q, int d, const float* kt, int n, const float* v, int64_t ldv, int dv,
                           float* s, float* acc, bool scores) {
