@@ -403,15 +403,17 @@ class Runner {
     const uint8_t* vals = past_value_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * value_bytes_;
     tile_pass(t, st, 0, sp, qm, dq, w, true, [&](int64_t j0, int n) {
       float *kt = w.kt.data(), *vt = w.vt.data();
-      float row[kMaxHeadDim];
-      for (int u = 0; u < kKeys; ++u) {
-        if (u < n) {
-          decode_key_row(keys + (j0 + u) * key_bytes_, dq, row);
-          decode_value_row(vals + (j0 + u) * value_bytes_, vt + u * dv);
-        } else {
-          std::memset(row, 0, sizeof(float) * dq);
+      alignas(32) float rows8[8][kMaxHeadDim];
+      for (int u0 = 0; u0 < kKeys; u0 += 8) {
+        for (int u = u0; u < u0 + 8; ++u) {
+          if (u < n) {
+            decode_key_row(keys + (j0 + u) * key_bytes_, dq, rows8[u - u0]);
+            decode_value_row(vals + (j0 + u) * value_bytes_, vt + u * dv);
+          } else {
+            std::memset(rows8[u - u0], 0, sizeof(float) * dq);
+          }
         }
-        for (int i = 0; i < dq; ++i) kt[i * kKeys + u] = row[i];
+        tiles::transpose8(rows8[0], kMaxHeadDim, dq, kt + u0);
       }
       return std::pair<const float*, const float*>{kt, vt};
     });
@@ -446,10 +448,18 @@ class Runner {
   void decode_value_row(const uint8_t* vb, float* out) const {
     const int dv = p_.v_head_dim;
     if (is_uint(p_.value_format)) {
-      const int nb = payload_bytes(p_.value_format, dv);
-      codes_as_floats(format_bits(p_.value_format), dv, vb, out);
+      // eight codes at a time: their bytes as one word, each lane shifting its own code down
+      typedef uint32_t U8 __attribute__((vector_size(32)));
+      const int bits = format_bits(p_.value_format), nb = payload_bytes(p_.value_format, dv);
       const float scale = load_f16_le(vb + nb), zero = load_f16_le(vb + nb + 2);
-      for (int i = 0; i < dv; ++i) out[i] = out[i] * scale + zero;
+      const U8 shift = bits == 4 ? U8{0, 4, 8, 12, 16, 20, 24, 28} : U8{0, 3, 6, 9, 12, 15, 18, 21};
+      const uint32_t mask = (1u << bits) - 1;
+      for (int i = 0; i < dv; i += 8, vb += bits) {
+        uint32_t word = vb[0] | (vb[1] << 8) | (vb[2] << 16);
+        if (bits == 4) word |= static_cast<uint32_t>(vb[3]) << 24;
+        const U8 codes = ((U8{} + word) >> shift) & mask;
+        tiles::store8(out + i, __builtin_convertvector(codes, tiles::V8) * scale + zero);
+      }
     } else if (p_.value_format == Format::kFp8) {
       for (int i = 0; i < dv; ++i) out[i] = kFp8Table.t[vb[i]];
     } else {

@@ -9,7 +9,7 @@
 
 #include "turboquant/float_io.h"
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -67,6 +67,35 @@ inline void load_row8(DType dt, const void* base, int64_t first, int n, float* o
   }
 #else
   for (int i = 0; i < n; ++i) out[i] = f16_to_f32(in[i]);
+#endif
+}
+
+// kt[i][0 .. 8) = rows[0 .. 8)[i] for i < d (d a multiple of 8; rows ld floats apart, kt rows kKeys):
+// eight decoded keys into eight columns of a transposed key tile, in 8 x 8 register transposes.
+inline void transpose8(const float* rows, int ld, int d, float* kt) {
+#if defined(__AVX2__)
+  for (int i = 0; i < d; i += 8) {
+    __m256 r[8], t[8];
+    for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(rows + k * ld + i);
+    for (int k = 0; k < 8; k += 2) {
+      t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+      t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4) {
+      r[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44);
+      r[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
+      r[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+      r[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+    }
+    // r[0..3]: columns 0, 1, 2, 3 of rows 0-3 (low lanes) and of columns 4-7 (high lanes); r[4..7] rows 4-7
+    for (int k = 0; k < 4; ++k) {
+      _mm256_storeu_ps(kt + (i + k) * kKeys, _mm256_permute2f128_ps(r[k], r[k + 4], 0x20));
+      _mm256_storeu_ps(kt + (i + k + 4) * kKeys, _mm256_permute2f128_ps(r[k], r[k + 4], 0x31));
+    }
+  }
+#else
+  for (int i = 0; i < d; ++i)
+    for (int k = 0; k < 8; ++k) kt[i * kKeys + k] = rows[k * ld + i];
 #endif
 }
 
