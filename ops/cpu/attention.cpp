@@ -20,6 +20,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "tiles.h"
 #include "turboquant/float_io.h"
 #include "turboquant/vector_codec.h"
@@ -432,6 +436,27 @@ class Runner {
     const int bits = format_bits(p_.key_format);
     const float s = load_f16_le(kb + dq * bits / 8);
     const float* c = bits == 3 ? kCentroidFloats.c3 : kCentroidFloats.c4;
+#if defined(__AVX2__)
+    {  // eight codes at a time (per-lane shifts), looked up by in-register permutes of the codebook
+      const int stride = bits;  // bytes per eight codes
+      const __m256i shift = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                      : _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+      const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+      const __m256 lo = _mm256_loadu_ps(c), hi = bits == 4 ? _mm256_loadu_ps(c + 8) : lo;
+      const __m256 scale = _mm256_set1_ps(s);
+      for (int i = 0; i < dq; i += 8, kb += stride) {
+        uint32_t word = kb[0] | (kb[1] << 8) | (kb[2] << 16);
+        if (bits == 4) word |= static_cast<uint32_t>(kb[3]) << 24;
+        const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shift), mask);
+        __m256 v = _mm256_permutevar8x32_ps(lo, codes);
+        if (bits == 4) {  // codes 8-15 from the upper half: bit 3 moved to the sign bit selects it
+          v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(hi, codes), _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
+        }
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(v, scale));
+      }
+      return;
+    }
+#endif
     if (bits == 4) {
       for (int i = 0; i < dq; i += 2, ++kb) {
         out[i] = c[*kb & 15u] * s;
