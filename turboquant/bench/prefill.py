@@ -76,6 +76,8 @@ def add_parser(sub) -> None:
     f.add_argument("--threads", type=_positive, default=os.cpu_count(), help="intra-op threads, the same for all")
     f.add_argument("--repeat", type=_positive, default=3)
     f.add_argument("--presets", nargs="+", default=["turboquant_4bit_nc"], choices=list(TQ_PRESETS))
+    f.add_argument("--baselines", nargs="+", default=list(BASELINES), choices=list(BASELINES),
+                   help="ORT's attention to time against (default: all)")
     f.add_argument("--max-baseline-gb", type=float, default=8.0,
                    help="skip a CPU baseline whose S x (P + S) probabilities need more (default 8)")
     f.add_argument("--json", help="write the rows here as JSON")
@@ -205,12 +207,14 @@ def _probabilities_gb(pt: Point, hq: int) -> float:
     return pt.batch * hq * pt.new * (pt.past + pt.new) * 4 / 1e9
 
 
+BASELINES = {"gqa": ort_gqa, "attention23": ort_attention23}
+
+
 def measure(device: str, pt: Point, hq: int, hkv: int, d: int, dtype_name: str, presets: list[str], threads: int,
-            repeat: int, max_baseline_gb: float, seed: int = 0) -> list[Row]:
+            repeat: int, max_baseline_gb: float, baselines=tuple(BASELINES), seed: int = 0) -> list[Row]:
     dtype = DTYPES[dtype_name]
     rng = np.random.default_rng(seed)
-    candidates = [("ort_gqa", lambda: ort_gqa(rng, pt, hq, hkv, d, dtype), False),
-                  ("ort_attention23", lambda: ort_attention23(rng, pt, hq, hkv, d, dtype), False)]
+    candidates = [(f"ort_{b}", lambda f=BASELINES[b]: f(rng, pt, hq, hkv, d, dtype), False) for b in baselines]
     for preset in presets:
         candidates += [(f"tq_gqa:{preset}", lambda p=preset: tq_gqa(rng, pt, hq, hkv, d, dtype, p), True),
                        (f"tq_attention:{preset}", lambda p=preset: tq_attention(rng, pt, hq, hkv, d, dtype, p), True)]
@@ -267,7 +271,7 @@ def main(args) -> int:
     for pt in points:
         for dt in dtypes:
             rows += measure(args.device, pt, args.q_heads, args.kv_heads, args.head_dim, dt, args.presets,
-                            args.threads, args.repeat, args.max_baseline_gb)
+                            args.threads, args.repeat, args.max_baseline_gb, args.baselines)
     print(report(rows))
     if args.json:
         tmp = f"{args.json}.tmp"
