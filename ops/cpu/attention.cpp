@@ -4,14 +4,18 @@
 // against one KV head. A task keeps, per row, a running maximum, sum and weighted sum of values (online
 // softmax), folds in the past and then the new tokens a block of keys at a time, and divides at the end;
 // no buffer grows with the sequence. Per task:
-// 1. past MSE keys, in blocks of kLutRows rows: scores through per-block lookup tables over pairs of
-//    packed indices (a byte for 4-bit keys, 6 bits for 3-bit keys): score = s * sum_pairs LUT[pair][code],
-//    with the query rotated once (q . H) and the softmax scale folded into the table; no key is ever
-//    dequantized. Other key formats are decoded once per row block and dotted with every row;
-// 2. past values dequantized on the fly: for uint formats sum_j p_j (q_j * scale_j + zero_j) is
-//    accumulated as (p_j * scale_j) * q_j plus a separate sum of p_j * zero_j;
-// 3. the new tokens' keys and values exactly, in float32 tiles of tiles::kKeys keys shared by all the
-//    task's rows (register-blocked scores and weighted sums, tiles.h), the key offset removed;
+// 1. a decode step's past (fewer than kPrefillTokens new tokens; tasks of kLutRows rows): MSE keys
+//    scored through per-task lookup tables over pairs of packed indices (a byte for 4-bit keys, 6 bits
+//    for 3-bit keys): score = s * sum_pairs LUT[pair][code], with the query rotated once (q . H) and
+//    the softmax scale folded into the table, no key dequantized; other key formats decoded once and
+//    dotted with every row. Values dequantized on the fly: for uint formats sum_j p_j (q_j * scale_j +
+//    zero_j) is accumulated as (p_j * scale_j) * q_j plus a separate sum of p_j * zero_j;
+// 2. a prefill call's past (tasks of kTaskRows rows): key and value tiles decoded once per task into
+//    float32, MSE keys in the rotated domain (centroid times scale, against the rows' rotated queries),
+//    and run through the same register-blocked tiles as the new tokens (tiles.h): the decoding is
+//    shared by 64 rows, where lookup tables are built and read per 8;
+// 3. the new tokens' keys and values exactly, in float32 tiles of tiles::kKeys keys prepared once per
+//    call (NewTiles) and shared by all the task's rows, the key offset removed;
 // 4. mask and causal limit (aligned to the end of the cache) on every block before it is folded in.
 #include <algorithm>
 #include <cmath>

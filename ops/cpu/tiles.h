@@ -1,6 +1,7 @@
 // Register-blocked float32 tiles for the CPU attention kernel (included by attention.cpp only, which
-// is compiled with contraction on): query rows x a tile of exact keys, scores and the weighted sum of
-// values, plus the vectorised exp and row loads they need. Vectors are GCC/Clang vector extensions,
+// is compiled with contraction on): query rows x a tile of float32 keys (exact new ones or decoded
+// past ones), scores and the weighted sum of values, plus the vectorised exp, row loads and transposes
+// they need. Vectors are GCC/Clang vector extensions,
 // so the same code is AVX2/FMA on x86-64-v3 and NEON on ARM.
 #pragma once
 
