@@ -228,6 +228,7 @@ def measure(device: str, pt: Point, hq: int, hkv: int, d: int, dtype_name: str, 
         if not ours and device == "cpu" and _probabilities_gb(pt, hq) > max_baseline_gb:
             row.error = f"skipped: its probabilities need {_probabilities_gb(pt, hq):.1f} GB (--max-baseline-gb)"
             rows.append(row)
+            print(_line(row), flush=True)
             continue
         try:
             model, feeds, shared = build()
