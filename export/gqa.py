@@ -1,16 +1,20 @@
 """The rewrite of onnxruntime-genai models: com.microsoft GroupQueryAttention over a shared,
 preallocated cache becomes turboquant.TQGroupQueryAttention over packed uint8 caches.
 
-onnxruntime-genai allocates every layer's cache with one dtype (that of the first past input) and
-one shape [batch, kv_heads, max_length, head_size] (genai_config.json's head_size), so every layer's
-K and V rows get one common byte width W: the largest packed size among the rewritten layers. The
-compressed layers use the preset's formats; boundary and kept layers use raw16 (their fp16 bits,
-exact for fp16 models) in the same uint8 buffers. With raw16 layers W is 2 * head_size, so the
-buffers are as large as an fp16 cache and the saving is in the bytes attention reads; --boundary 0
-makes W the packed size and shrinks the buffers too (the summary says which).
-Nodes with features the op lacks (sliding window, softcap, smooth softmax, attention bias, head
-sink, QK output) are refused, or with unsupported="leave" kept as they are (the model then mixes
-cache dtypes and is no longer loadable by onnxruntime-genai, which the summary says).
+Each layer's K and V rows get one byte width W (the op takes past_key and past_value of the same
+shape): compressed layers the larger of their key and value formats' packed sizes, boundary and
+kept layers raw16 (their fp16 bits, exact for fp16 models), 2 * head_size. The packed sizes are
+always even, and multiples of 4 for the power-of-two head sizes the CUDA tensor-core kernels serve
+(which want value rows of whole words and key rows of 2-byte ones), so no row is padded; the CUDA
+ops' 4-byte alignment is of the buffers' start, which ORT's and genai's allocations meet. The cache
+inputs and outputs declare their concrete KV heads (dim 1) and W (dim 3), from which
+onnxruntime-genai (0.14.0 and later, export/genai.py) allocates each layer's buffer; with an older
+genai installed, every layer gets the widest W (genai then allocates one shape for all layers), and
+the summary says so.
+onnxruntime-genai takes one dtype for every cache (that of the first past input), so all of them
+are uint8. Nodes with features the op lacks (sliding window, softcap, smooth softmax, attention
+bias, head sink, QK output) are refused, or with unsupported="leave" kept as they are (the model
+then mixes cache dtypes and is no longer loadable by onnxruntime-genai, which the summary says).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS, packed_size
 
 from .cache_io import CacheLayer
 from .errors import RewriteError
-from .plan import RewriteResult, plan_layers
+from .plan import RewriteResult, _ranges, plan_layers
 from .surgery import _replace_graph_output
 
 BOUNDARY_FORMAT = "raw16"
@@ -117,10 +121,15 @@ def unsupported_features(n: ir.Node) -> list[str]:
     return found
 
 
-def _retype(v: ir.Value, width: int) -> None:
-    dims = list(v.shape) if v.shape is not None else [None, None, None, None]
+def _retype(v: ir.Value, heads: int, width: int) -> None:
+    dims = list(v.shape) if v.shape is not None and len(v.shape) == 4 else [None, None, None, None]
     v.dtype = ir.DataType.UINT8
-    v.shape = ir.Shape([*dims[:3], width])
+    v.shape = ir.Shape([dims[0], heads or dims[1], dims[2], width])
+
+
+def row_width(key_format: str, value_format: str, head_dim: int) -> int:
+    """W of a layer: both caches take the larger of the two formats' packed sizes."""
+    return max(packed_size(key_format, head_dim), packed_size(value_format, head_dim))
 
 
 def _replace(graph: ir.Graph, old: ir.Node, key_format: str, value_format: str, norm_correction: bool) -> ir.Node:
@@ -142,8 +151,11 @@ def _replace(graph: ir.Graph, old: ir.Node, key_format: str, value_format: str, 
 
 
 def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
-                      unsupported: str = "refuse") -> RewriteResult:
-    """Rewrites a GroupQueryAttention model in place (module docstring); returns what was done."""
+                      unsupported: str = "refuse", per_layer: bool | None = None) -> RewriteResult:
+    """Rewrites a GroupQueryAttention model in place (module docstring); returns what was done.
+
+    per_layer: give each layer its own row width (True) or every layer the widest (False); None
+    decides by the installed onnxruntime-genai (export/genai.py reads_per_layer_shapes)."""
     if unsupported not in ("refuse", "leave"):
         raise RewriteError(f"unsupported must be 'refuse' or 'leave', got {unsupported!r}")
     nodes: dict[int, ir.Node] = {}
@@ -183,21 +195,33 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
     rewritten = [p for p in plans if p.index not in left]
     if not any(p.compressed for p in rewritten):
         raise RewriteError("no layer left to compress: every cache layer is a boundary, kept or unsupported layer")
-    width = max(max(packed_size(p.key_format, p.head_dim), packed_size(p.value_format, p.head_dim)) for p in rewritten)
+    genai_note = None
+    if per_layer is None:
+        from .genai import reads_per_layer_shapes
+
+        per_layer, genai_note = reads_per_layer_shapes()
+    widths = {p.index: row_width(p.key_format, p.value_format, p.head_dim) for p in rewritten}
+    if not per_layer:
+        widths = dict.fromkeys(widths, max(widths.values()))
     graph = model.graph
     for plan in rewritten:
-        plan.row_bytes = width
-        node = _replace(graph, nodes[plan.index], plan.key_format, plan.value_format, cfg["norm_correction"])
+        plan.row_bytes = widths[plan.index]
+        node = nodes[plan.index]
+        heads = _attr(node, "kv_num_heads", 0)
+        plan.kv_heads = plan.kv_heads or heads or None  # the op's attribute where the cache inputs leave it symbolic
+        node = _replace(graph, node, plan.key_format, plan.value_format, cfg["norm_correction"])
         layer = layers[plan.index]
         for v in (layer.past_key, layer.past_value, node.outputs[1], node.outputs[2]):
-            _retype(v, width)
+            _retype(v, heads, plan.row_bytes)
     model.opset_imports[turboquant.DOMAIN] = turboquant.OPSET_VERSION
-    packed_width = max(max(packed_size(p.key_format, p.head_dim), packed_size(p.value_format, p.head_dim))
-                       for p in rewritten if p.compressed)
-    notes.append(f"onnxruntime-genai cache rows: {width} bytes per token and KV head for K and for V, in every layer")
-    if width > packed_width:
-        notes.append(f"  (set by the {BOUNDARY_FORMAT} boundary layers; the packed layers need {packed_width}: "
-                     "--boundary 0 shrinks the buffers to that)")
+    notes.append("cache rows (bytes per token and KV head, for K and for V): " + _describe_widths(rewritten))
+    if genai_note:
+        notes.append(f"  {genai_note}")
+    if not per_layer:
+        packed = max(row_width(p.key_format, p.value_format, p.head_dim) for p in rewritten if p.compressed)
+        if max(widths.values()) > packed:
+            notes.append(f"  one width for every layer: the packed layers need only {packed} (--boundary 0, or "
+                         "onnxruntime-genai 0.14.0 or later when rewriting, gives them that)")
     if left:
         notes.append(f"layers {left} were left as GroupQueryAttention with float caches: the model mixes cache dtypes, "
                      "which onnxruntime-genai cannot allocate")
@@ -205,11 +229,20 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
         "turboquant.preset": preset,
         "turboquant.format_version": str(FORMAT_VERSION),
         "turboquant.version": turboquant.__version__,
-        "turboquant.cache_row_bytes": str(width),
+        "turboquant.cache_row_bytes": json.dumps({str(p.index): p.row_bytes for p in rewritten}),
         "turboquant.layers": json.dumps([{"layer": p.index, "compressed": p.compressed,
                                           "key_format": p.key_format if p.index not in left else None,
                                           "value_format": p.value_format if p.index not in left else None,
                                           "norm_correction": bool(cfg["norm_correction"]) if p.compressed else None,
                                           "form": p.form} for p in plans]),
     })
-    return RewriteResult(preset, plans, None, notes, row_bytes=width, left=left)
+    return RewriteResult(preset, plans, None, notes, row_bytes=max(widths.values()), left=left)
+
+
+def _describe_widths(plans) -> str:
+    """'layers 0-1, 4-5: 128 (raw16); layers 2-3: 36 (mse4/uint4)', widest first."""
+    groups: dict[tuple[int, str], list[int]] = {}
+    for p in plans:
+        fmt = p.key_format if p.key_format == p.value_format else f"{p.key_format}/{p.value_format}"
+        groups.setdefault((p.row_bytes, fmt), []).append(p.index)
+    return "; ".join(f"layers {_ranges(ix)}: {w} ({fmt})" for (w, fmt), ix in sorted(groups.items(), key=lambda g: -g[0][0]))

@@ -23,7 +23,7 @@ class LayerPlan:
     kv_heads: int | None
     head_dim: int
     dtype_bytes: int
-    row_bytes: int | None = None  # genai models: the common width of every layer's uint8 cache rows
+    row_bytes: int | None = None  # GroupQueryAttention models: the width of this layer's uint8 cache rows
 
     @property
     def bytes_before(self) -> int | None:
@@ -46,7 +46,7 @@ class RewriteResult:
     layers: list[LayerPlan]
     output: pathlib.Path | None
     notes: list[str] = dataclasses.field(default_factory=list)  # printed after the summary
-    row_bytes: int | None = None  # genai models: the common cache row width
+    row_bytes: int | None = None  # GroupQueryAttention models: the widest layer's cache rows (genai's head_size)
     left: list[int] = dataclasses.field(default_factory=list)  # genai models: layers left as they were
 
     @property
@@ -96,6 +96,8 @@ def plan_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers=Non
                 head_dim_of=None) -> tuple[list[LayerPlan], dict[int, CacheLayer]]:
     if preset not in TQ_PRESETS:
         raise RewriteError(f"unknown preset {preset!r}: valid presets are {', '.join(TQ_PRESETS)}")
+    if not isinstance(boundary, int) or isinstance(boundary, bool) or boundary < 0:
+        raise RewriteError(f"--boundary must be a layer count of zero or more, got {boundary!r}")
     layers = find_cache_layers(model.graph, head_dim_of)
     infos = layer_infos(model.graph, layers)
     if keep_layers is not None:

@@ -25,7 +25,7 @@ TQ_PRESETS: dict[str, dict] = {
     "turboquant_3bit_nc": {"key_quant_bits": 3, "value_quant_bits": 3, "norm_correction": True},
 }
 
-# Names of the per-vector formats (DESIGN.md section 2), as the ops' `format` attributes spell them.
+# Names of the per-vector formats (docs/design.md section 2), as the ops' `format` attributes spell them.
 KEY_FORMATS = ("mse3", "mse4", "fp8")
 VALUE_FORMATS = ("uint3", "uint4")
 ALL_FORMATS = ("mse3", "mse4", "fp8", "uint3", "uint4", "raw16")

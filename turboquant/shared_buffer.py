@@ -24,12 +24,20 @@ class SharedBufferDecoder(DecoderSession):
     def __init__(self, model: str | os.PathLike, max_length: int, head_size: int | None = None,
                  providers: Sequence = ("CPUExecutionProvider",), threads: int | None = None,
                  options: ort.SessionOptions | None = None):
-        """head_size: the caches' last dimension where the model leaves it symbolic (genai models do;
-        default: genai_config.json's decoder.head_size beside the model)."""
+        """Each cache buffer takes its own input's KV heads and row width (a rewritten genai model's
+        layers differ), as genai allocates them. head_size: the width where an input leaves its last
+        dimension symbolic (default: genai_config.json's decoder.head_size beside the model)."""
         super().__init__(model, providers, threads, options)
         self.max_length = int(max_length)
         self.head_size = head_size or self._config_head_size(pathlib.Path(model))
         self.device = ("cuda", 0) if self.on_cuda else ("cpu", 0)
+        self.cache_shapes: dict[str, tuple[int, int]] = {}  # input name -> (kv heads, row width)
+        for arg in self.cache_inputs.values():
+            heads, last = arg.shape[1], arg.shape[3]
+            last = last if isinstance(last, int) else self.head_size
+            if not isinstance(heads, int) or not isinstance(last, int):
+                raise ValueError(f"cache input {arg.name} has symbolic dims {arg.shape}; pass head_size")
+            self.cache_shapes[arg.name] = (heads, last)
 
     @staticmethod
     def _config_head_size(model: pathlib.Path) -> int | None:
@@ -39,13 +47,10 @@ class SharedBufferDecoder(DecoderSession):
         return json.loads(config.read_text())["model"]["decoder"].get("head_size")
 
     def empty_cache(self, batch: int = 1) -> dict:
-        """Zeroed buffers [batch, kv_heads, max_length, W] (genai zeroes its buffers too)."""
+        """Zeroed buffers [batch, kv_heads, max_length, W], each input's own (genai zeroes its buffers too)."""
         cache = {}
         for arg in self.cache_inputs.values():
-            heads, last = arg.shape[1], arg.shape[3]
-            last = last if isinstance(last, int) else self.head_size
-            if not isinstance(heads, int) or not isinstance(last, int):
-                raise ValueError(f"cache input {arg.name} has symbolic dims {arg.shape}; pass head_size")
+            heads, last = self.cache_shapes[arg.name]
             buf = np.zeros((batch, heads, self.max_length, last), _NP[arg.type])
             cache[arg.name] = ort.OrtValue.ortvalue_from_numpy(buf, *self.device)
         return cache

@@ -1,4 +1,4 @@
-// TQPack / TQUnpack on the CPU: per-vector encode and decode of every format (DESIGN.md section 2).
+// TQPack / TQUnpack on the CPU: per-vector encode and decode of every format (docs/design.md section 2).
 // Compiled with -ffp-contract=off: every operation that decides a stored bit must round exactly
 // as the Python reference does.
 #include <algorithm>

@@ -364,8 +364,8 @@ bool mma_split_supported(const AttentionParams& p) {
   if (p.v_head_dim % 16 != 0) return false;
   // Within the default 48 KiB of shared memory per block (static + dynamic): the presets' layouts
   // up to head size 128. Wider rows (genai caches as wide as raw16, head size 256) would need the
-  // opt-in attribute; that launch failed on the H200 with the first version of its condition and
-  // the corrected one could not be re-run there this session, so they keep the CUDA-core kernel.
+  // opt-in attribute, which no GPU run has yet verified for this kernel (its first condition failed
+  // to launch on the H200), so they keep the CUDA-core kernel.
   if (dynamic_bytes(p) + static_cast<int>(sizeof(Smem)) > 48 * 1024) return false;
   // The weights p * value scale enter the value product in fp16 (relative 2^-11): within the
   // tolerance of fp16/bf16 outputs, not of float32 ones, which keep the CUDA-core kernel.

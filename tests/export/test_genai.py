@@ -3,15 +3,19 @@ Llama and Qwen2 configs, rewritten to TQGroupQueryAttention, run with a shared b
 plain ONNX Runtime and through onnxruntime-genai itself."""
 
 import json
+import re
+from unittest import mock
 
 import numpy as np
 import onnx
 import pytest
 
 from turboquant import TQ_PRESETS, examples
-from turboquant.config import packed_size
+from turboquant.config import TurboQuantConfig, packed_size
 from turboquant.example import mean_kl
 from turboquant.export import RewriteError, export
+from turboquant.export import genai as genai_folder
+from turboquant.export.gqa import row_width
 from turboquant.shared_buffer import SharedBufferDecoder
 
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes these models)")
@@ -24,6 +28,9 @@ CONFIGS = {
 }
 MAX_LENGTH = 64
 STEPS = 32
+RAW16 = 2 * 64  # a boundary layer's row: head size 64 in fp16 bits
+PACKED = {p: max(packed_size(TurboQuantConfig.from_cache_dtype(p, 64).key_format, 64),
+                 packed_size(TurboQuantConfig.from_cache_dtype(p, 64).value_format, 64)) for p in TQ_PRESETS}
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +49,13 @@ def built(tmp_path_factory):
 def rewritten(built, tmp_path_factory):
     cache = {}
 
-    def get(name, preset, **kw):
-        key = (name, preset, tuple(sorted(kw.items())))
+    def get(name, preset, genai_version=None, **kw):
+        """genai_version: rewrite as if that onnxruntime-genai were installed."""
+        key = (name, preset, genai_version, tuple(sorted((k, str(v)) for k, v in kw.items())))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"tq-{name}") / "model.onnx"
-            cache[key] = export(built(name), preset, out, progress=False, **kw)
+            with mock.patch.object(genai_folder, "installed_version", return_value=genai_version or "0.18.0"):
+                cache[key] = export(built(name), preset, out, progress=False, **kw)
         return cache[key]
 
     return get
@@ -77,33 +86,136 @@ def test_rewritten_model_tracks_the_original(built, rewritten, name, preset):
     assert top1 >= (0.8 if preset in ("turboquant_k8v4", "turboquant_4bit_nc") else 0.6), (kl, top1)
 
 
+def _cache_dims(path) -> dict[str, tuple]:
+    """name -> (elem type, dim 1, dim 3) of every cache input and output, as the model declares them."""
+    m = onnx.load(path, load_external_data=False)
+    return {vi.name: (vi.type.tensor_type.elem_type, *(vi.type.tensor_type.shape.dim[i].dim_value for i in (1, 3)))
+            for vi in [*m.graph.input, *m.graph.output] if vi.name.startswith(("past_key_values", "present"))}
+
+
+def _expected_widths(compressed, layers=6, packed=PACKED["turboquant_4bit_nc"]):
+    return {i: packed if i in compressed else RAW16 for i in range(layers)}
+
+
 def test_cache_io_config_and_library(built, rewritten):
+    """Each layer's caches declare uint8 rows of its own width (compressed layers the larger packed
+    size of their formats, boundary layers raw16) and the concrete KV heads; genai_config.json's
+    head_size is the widest row."""
     result = rewritten("qwen2", "turboquant_4bit_nc")
-    width = 2 * 64  # raw16 boundary layers set the common width
-    assert result.row_bytes == width
+    widths = _expected_widths([2, 3])
+    assert PACKED["turboquant_4bit_nc"] == max(packed_size("mse4", 64), packed_size("uint4", 64)) == 36
+    assert [p.row_bytes for p in result.layers] == [widths[i] for i in range(6)] and result.row_bytes == RAW16
+    dims = _cache_dims(result.output)
+    assert len(dims) == 24
+    for name, (elem, heads, width) in dims.items():
+        layer = int(re.search(r"\.(\d+)\.", name)[1])
+        assert (elem, heads, width) == (onnx.TensorProto.UINT8, 2, widths[layer]), name
     m = onnx.load(result.output, load_external_data=False)
-    for vi in [*m.graph.input, *m.graph.output]:
-        if vi.name.startswith(("past_key_values", "present")):
-            assert vi.type.tensor_type.elem_type == onnx.TensorProto.UINT8
-            assert vi.type.tensor_type.shape.dim[3].dim_value == width
     nodes = [n for n in m.graph.node if n.op_type == "TQGroupQueryAttention"]
     assert len(nodes) == 6 and not any(n.op_type == "GroupQueryAttention" for n in m.graph.node)
     formats = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}["key_format"] for n in nodes]
     assert formats == [b"raw16", b"raw16", b"mse4", b"mse4", b"raw16", b"raw16"]
     meta = {p.key: p.value for p in m.metadata_props}
-    assert meta["turboquant.cache_row_bytes"] == str(width)
+    assert json.loads(meta["turboquant.cache_row_bytes"]) == {str(i): w for i, w in widths.items()}
     config = json.loads((result.output.parent / "genai_config.json").read_text())
     decoder = config["model"]["decoder"]
-    assert decoder["head_size"] == width and decoder["filename"] == "model.onnx"
+    assert decoder["head_size"] == RAW16 and decoder["filename"] == "model.onnx"
     assert (result.output.parent / decoder["session_options"]["custom_ops_library"]).is_file()
     assert (result.output.parent / "tokenizer.json").is_file()
-    assert "not calibrated" in result.summary()
+    summary = result.summary()
+    assert "not calibrated" in summary
+    assert "layers 0-1, 4-5: 128 (raw16); layers 2-3: 36 (mse4/uint4)" in summary
+    assert "onnxruntime-genai 0.18.0 (installed) allocates each layer's cache" in summary
 
 
-def test_no_boundary_layers_shrink_the_buffers(rewritten):
-    result = rewritten("llama", "turboquant_4bit_nc", boundary=0)
-    assert result.compressed == list(range(6))
-    assert result.row_bytes == max(packed_size("mse4", 64), packed_size("uint4", 64))
+@pytest.mark.parametrize("kw, compressed", [
+    (dict(boundary=0), [0, 1, 2, 3, 4, 5]),
+    (dict(boundary=1), [1, 2, 3, 4]),
+    (dict(keep_layers=[0, 3]), [1, 2, 4, 5]),
+    (dict(skip_layers=[2]), [3]),
+])
+def test_boundary_and_kept_layers_get_their_own_widths(rewritten, kw, compressed):
+    """--boundary 0 packs every layer (every row, and genai's head_size, the packed width); other
+    boundaries and --keep-layers/--skip-layers give exactly the kept layers raw16 rows."""
+    result = rewritten("llama", "turboquant_4bit_nc", **kw)
+    assert result.compressed == compressed
+    widths = _expected_widths(compressed)
+    assert {p.index: p.row_bytes for p in result.layers} == widths
+    for name, (_, _, width) in _cache_dims(result.output).items():
+        assert width == widths[int(re.search(r"\.(\d+)\.", name)[1])], name
+    config = json.loads((result.output.parent / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["head_size"] == max(widths.values())
+    assert SharedBufferDecoder(result.output, MAX_LENGTH).cache_shapes == {
+        f"past_key_values.{i}.{kv}": (2, widths[i]) for i in range(6) for kv in ("key", "value")}
+
+
+def test_row_widths_need_no_padding():
+    """Why the rewrite pads no row: every preset's width is even (the CUDA kernels copy unaligned key
+    rows in 2-byte words) and, for the power-of-two head sizes the tensor-core kernels serve, a
+    multiple of 4 (their value rows are read in words)."""
+    for preset in TQ_PRESETS:
+        for d in range(16, 257, 8):
+            cfg = TurboQuantConfig.from_cache_dtype(preset, d)
+            w = row_width(cfg.key_format, cfg.value_format, d)
+            assert w == max(cfg.key_packed_size, cfg.value_packed_size) and w % 2 == 0, (preset, d, w)
+            if d in (64, 128, 256):
+                assert w % 4 == 0, (preset, d, w)
+
+
+@pytest.mark.parametrize("preset", list(TQ_PRESETS))
+@pytest.mark.parametrize("kw", [{}, dict(boundary=0), dict(keep_layers=[1, 4])])
+def test_summary_bytes_per_token_are_the_formats_sum(rewritten, preset, kw):
+    """The summary's KV bytes per token (all layers) are K and V of every KV head at each layer's
+    row width, against the original's float32 K and V."""
+    result = rewritten("llama", preset, **kw)
+    kv_heads, d = 2, 64
+    after = sum(2 * kv_heads * (PACKED[preset] if p.compressed else RAW16) for p in result.layers)
+    before = 6 * 2 * kv_heads * d * 4
+    assert f"{before} bytes before, {after} after, {before / after:.2f}x smaller" in result.summary()
+
+
+def test_8b_shape_formula(tmp_path):
+    """The 8B shape's target arithmetic on a 6-layer model with its KV shape (8 KV heads of 128,
+    fp16, turboquant_4bit_nc, 2 + 2 boundary layers): 4 x 4096 + (L - 4) x 8 x 136 bytes per token
+    against L x 4096."""
+    cfg = examples.TinyConfig(family="llama", layers=6, hidden=256, heads=8, kv_heads=8, head_dim=128, seed=3, vocab=640)
+    src = examples.export_genai(cfg, tmp_path / "fp16", precision="fp16", provider="cuda")  # GQA in fp16: CUDA's graph
+    result = export(src, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", progress=False, dry_run=True)
+    layers = 6
+    before, after = layers * 4096, 4 * 4096 + (layers - 4) * 8 * 136
+    assert f"KV cache per token (all layers, batch 1): {before} bytes before, {after} after" in result.summary()
+    assert 32 * 4096 / (4 * 4096 + 28 * 8 * 136) == pytest.approx(2.80, abs=0.005)  # the 8B model's: 2.80x
+
+
+def test_old_genai_gets_one_width(rewritten):
+    """With an onnxruntime-genai older than per-layer cache shapes installed, every layer gets the
+    widest row, the config's head_size, and the summary says why."""
+    result = rewritten("llama", "turboquant_4bit_nc", genai_version="0.13.2")
+    assert {p.row_bytes for p in result.layers} == {RAW16} and result.row_bytes == RAW16
+    assert {w for _, _, w in _cache_dims(result.output).values()} == {RAW16}
+    summary = result.summary()
+    assert "onnxruntime-genai 0.13.2 (installed) allocates every layer's cache with one shape" in summary
+    assert "the packed layers need only 36 (--boundary 0" in summary
+    assert "6144 bytes before, 3072 after, 2.00x smaller" in summary
+
+
+@pytest.mark.parametrize("version, per_layer", [("0.13.2", False), ("0.9.0", False), ("0.14.0", True),
+                                                ("0.15.0.dev1", True), ("0.18.0", True), ("1.0.0", True)])
+def test_per_layer_shapes_by_genai_version(version, per_layer):
+    assert genai_folder.reads_per_layer_shapes(version)[0] is per_layer
+    with mock.patch.object(genai_folder, "installed_version", return_value=version):
+        assert genai_folder.reads_per_layer_shapes()[0] is per_layer
+
+
+def test_installed_genai_version_is_read():
+    import onnxruntime_genai as og
+
+    assert genai_folder.installed_version() == og.__version__
+    with mock.patch.object(genai_folder, "installed_version", return_value=None):
+        per_layer, note = genai_folder.reads_per_layer_shapes()
+    assert per_layer and "from 0.14.0" in note
+    with pytest.raises(RewriteError, match="cannot read the onnxruntime-genai version 'main'"):
+        genai_folder.reads_per_layer_shapes("main")
 
 
 def test_shared_buffer_is_written_in_place(built, rewritten):
@@ -123,25 +235,62 @@ def test_shared_buffer_is_written_in_place(built, rewritten):
             np.testing.assert_array_equal(np.delete(after[name], t, axis=2), np.delete(before[name], t, axis=2))
 
 
-def test_generates_with_onnxruntime_genai(rewritten):
-    """onnxruntime-genai loads the output folder (custom-op library from genai_config.json, uint8
-    caches of head_size bytes, its own shared buffer) and generates the same greedy tokens as the
-    plain ONNX Runtime loop over the same model."""
+def _shape(t) -> tuple:
+    shape = t.shape  # numpy's attribute, or og.Tensor's method
+    return tuple(shape() if callable(shape) else shape)
+
+
+def _genai_generate(folder, prompt, steps):
+    """Greedy tokens of og.Generator over folder, each cache input's shape as genai bound it, and
+    genai's log lines."""
     import onnxruntime_genai as og
 
-    result = rewritten("llama", "turboquant_4bit_nc")
+    logs = []
+    og.set_log_options(enabled=True)
+    og.set_log_callback(logs.append)
+    try:
+        model = og.Model(str(folder))
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=prompt.shape[1] + steps, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(prompt.astype(np.int32))
+        shapes = {f"past_key_values.{i}.{kv}": _shape(gen.get_input(f"past_key_values.{i}.{kv}"))
+                  for i in range(6) for kv in ("key", "value")}
+        tokens = []
+        while not gen.is_done():
+            gen.generate_next_token()
+            tokens.append(int(gen.get_next_tokens()[0]))
+        del gen, params, model  # before the callback goes: genai logs as it frees them
+    finally:
+        og.set_log_callback(None)
+        og.set_log_options(enabled=False)
+    return tokens, shapes, logs
+
+
+@pytest.mark.parametrize("case, kw, compressed", [
+    ("boundary 2", {}, [2, 3]),
+    ("boundary 0", dict(boundary=0), [0, 1, 2, 3, 4, 5]),
+    ("keep 0,3", dict(keep_layers=[0, 3]), [1, 2, 4, 5]),
+    ("genai 0.13", dict(genai_version="0.13.2"), None),
+])
+def test_generates_with_onnxruntime_genai(rewritten, case, kw, compressed):
+    """onnxruntime-genai loads the output folder (custom-op library from genai_config.json, uint8
+    caches, its own shared buffers), allocates each layer's buffer with the layer's own width (its
+    Generator's inputs; its log says so where the widths differ), and generates the same greedy
+    tokens as the plain ONNX Runtime loop over the same model, whose buffers have the same shapes."""
+    result = rewritten("llama", "turboquant_4bit_nc", **kw)
+    widths = _expected_widths(compressed) if compressed is not None else _expected_widths([])
     prompt = np.random.default_rng(11).integers(3, 640, (1, 9))
-    model = og.Model(str(result.output.parent))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=9 + 20, do_sample=False)
-    gen = og.Generator(model, params)
-    gen.append_tokens(prompt.astype(np.int32))
-    tokens = []
-    while not gen.is_done():
-        gen.generate_next_token()
-        tokens.append(int(gen.get_next_tokens()[0]))
-    ours = SharedBufferDecoder(result.output, MAX_LENGTH).generate(prompt, max_new_tokens=len(tokens))
-    assert tokens == ours[0].tolist()
+    steps = 20
+    tokens, shapes, logs = _genai_generate(result.output.parent, prompt, steps)
+    expected = {f"past_key_values.{i}.{kv}": (1, 2, 9 + steps, widths[i]) for i in range(6) for kv in ("key", "value")}
+    assert shapes == expected
+    varies = any("Detected per-layer KV shape variation" in line for line in logs)
+    assert varies is (len(set(widths.values())) > 1), logs
+    dec = SharedBufferDecoder(result.output, 9 + steps)
+    assert {n: v.shape() for n, v in dec.empty_cache(1).items()} == {n: list(s) for n, s in expected.items()}
+    ours = dec.generate(prompt, max_new_tokens=len(tokens))
+    assert tokens and tokens == ours[0].tolist()
 
 
 def test_refusals(built, tmp_path):
@@ -178,8 +327,13 @@ def test_cuda_fp16_model_tracks_the_original_and_the_cpu(cuda_ready, tmp_path):
     TQGroupQueryAttention, both over shared buffers) the rewrite tracks the original, and its logits
     agree with the same rewrite run on the CPU."""
     src = examples.export_genai(CONFIGS["llama"], tmp_path / "fp16", precision="fp16", provider="cuda")
-    result = export(src, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", progress=False)
+    with mock.patch.object(genai_folder, "installed_version", return_value="0.18.0"):
+        result = export(src, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", progress=False)
     cuda = ["CUDAExecutionProvider"]
+    widths = _expected_widths([2, 3])  # per-layer rows: the packed layers' 36 bytes beside raw16's 128
+    for dec in (SharedBufferDecoder(result.output, MAX_LENGTH, providers=cuda), SharedBufferDecoder(result.output, MAX_LENGTH)):
+        assert {n: v.shape() for n, v in dec.empty_cache(2).items()} == {
+            f"past_key_values.{i}.{kv}": [2, 2, MAX_LENGTH, widths[i]] for i in range(6) for kv in ("key", "value")}
     ids = np.random.default_rng(13).integers(0, CONFIGS["llama"].vocab, (2, 12 + STEPS))
     a = SharedBufferDecoder(src, MAX_LENGTH, providers=cuda).teacher_forced(ids, 12).astype(np.float32)
     b = SharedBufferDecoder(result.output, MAX_LENGTH, providers=cuda).teacher_forced(ids, 12).astype(np.float32)
@@ -197,3 +351,24 @@ def test_cuda_fp16_model_tracks_the_original_and_the_cpu(cuda_ready, tmp_path):
     print(f"cuda fp16 turboquant_4bit_nc: mean KL {kl:.4f}, top-1 {top1:.1%}; CPU vs CUDA: original KL {floor:.2e}, "
           f"rewrite KL {ours:.2e}, top-1 {agree:.1%}")
     assert top1 >= 0.8 and ours < 0.2 * kl and agree >= 0.85, (kl, top1, floor, ours, agree)
+
+
+@pytest.mark.gpu
+def test_cuda_generates_with_onnxruntime_genai(cuda_ready, tmp_path):
+    """onnxruntime-genai's CUDA build (onnxruntime-genai-cuda) runs the rewritten fp16 CUDA folder:
+    per-layer buffers on the GPU, and the greedy tokens of the plain ONNX Runtime loop on CUDA."""
+    import onnxruntime_genai as og
+
+    if not og.is_cuda_available():
+        pytest.skip("CUDA test skipped: the installed onnxruntime-genai has no CUDA (install onnxruntime-genai-cuda)")
+    src = examples.export_genai(CONFIGS["llama"], tmp_path / "fp16", precision="fp16", provider="cuda")
+    result = export(src, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", progress=False)
+    assert [p.row_bytes for p in result.layers] == [RAW16, RAW16, 36, 36, RAW16, RAW16]
+    prompt = np.random.default_rng(17).integers(3, 640, (1, 9))
+    steps = 20
+    tokens, shapes, logs = _genai_generate(result.output.parent, prompt, steps)
+    widths = _expected_widths([2, 3])
+    assert shapes == {f"past_key_values.{i}.{kv}": (1, 2, 9 + steps, widths[i]) for i in range(6) for kv in ("key", "value")}
+    assert any("Detected per-layer KV shape variation" in line for line in logs), logs
+    ours = SharedBufferDecoder(result.output, 9 + steps, providers=["CUDAExecutionProvider"]).generate(prompt, len(tokens))
+    assert tokens and tokens == ours[0].tolist()

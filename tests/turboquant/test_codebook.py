@@ -7,7 +7,7 @@ import pytest
 from turboquant import codebook
 from turboquant.reference import formats
 
-THEORY = {3: 0.0346, 4: 0.0095}  # unit-vector MSE quoted by DESIGN.md (the Gaussian limit)
+THEORY = {3: 0.0346, 4: 0.0095}  # unit-vector MSE quoted by docs/design.md (the Gaussian limit)
 
 
 @pytest.mark.parametrize("bits", [3, 4])

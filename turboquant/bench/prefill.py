@@ -11,7 +11,6 @@ kernels hold a [B, heads, S, P + S] float32 probability matrix: a baseline needi
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -24,6 +23,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from .. import models
+from ..arguments import check_output_file, head_dim as _head_dim, positive as _positive
 from ..config import TQ_PRESETS, TurboQuantConfig
 from ..models import IR_VERSION
 from ..ort import session_options
@@ -53,13 +53,6 @@ class Row:
     cpu_ms: float | None = None  # CPU time per run, all threads
 
 
-def _positive(text: str) -> int:
-    n = int(text)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive count, not {text}")
-    return n
-
-
 def add_parser(sub) -> None:
     """The `prefill` subcommand of python -m turboquant.bench."""
     f = sub.add_parser("prefill", help="first prompts and continuation chunks (many new tokens per call)")
@@ -72,7 +65,7 @@ def add_parser(sub) -> None:
     f.add_argument("--past", type=_positive, default=32768, help="tokens cached before a chunk (default 32768)")
     f.add_argument("--q-heads", type=_positive, default=32)
     f.add_argument("--kv-heads", type=_positive, default=8)
-    f.add_argument("--head-dim", type=_positive, default=128)
+    f.add_argument("--head-dim", type=_head_dim, default=128)
     f.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default: fp32 on cpu, fp16 on cuda")
     f.add_argument("--threads", type=_positive, default=os.cpu_count(), help="intra-op threads, the same for all")
     f.add_argument("--repeat", type=_positive, default=3)
@@ -271,6 +264,12 @@ def main(args) -> int:
     if not points:
         print("python -m turboquant.bench prefill: error: no --prompt and no --chunk lengths to time", file=sys.stderr)
         return 2
+    if args.json:
+        try:
+            check_output_file(args.json, "--json")
+        except ValueError as e:
+            print(f"python -m turboquant.bench prefill: error: {e}", file=sys.stderr)
+            return 2
     dtypes = args.dtypes or (["fp32"] if args.device == "cpu" else ["fp16"])
     print(f"device={args.device} threads={args.threads} heads={args.q_heads}/{args.kv_heads} d={args.head_dim}")
     rows = []

@@ -38,7 +38,7 @@ def measure(device: str, contexts: list[int], batches: list[int], presets: list[
         from . import cuda
 
         if (q_heads, kv_heads, head_dim) != (32, 8, 128):
-            raise ValueError("the CUDA benchmark runs DESIGN.md's shape: 32 query heads, 8 kv heads, head_dim 128")
+            raise ValueError("the CUDA benchmark runs docs/design.md's decode shape: 32 query heads, 8 kv heads, head_dim 128")
         for row in cuda.run(grid, presets, repeat):
             for key, us in row.items():
                 if key.endswith("_us"):

@@ -1,4 +1,4 @@
-"""Numpy reference of TQAttention (DESIGN.md sections 3 and 4), the oracle for the kernels.
+"""Numpy reference of TQAttention (docs/design.md sections 3 and 4), the oracle for the kernels.
 
 Semantics: ONNX Attention (opset 23) over a cache whose past entries are packed. The new tokens'
 K/V are attended exactly (in float64 here) and packed into present; past tokens are attended from
@@ -48,7 +48,7 @@ def attention(
         past_key = np.zeros((b, hkv, 0, kb), np.uint8)
         past_value = np.zeros((b, hkv, 0, vb), np.uint8)
     present_key = np.concatenate([past_key, formats.pack(k_new, key_format, norm_correction, koff)], axis=2)
-    present_value = np.concatenate([past_value, formats.pack(v_new, value_format, True, voff)], axis=2)
+    present_value = np.concatenate([past_value, formats.pack(v_new, value_format, norm_correction, voff)], axis=2)
 
     # Keys as scored (offset removed), values as read back (offset restored).
     k_all = np.concatenate([formats.unpack(past_key, key_format, d), k_new - koff], axis=2).astype(np.float64)

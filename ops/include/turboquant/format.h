@@ -1,4 +1,4 @@
-// The packed per-vector formats of DESIGN.md section 2 (format version 1): names and sizes.
+// The packed per-vector formats of docs/design.md section 2 (format version 1): names and sizes.
 #pragma once
 
 #include <cstdint>

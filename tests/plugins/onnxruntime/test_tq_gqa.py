@@ -149,7 +149,33 @@ def run_shared(session, feeds, device):
 def test_matches_reference(ort_session, device, c):
     model, feeds = make(c)
     y, pk, pv = run(ort_session(model, 2, device), feeds)
-    check_outputs(c, y, pk, pv, reference(c, feeds))
+    want = reference(c, feeds)
+    check_outputs(c, y, pk, pv, want)
+    np.testing.assert_array_equal(pk, want[1])  # a fresh present: every byte the reference's, zeros included
+    np.testing.assert_array_equal(pv, want[2])
+
+
+@pytest.mark.parametrize("first, s, runs, formats", [
+    (False, 1, [[9, 5, 9], [9, 9, 2], [3, 9, 9]], ("mse4", "uint4")),
+    (False, 3, [[11, 4, 10], [11, 11, 3], [6, 9, 11]], ("fp8", "uint4")),
+    (True, 6, [[6, 2, 5], [6, 6, 1], [3, 6, 4]], ("mse3", "uint3")),
+])
+def test_fresh_present_holds_zeros_where_nothing_is_written(ort_session, device, first, s, runs, formats):
+    """A fresh present longer than the past buffer of 4 or 8 rows (total_sequence_length beyond some
+    sequences' lengths, rows wider than the packed vectors): the rows after the past that no new
+    token reaches, and the padding of the new rows there, are zeros in every run, whatever an earlier
+    run left in that memory."""
+    session = None
+    for seed, lengths in enumerate(runs):
+        c = dict(BASE, b=3, s=s, first=first, capacity=4 if first else 8, lengths=lengths, formats=formats, pad=6,
+                 seed=seed)
+        model, feeds = make(c)
+        session = session or ort_session(model, 2, device)
+        _, pk, pv = run(session, feeds)
+        _, wk, wv = reference(c, feeds)
+        assert pk.shape[2] == max(lengths) > c["capacity"]
+        np.testing.assert_array_equal(pk, wk)
+        np.testing.assert_array_equal(pv, wv)
 
 
 @settings(max_examples=min(40, MAX_EXAMPLES), deadline=None)
@@ -217,6 +243,23 @@ def test_decode_step_of_the_presets_shape(ort_session, device, b, formats, rotar
     c = dict(b=b, s=1, first=False, capacity=40, lengths=[int(n) for n in rng.integers(2, 41, b)], d=128, hkv=8,
              group=4, formats=formats, pad=0, packed=False, rotary=rotary, interleaved=False, position_ids=False,
              dtype=TensorProto.FLOAT16, nc=True, offsets=False, seed=b)
+    model, feeds = make(c)
+    y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
+    check_outputs(c, y, pk, pv, reference(c, feeds))
+
+
+@pytest.mark.parametrize("b, s, d, formats, rotary, packed", [
+    (2, 300, 128, ("mse4", "uint4"), 128, False), (1, 257, 64, ("mse3", "uint3"), 0, True),
+    (3, 130, 128, ("fp8", "uint4"), 64, False), (1, 1000, 128, ("raw16", "raw16"), 0, False),
+])
+def test_first_prompt_of_several_tiles(ort_session, device, b, s, d, formats, rotary, packed):
+    """A first prompt long enough for several tiles of query rows and keys (on CUDA the tensor-core
+    prefill kernel), right padded, written into a buffer with rows to spare; the new rows and outputs
+    equal the reference's."""
+    lengths = [s - 37 * i for i in range(b)]
+    c = dict(b=b, s=s, first=True, capacity=s + 9, lengths=lengths, d=d, hkv=2, group=4, formats=formats, pad=0,
+             packed=packed, rotary=rotary, interleaved=False, position_ids=False, dtype=TensorProto.FLOAT16, nc=True,
+             offsets=False, seed=s)
     model, feeds = make(c)
     y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
     check_outputs(c, y, pk, pv, reference(c, feeds))

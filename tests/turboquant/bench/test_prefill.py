@@ -43,3 +43,8 @@ def test_prefill_bench_refuses_a_length_that_is_not_positive():
     with pytest.raises(SystemExit) as e:
         main(["prefill", "--prompt", "0"])
     assert e.value.code == 2
+
+
+def test_prefill_bench_refuses_a_json_path_it_cannot_write(tmp_path, capsys):
+    assert main(["prefill", *SMALL, "--prompt", "40", "--chunk", "--json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
