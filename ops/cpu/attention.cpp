@@ -1,21 +1,34 @@
 // TQAttention on the CPU (docs/design.md sections 3 and 4).
 //
-// Work is split into tasks of up to kMaxRows query rows (the query heads of one GQA group, at one or
-// more positions) against one KV head, so every packed KV byte is read once per task. Per task:
-// 1. scores against MSE keys through per-row lookup tables over pairs of packed indices (a byte for
-//    4-bit keys, 6 bits for 3-bit keys): score = s * sum_pairs LUT[pair][code], with the query rotated
-//    once (q . H) and the softmax scale folded into the table; no key is ever dequantized;
-// 2. scores against other key formats by decoding the key row once and dotting it with every row;
-// 3. the new tokens' keys exactly, in float32, with the key offset removed;
-// 4. mask, causal limit (aligned to the end of the cache) and softmax;
-// 5. values dequantized on the fly: for uint formats sum_j p_j (q_j * scale_j + zero_j) is
-//    accumulated as (p_j * scale_j) * q_j plus a separate sum of p_j * zero_j.
+// Work is split into tasks of query rows (the query heads of one GQA group, at one or more positions)
+// against one KV head. A task keeps, per row, a running maximum, sum and weighted sum of values (online
+// softmax), folds in the past and then the new tokens a block of keys at a time, and divides at the end;
+// no buffer grows with the sequence. Per task:
+// 1. a decode step's past (fewer than kPrefillTokens new tokens; tasks of kLutRows rows): MSE keys
+//    scored through per-task lookup tables over pairs of packed indices (a byte for 4-bit keys, 6 bits
+//    for 3-bit keys): score = s * sum_pairs LUT[pair][code], with the query rotated once (q . H) and
+//    the softmax scale folded into the table, no key dequantized; other key formats decoded once and
+//    dotted with every row. Values dequantized on the fly: for uint formats sum_j p_j (q_j * scale_j +
+//    zero_j) is accumulated as (p_j * scale_j) * q_j plus a separate sum of p_j * zero_j;
+// 2. a prefill call's past (tasks of kTaskRows rows): key and value tiles decoded once per task into
+//    float32, MSE keys in the rotated domain (centroid times scale, against the rows' rotated queries),
+//    and run through the same register-blocked tiles as the new tokens (tiles.h): the decoding is
+//    shared by 64 rows, where lookup tables are built and read per 8;
+// 3. the new tokens' keys and values exactly, in float32 tiles of tiles::kKeys keys prepared once per
+//    call (NewTiles) and shared by all the task's rows, the key offset removed;
+// 4. mask and causal limit (aligned to the end of the cache) on every block before it is folded in.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "tiles.h"
 #include "turboquant/float_io.h"
 #include "turboquant/vector_codec.h"
 #include "turboquant/codebook_data.h"
@@ -24,7 +37,10 @@
 namespace turboquant::cpu {
 namespace {
 
-constexpr int kMaxRows = 8;
+constexpr int kLutRows = 8;         // rows of one lookup table: a decode step's past, kLutRows rows at a time
+constexpr int kTaskRows = 64;       // rows of a task of a prefill call: they share every key tile
+constexpr int kPrefillTokens = 32;  // new tokens that make a call a prefill (tasks of kTaskRows rows)
+constexpr int kPastChunk = 1024;    // past keys a decode step scores, weighs and sums at a time
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 float load_f16_le(const uint8_t* in) { return f16_to_f32(static_cast<uint16_t>(in[0] | (in[1] << 8))); }
@@ -101,44 +117,10 @@ void score_mse_keys(int dp, const float* lut, const uint8_t* keys, int64_t key_b
   }
 }
 
-template <int RP>
-void score_mse_dispatch(int bits, int dp, const float* qrot, int rows, const uint8_t* keys, int64_t key_bytes,
-                        int64_t count, float* out, int64_t out_stride, std::vector<float>& lut) {
-  lut.assign(static_cast<size_t>(dp / 2) * (1u << (2 * bits)) * RP, 0.0f);
-  build_pair_lut<RP>(bits, dp, rows, qrot, lut.data());
-  if (bits == 4) {
-    score_mse_keys<RP, 4>(dp, lut.data(), keys, key_bytes, count, rows, out, out_stride);
-  } else {
-    score_mse_keys<RP, 3>(dp, lut.data(), keys, key_bytes, count, rows, out, out_stride);
-  }
-}
-
-// exp(x) for x <= 0 (scores minus their row maximum), vectorisable: 2^n * p(r) with x = n ln2 + r,
-// |r| <= ln2/2, p a degree-6 Taylor polynomial (relative error < 2e-7). Below -87 (and for -inf,
-// the masked keys) it returns exactly 0.
-inline float exp_nonpositive(float x) {
-  const float xc = x < -87.0f ? -87.0f : x;
-  const float n = std::nearbyint(xc * 1.44269504088896341f);
-  const float r = (xc - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const float scale = bits_f32(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.0f ? 0.0f : p * scale;
-}
-
 float dot(const float* a, const float* b, int n) {
   float s = 0.0f;
   for (int i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
-}
-
-void axpy(float a, const float* x, float* y, int n) {
-  for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
 // Codes of a value row as floats, two at a time: a byte holds two 4-bit codes, 6 bits two 3-bit ones.
@@ -158,6 +140,15 @@ struct NibblePairs {
 };
 const NibblePairs kNibbles;
 
+struct CentroidFloats {
+  float c3[8], c4[16];
+  CentroidFloats() {
+    for (int i = 0; i < 8; ++i) c3[i] = static_cast<float>(codebook::kCentroids3[i]);
+    for (int i = 0; i < 16; ++i) c4[i] = static_cast<float>(codebook::kCentroids4[i]);
+  }
+};
+const CentroidFloats kCentroidFloats;
+
 struct Fp8Table {
   float t[256];
   Fp8Table() {
@@ -166,7 +157,8 @@ struct Fp8Table {
 };
 const Fp8Table kFp8Table;
 
-void codes_as_floats(int bits, int d, const uint8_t* in, float* out) {
+// Inlined into its callers: a call per value row costs a decode step a fifth of its time.
+__attribute__((always_inline)) inline void codes_as_floats(int bits, int d, const uint8_t* in, float* out) {
   if (bits == 4) {
     for (int i = 0; i < d / 2; ++i) std::memcpy(out + 2 * i, kNibbles.t[in[i]], sizeof(float) * 2);
     return;
@@ -180,16 +172,104 @@ void codes_as_floats(int bits, int d, const uint8_t* in, float* out) {
   }
 }
 
+template <int RP>
+void score_mse_rows(int bits, int dp, const float* lut, const uint8_t* keys, int64_t key_bytes, int64_t count,
+                    int rows, float* out, int64_t out_stride) {
+  if (bits == 4) {
+    score_mse_keys<RP, 4>(dp, lut, keys, key_bytes, count, rows, out, out_stride);
+  } else {
+    score_mse_keys<RP, 3>(dp, lut, keys, key_bytes, count, rows, out, out_stride);
+  }
+}
+
+// Buffers of one thread, reused from task to task (a task's take up to a few hundred KB).
+struct Scratch {
+  std::vector<float> q, acc, qrot, lut, scores, kt, vt;
+};
+Scratch& thread_scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
 struct Task {
   int64_t b, hkv, row0;  // rows are (position, group member) pairs: row = pos * group + g
   int rows;
 };
 
+// Per row of a task: head, causal limit (keys j <= limit are visible) and the online softmax's state:
+// running maximum m, sum l of exp(score - m), the part of l from past keys (it weighs the value
+// offset) and the sum of weights times uint value zero points.
+struct Rows {
+  int64_t hq[kTaskRows], pos[kTaskRows], limit[kTaskRows];
+  float m[kTaskRows], l[kTaskRows], past_mass[kTaskRows], zsum[kTaskRows];
+};
+
+float hmax(tiles::V8 v) {
+  float x[8];
+  std::memcpy(x, &v, sizeof(x));
+  return std::max(std::max(std::max(x[0], x[1]), std::max(x[2], x[3])), std::max(std::max(x[4], x[5]), std::max(x[6], x[7])));
+}
+
+float hsum(tiles::V8 v) {
+  float x[8];
+  std::memcpy(x, &v, sizeof(x));
+  return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
+// The call's new keys and values in float32, once, for every task to share: per (b, kv head), the keys
+// in tiles of tiles::kKeys, each transposed (D x kKeys, the key offset removed, zero past the last
+// key), and the values as rows of Dv. Reading the inputs in place instead costs each task a strided
+// pass (rows of a [B, S, H * D] tensor are H * D apart and thrash the L1 sets) and a conversion.
+class NewTiles {
+ public:
+  NewTiles(const AttentionParams& p, const void* k, const void* v, const ParallelFor& pfor)
+      : d_(p.head_dim), dv_(p.v_head_dim), tiles_((p.new_len + tiles::kKeys - 1) / tiles::kKeys) {
+    using tiles::kKeys;
+    const int64_t pairs = p.batch * p.kv_heads;
+    keys_.resize(static_cast<size_t>(pairs * tiles_) * d_ * kKeys);
+    values_.resize(static_cast<size_t>(pairs * tiles_) * kKeys * dv_);
+    pfor(static_cast<size_t>(pairs * tiles_), [&](size_t i) {
+      const int64_t bh = static_cast<int64_t>(i) / tiles_, tile = static_cast<int64_t>(i) % tiles_;
+      const int64_t b = bh / p.kv_heads, h = bh % p.kv_heads, n0 = tile * kKeys;
+      const int n = static_cast<int>(std::min<int64_t>(kKeys, p.new_len - n0));
+      float* kt = keys_.data() + static_cast<size_t>(i) * d_ * kKeys;
+      float* vr = values_.data() + static_cast<size_t>(i) * kKeys * dv_;
+      const float* koff = p.key_offset ? p.key_offset + h * d_ : nullptr;
+      float row[kMaxHeadDim];
+      for (int u = 0; u < kKeys; ++u) {
+        if (u < n) {
+          tiles::load_row8(p.dtype, k, b * p.k.b + h * p.k.h + (n0 + u) * p.k.s, d_, row);
+          if (koff) for (int j = 0; j < d_; ++j) row[j] -= koff[j];
+          tiles::load_row8(p.dtype, v, b * p.v.b + h * p.v.h + (n0 + u) * p.v.s, dv_, vr + u * dv_);
+        } else {
+          std::memset(row, 0, sizeof(float) * d_);
+          std::memset(vr + u * dv_, 0, sizeof(float) * dv_);
+        }
+        for (int j = 0; j < d_; ++j) kt[j * kKeys + u] = row[j];
+      }
+    });
+  }
+  const float* key_tile(int64_t bh, int64_t tile) const {
+    return keys_.data() + static_cast<size_t>(bh * tiles_ + tile) * d_ * tiles::kKeys;
+  }
+  const float* value_rows(int64_t bh, int64_t first) const {
+    return values_.data() + static_cast<size_t>(bh * tiles_ * tiles::kKeys + first) * dv_;
+  }
+
+ private:
+  int d_, dv_;
+  int64_t tiles_;
+  std::vector<float> keys_, values_;
+};
+
 class Runner {
  public:
-  Runner(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
-         const uint8_t* past_key, const uint8_t* past_value, void* y)
-      : p_(p), q_(q), k_(k), v_(v), mask_(mask), past_key_(past_key), past_value_(past_value), y_(y) {
+  Runner(const AttentionParams& p, const void* q, const void* mask, const NewTiles& fresh, const uint8_t* past_key,
+         const uint8_t* past_value, void* y)
+      : p_(p), q_(q), mask_(mask), new_(fresh), past_key_(past_key), past_value_(past_value), y_(y) {
+    // A call with a tile of new keys has tasks of many rows: they score the past by decoded tiles,
+    // which every row shares; a decode step's few rows score it by lookup tables, which need no decoding.
+    tiled_past_ = p.new_len >= kPrefillTokens;
     group_ = static_cast<int>(p.q_heads / p.kv_heads);
     past_rows_ = p.past_rows_or_len();
     key_bytes_ = p.key_row();
@@ -202,125 +282,316 @@ class Runner {
     const int d = p_.head_dim, dv = p_.v_head_dim, rows = t.rows;
     const int64_t sp = p_.past_of(t.b);  // this sequence's past tokens
     const int64_t stot = sp + p_.new_len;
-    std::vector<float> qf(static_cast<size_t>(rows) * d);
-    std::vector<float> sc(static_cast<size_t>(rows) * stot);
-    int64_t pos[kMaxRows], hq[kMaxRows];
+    Scratch& w = thread_scratch();
+    w.q.resize(static_cast<size_t>(rows) * d);
+    w.acc.assign(static_cast<size_t>(rows) * dv, 0.0f);
+    Rows st;
     for (int r = 0; r < rows; ++r) {
       const int64_t row = t.row0 + r;
-      pos[r] = row / group_;
-      hq[r] = t.hkv * group_ + row % group_;
-      load_row(p_.dtype, q_, t.b * p_.q.b + hq[r] * p_.q.h + pos[r] * p_.q.s, d, &qf[static_cast<size_t>(r) * d]);
+      st.pos[r] = row / group_;
+      st.hq[r] = t.hkv * group_ + row % group_;
+      st.limit[r] = p_.is_causal ? st.pos[r] + (stot - p_.q_len) : stot - 1;
+      st.m[r] = kNegInf;
+      st.l[r] = st.past_mass[r] = st.zsum[r] = 0.0f;
+      float* qr = &w.q[static_cast<size_t>(r) * d];
+      tiles::load_row8(p_.dtype, q_, t.b * p_.q.b + st.hq[r] * p_.q.h + st.pos[r] * p_.q.s, d, qr);
+      for (int i = 0; i < d; ++i) qr[i] *= p_.scale;
     }
-    const float* koff = p_.key_offset ? p_.key_offset + t.hkv * d : nullptr;
+    if (sp > 0 && tiled_past_) {
+      past_tiles(t, st, sp, w);
+    } else if (sp > 0) {
+      for (int r0 = 0; r0 < rows; r0 += kLutRows) past(t, st, r0, std::min(kLutRows, rows - r0), sp, w);
+    }
+    if (p_.new_len > 0) fresh(t, st, sp, w);
     const float* voff = p_.value_offset ? p_.value_offset + t.hkv * dv : nullptr;
-
-    // 1-2. past keys
-    if (sp > 0) {
-      const uint8_t* keys = past_key_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * key_bytes_;
-      if (is_mse(p_.key_format)) {
-        const int dp = padded_dim(d);
-        std::vector<float> qrot(static_cast<size_t>(rows) * dp, 0.0f);
-        const float fold = p_.scale / static_cast<float>(dp);
-        for (int r = 0; r < rows; ++r) {
-          float* qr = &qrot[static_cast<size_t>(r) * dp];
-          for (int i = 0; i < d; ++i) qr[i] = qf[static_cast<size_t>(r) * d + i] * fold;
-          codec::fwht_inplace(qr, dp);
-        }
-        std::vector<float> lut;
-        const int bits = format_bits(p_.key_format);
-        if (rows <= 1) score_mse_dispatch<1>(bits, dp, qrot.data(), rows, keys, key_bytes_, sp, sc.data(), stot, lut);
-        else if (rows <= 2) score_mse_dispatch<2>(bits, dp, qrot.data(), rows, keys, key_bytes_, sp, sc.data(), stot, lut);
-        else if (rows <= 4) score_mse_dispatch<4>(bits, dp, qrot.data(), rows, keys, key_bytes_, sp, sc.data(), stot, lut);
-        else score_mse_dispatch<8>(bits, dp, qrot.data(), rows, keys, key_bytes_, sp, sc.data(), stot, lut);
-      } else {
-        float kf[kMaxHeadDim];
-        for (int64_t j = 0; j < sp; ++j) {
-          const uint8_t* kb = keys + j * key_bytes_;
-          if (p_.key_format == Format::kFp8) {
-            for (int i = 0; i < d; ++i) kf[i] = kFp8Table.t[kb[i]];
-          } else {
-            decode_vector(p_.key_format, d, kb, kf);
-          }
-          for (int r = 0; r < rows; ++r) sc[r * stot + j] = dot(&qf[static_cast<size_t>(r) * d], kf, d) * p_.scale;
-        }
-      }
-    }
-    // 3. new keys, exact
-    {
-      float kf[kMaxHeadDim];
-      for (int64_t n = 0; n < p_.new_len; ++n) {
-        load_row(p_.dtype, k_, t.b * p_.k.b + t.hkv * p_.k.h + n * p_.k.s, d, kf);
-        if (koff) for (int i = 0; i < d; ++i) kf[i] -= koff[i];
-        for (int r = 0; r < rows; ++r) sc[r * stot + sp + n] = dot(&qf[static_cast<size_t>(r) * d], kf, d) * p_.scale;
-      }
-    }
-    // 4. mask, causal limit, softmax (unnormalised; divided at the end)
-    float denom[kMaxRows], past_mass[kMaxRows];
-    bool live[kMaxRows];
     for (int r = 0; r < rows; ++r) {
-      float* s = &sc[static_cast<size_t>(r) * stot];
-      apply_mask(t.b, hq[r], pos[r], stot, s);
-      float mx = kNegInf;
-      for (int64_t j = 0; j < stot; ++j) mx = std::max(mx, s[j]);
-      live[r] = mx != kNegInf;
-      const float shift = live[r] ? mx : 0.0f;
-      for (int64_t j = 0; j < stot; ++j) s[j] = exp_nonpositive(s[j] - shift);
-      float sum = 0.0f, psum = 0.0f;
-      for (int64_t j = 0; j < sp; ++j) psum += s[j];
-      sum = psum;
-      for (int64_t j = sp; j < stot; ++j) sum += s[j];
-      denom[r] = sum;
-      past_mass[r] = psum;
-    }
-    // 5. values
-    std::vector<float> acc(static_cast<size_t>(rows) * dv, 0.0f);
-    float zsum[kMaxRows] = {};
-    float vf[kMaxHeadDim];
-    if (sp > 0) accumulate_past_values(t, rows, sp, stot, sc.data(), acc.data(), zsum);
-    for (int64_t n = 0; n < p_.new_len; ++n) {
-      load_row(p_.dtype, v_, t.b * p_.v.b + t.hkv * p_.v.h + n * p_.v.s, dv, vf);
-      for (int r = 0; r < rows; ++r) axpy(sc[r * stot + sp + n], vf, &acc[static_cast<size_t>(r) * dv], dv);
-    }
-    for (int r = 0; r < rows; ++r) {
-      const int64_t base = t.b * p_.y.b + hq[r] * p_.y.h + pos[r] * p_.y.s;
-      const float inv = live[r] ? 1.0f / denom[r] : 0.0f;
+      const int64_t base = t.b * p_.y.b + st.hq[r] * p_.y.h + st.pos[r] * p_.y.s;
+      const float inv = st.l[r] > 0.0f ? 1.0f / st.l[r] : 0.0f;  // 0: no key visible, the output is 0
+      const float* a = &w.acc[static_cast<size_t>(r) * dv];
       for (int i = 0; i < dv; ++i) {
-        float o = acc[static_cast<size_t>(r) * dv + i] + zsum[r];
-        if (voff) o += voff[i] * past_mass[r];
+        float o = a[i] + st.zsum[r];
+        if (voff) o += voff[i] * st.past_mass[r];
         store_float(p_.dtype, y_, base + i, o * inv);
       }
     }
   }
 
  private:
-  // acc[r][:] += sum_j p[r][j] * decode(value_j) over the past tokens, a tile of kTile tokens at a
-  // time: the tile's rows are decoded once into floats, then each 8-wide column block of the
-  // accumulators stays in registers while the tile's tokens are added into it. For uint formats the
-  // codes are used as they are and the zero points summed apart: p * (q * scale + zero).
-  void accumulate_past_values(const Task& t, int rows, int64_t sp, int64_t stot, const float* sc, float* acc,
-                              float* zsum) const {
+  // Rows [r0, r0 + rb) against the past keys they may see, kPastChunk keys at a time.
+  void past(const Task& t, Rows& st, int r0, int rb, int64_t sp, Scratch& w) const {
+    const int d = p_.head_dim, dv = p_.v_head_dim;
+    int64_t visible = 0;
+    for (int r = r0; r < r0 + rb; ++r) visible = std::max(visible, std::min(st.limit[r] + 1, sp));
+    if (visible <= 0) return;
+    const uint8_t* keys = past_key_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * key_bytes_;
+    const bool mse = is_mse(p_.key_format);
+    const int bits = format_bits(p_.key_format), dp = padded_dim(d);
+    const int rp = rb <= 1 ? 1 : rb <= 2 ? 2 : rb <= 4 ? 4 : 8;
+    if (mse) {
+      w.qrot.assign(static_cast<size_t>(rb) * dp, 0.0f);
+      for (int r = 0; r < rb; ++r) {
+        float* qr = &w.qrot[static_cast<size_t>(r) * dp];
+        const float* q = &w.q[static_cast<size_t>(r0 + r) * d];
+        for (int i = 0; i < d; ++i) qr[i] = q[i] * (1.0f / static_cast<float>(dp));
+        codec::fwht_inplace(qr, dp);
+      }
+      w.lut.assign(static_cast<size_t>(dp / 2) * (1u << (2 * bits)) * rp, 0.0f);
+      switch (rp) {
+        case 1: build_pair_lut<1>(bits, dp, rb, w.qrot.data(), w.lut.data()); break;
+        case 2: build_pair_lut<2>(bits, dp, rb, w.qrot.data(), w.lut.data()); break;
+        case 4: build_pair_lut<4>(bits, dp, rb, w.qrot.data(), w.lut.data()); break;
+        default: build_pair_lut<8>(bits, dp, rb, w.qrot.data(), w.lut.data()); break;
+      }
+    }
+    w.scores.resize(static_cast<size_t>(kLutRows) * kPastChunk);
+    float* sc = w.scores.data();
+    float* acc = &w.acc[static_cast<size_t>(r0) * dv];
+    for (int64_t j0 = 0; j0 < visible; j0 += kPastChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kPastChunk, visible - j0));
+      const uint8_t* kb = keys + j0 * key_bytes_;
+      if (mse) {
+        switch (rp) {
+          case 1: score_mse_rows<1>(bits, dp, w.lut.data(), kb, key_bytes_, n, rb, sc, kPastChunk); break;
+          case 2: score_mse_rows<2>(bits, dp, w.lut.data(), kb, key_bytes_, n, rb, sc, kPastChunk); break;
+          case 4: score_mse_rows<4>(bits, dp, w.lut.data(), kb, key_bytes_, n, rb, sc, kPastChunk); break;
+          default: score_mse_rows<8>(bits, dp, w.lut.data(), kb, key_bytes_, n, rb, sc, kPastChunk); break;
+        }
+      } else {
+        float kf[kMaxHeadDim];
+        for (int j = 0; j < n; ++j) {
+          const uint8_t* row = kb + j * key_bytes_;
+          if (p_.key_format == Format::kFp8) {
+            for (int i = 0; i < d; ++i) kf[i] = kFp8Table.t[row[i]];
+          } else {
+            decode_vector(p_.key_format, d, row, kf);
+          }
+          for (int r = 0; r < rb; ++r) sc[r * kPastChunk + j] = dot(&w.q[static_cast<size_t>(r0 + r) * d], kf, d);
+        }
+      }
+      const int n8 = (n + 7) & ~7;
+      for (int r = 0; r < rb; ++r) {
+        float* s = sc + r * kPastChunk;
+        for (int j = n; j < n8; ++j) s[j] = kNegInf;
+        apply_mask(t.b, st.hq[r0 + r], st.pos[r0 + r], st.limit[r0 + r], j0, n, s);
+      }
+      fold(st, r0, rb, sc, kPastChunk, n8, acc, true);
+      accumulate_past_values(t, rb, j0, n, sc, st.zsum + r0, acc);
+    }
+  }
+
+  // All the task's rows against the new tokens they may see, from NewTiles.
+  void fresh(const Task& t, Rows& st, int64_t sp, Scratch& w) const {
+    const int64_t bh = t.b * p_.kv_heads + t.hkv;
+    tile_pass(t, st, sp, p_.new_len, w.q.data(), p_.head_dim, w, false, [&](int64_t n0, int) {
+      return std::pair{new_.key_tile(bh, n0 / tiles::kKeys), new_.value_rows(bh, n0)};
+    });
+  }
+
+  // All the task's rows against the past keys they may see, in tiles decoded once per task into float32:
+  // MSE keys in the rotated domain (centroid times the key's scale; the rows' queries rotated once),
+  // so that score = q_rot . tile as for exact keys; values decoded whole.
+  void past_tiles(const Task& t, Rows& st, int64_t sp, Scratch& w) const {
+    using tiles::kKeys;
+    const int d = p_.head_dim, dv = p_.v_head_dim, rows = t.rows;
+    const bool mse = is_mse(p_.key_format);
+    const int dq = mse ? padded_dim(d) : d;
+    const float* qm = w.q.data();
+    if (mse) {
+      w.qrot.assign(static_cast<size_t>(rows) * dq, 0.0f);
+      for (int r = 0; r < rows; ++r) {
+        float* qr = &w.qrot[static_cast<size_t>(r) * dq];
+        for (int i = 0; i < d; ++i) qr[i] = w.q[static_cast<size_t>(r) * d + i] * (1.0f / static_cast<float>(dq));
+        codec::fwht_inplace(qr, dq);
+      }
+      qm = w.qrot.data();
+    }
+    w.kt.resize(static_cast<size_t>(dq) * kKeys);
+    w.vt.resize(static_cast<size_t>(kKeys) * dv);
+    const uint8_t* keys = past_key_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * key_bytes_;
+    const uint8_t* vals = past_value_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * value_bytes_;
+    tile_pass(t, st, 0, sp, qm, dq, w, true, [&](int64_t j0, int n) {
+      float *kt = w.kt.data(), *vt = w.vt.data();
+      alignas(32) float rows8[8][kMaxHeadDim];
+      for (int u0 = 0; u0 < kKeys; u0 += 8) {
+        for (int u = u0; u < u0 + 8; ++u) {
+          if (u < n) {
+            decode_key_row(keys + (j0 + u) * key_bytes_, dq, rows8[u - u0]);
+            decode_value_row(vals + (j0 + u) * value_bytes_, vt + u * dv);
+          } else {
+            std::memset(rows8[u - u0], 0, sizeof(float) * dq);
+          }
+        }
+        tiles::transpose8(rows8[0], kMaxHeadDim, dq, kt + u0);
+      }
+      return std::pair<const float*, const float*>{kt, vt};
+    });
+  }
+
+  // MSE: centroids times the stored scale (the rotated domain, dp values); other formats decoded.
+  void decode_key_row(const uint8_t* kb, int dq, float* out) const {
+    if (!is_mse(p_.key_format)) {
+      if (p_.key_format == Format::kFp8) {
+        for (int i = 0; i < dq; ++i) out[i] = kFp8Table.t[kb[i]];
+      } else {
+        decode_vector(p_.key_format, dq, kb, out);
+      }
+      return;
+    }
+    const int bits = format_bits(p_.key_format);
+    const float s = load_f16_le(kb + dq * bits / 8);
+    const float* c = bits == 3 ? kCentroidFloats.c3 : kCentroidFloats.c4;
+#if defined(__AVX2__)
+    {  // eight codes at a time (per-lane shifts), looked up by in-register permutes of the codebook
+      const int stride = bits;  // bytes per eight codes
+      const __m256i shift = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                      : _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+      const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+      const __m256 lo = _mm256_loadu_ps(c), hi = bits == 4 ? _mm256_loadu_ps(c + 8) : lo;
+      const __m256 scale = _mm256_set1_ps(s);
+      for (int i = 0; i < dq; i += 8, kb += stride) {
+        uint32_t word = kb[0] | (kb[1] << 8) | (kb[2] << 16);
+        if (bits == 4) word |= static_cast<uint32_t>(kb[3]) << 24;
+        const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shift), mask);
+        __m256 v = _mm256_permutevar8x32_ps(lo, codes);
+        if (bits == 4) {  // codes 8-15 from the upper half: bit 3 moved to the sign bit selects it
+          v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(hi, codes), _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
+        }
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(v, scale));
+      }
+      return;
+    }
+#endif
+    if (bits == 4) {
+      for (int i = 0; i < dq; i += 2, ++kb) {
+        out[i] = c[*kb & 15u] * s;
+        out[i + 1] = c[*kb >> 4] * s;
+      }
+      return;
+    }
+    for (int i = 0; i < dq; i += 8, kb += 3) {
+      const uint32_t w = kb[0] | (kb[1] << 8) | (kb[2] << 16);
+      for (int k = 0; k < 8; ++k) out[i + k] = c[(w >> (3 * k)) & 7u] * s;
+    }
+  }
+
+  void decode_value_row(const uint8_t* vb, float* out) const {
+    const int dv = p_.v_head_dim;
+    if (is_uint(p_.value_format)) {
+      // eight codes at a time: their bytes as one word, each lane shifting its own code down
+      typedef uint32_t U8 __attribute__((vector_size(32)));
+      const int bits = format_bits(p_.value_format), nb = payload_bytes(p_.value_format, dv);
+      const float scale = load_f16_le(vb + nb), zero = load_f16_le(vb + nb + 2);
+      const U8 shift = bits == 4 ? U8{0, 4, 8, 12, 16, 20, 24, 28} : U8{0, 3, 6, 9, 12, 15, 18, 21};
+      const uint32_t mask = (1u << bits) - 1;
+      for (int i = 0; i < dv; i += 8, vb += bits) {
+        uint32_t word = vb[0] | (vb[1] << 8) | (vb[2] << 16);
+        if (bits == 4) word |= static_cast<uint32_t>(vb[3]) << 24;
+        const U8 codes = ((U8{} + word) >> shift) & mask;
+        tiles::store8(out + i, __builtin_convertvector(codes, tiles::V8) * scale + zero);
+      }
+    } else if (p_.value_format == Format::kFp8) {
+      for (int i = 0; i < dv; ++i) out[i] = kFp8Table.t[vb[i]];
+    } else {
+      decode_vector(p_.value_format, dv, vb, out);
+    }
+  }
+
+  // Keys [first, first + count) that some row of the task may see, a tile of tiles::kKeys at a time:
+  // tile(j, n) gives the transposed key tile (dq x kKeys, zero past n) and the value rows (Dv floats
+  // apart) of keys first + j ...; rows scored by qm (dq floats a row), masked, folded, summed.
+  template <class Tile>
+  void tile_pass(const Task& t, Rows& st, int64_t first, int64_t count, const float* qm, int dq, Scratch& w,
+                 bool past_keys, Tile tile) const {
+    using tiles::kKeys;
+    const int dv = p_.v_head_dim, rows = t.rows;
+    int64_t visible = 0;
+    for (int r = 0; r < rows; ++r) visible = std::max(visible, std::min(st.limit[r] + 1 - first, count));
+    w.scores.resize(std::max<size_t>(w.scores.size(), static_cast<size_t>(rows) * kKeys));
+    float* sc = w.scores.data();
+    for (int64_t j0 = 0; j0 < visible; j0 += kKeys) {
+      const int n = static_cast<int>(std::min<int64_t>(kKeys, visible - j0));
+      const auto [kt, vr] = tile(j0, n);
+      tiles::tile_all_rows(rows, qm, dq, kt, n, vr, dv, dv, sc, w.acc.data(), true);
+      for (int r = 0; r < rows; ++r) {
+        float* s = sc + r * kKeys;
+        for (int u = n; u < kKeys; ++u) s[u] = kNegInf;
+        apply_mask(t.b, st.hq[r], st.pos[r], st.limit[r], first + j0, n, s);
+      }
+      fold(st, 0, rows, sc, kKeys, kKeys, w.acc.data(), past_keys);
+      tiles::tile_all_rows(rows, qm, dq, kt, n, vr, dv, dv, sc, w.acc.data(), false);
+    }
+  }
+
+  // Folds a block of scores (rows ld floats apart; n8, a multiple of 8, of them, masked ones -inf) into
+  // rows [r0, r0 + rb)'s running maximum and sum, rescaling what those rows summed before when the
+  // maximum grows, and turns the scores into weights exp(score - maximum).
+  void fold(Rows& st, int r0, int rb, float* sc, int ld, int n8, float* acc, bool past_keys) const {
+    using tiles::V8;
+    const int dv = p_.v_head_dim;
+    for (int r = 0; r < rb; ++r) {
+      float* s = sc + r * ld;
+      V8 mx8 = V8{} + kNegInf;
+      for (int j = 0; j < n8; j += 8) {
+        const V8 x = tiles::load8(s + j);
+        mx8 = x > mx8 ? x : mx8;
+      }
+      const float mx = hmax(mx8);
+      const int R = r0 + r;
+      if (mx == kNegInf) {  // nothing visible in this block
+        std::memset(s, 0, sizeof(float) * n8);
+        continue;
+      }
+      if (mx > st.m[R]) {
+        if (st.m[R] != kNegInf) {
+          const float alpha = std::exp(st.m[R] - mx);
+          float* a = acc + static_cast<size_t>(r) * dv;
+          for (int i = 0; i < dv; ++i) a[i] *= alpha;
+          st.l[R] *= alpha;
+          st.past_mass[R] *= alpha;
+          st.zsum[R] *= alpha;
+        }
+        st.m[R] = mx;
+      }
+      V8 sum{};
+      for (int j = 0; j < n8; j += 8) {
+        const V8 e = tiles::exp_nonpositive8(tiles::load8(s + j) - st.m[R]);
+        tiles::store8(s + j, e);
+        sum += e;
+      }
+      const float total = hsum(sum);
+      st.l[R] += total;
+      if (past_keys) st.past_mass[R] += total;
+    }
+  }
+
+  // acc[r][:] += sum_j w[r][j] * decode(value_{j0 + j}) for the n past tokens of a chunk, a tile of
+  // kTile tokens at a time: the tile's rows are decoded once into floats, then each 8-wide column block
+  // of the accumulators stays in registers while the tile's tokens are added into it. For uint formats
+  // the codes are used as they are and the zero points summed apart: w * (q * scale + zero).
+  void accumulate_past_values(const Task& t, int rows, int64_t j0, int n_chunk, const float* sc, float* zsum,
+                              float* acc) const {
     constexpr int kTile = 16;
     const int dv = p_.v_head_dim;
-    const uint8_t* vals = past_value_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * value_bytes_;
+    const uint8_t* vals = past_value_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * value_bytes_ + j0 * value_bytes_;
     const bool uint_fmt = is_uint(p_.value_format);
     const int bits = format_bits(p_.value_format);
     const int nb = payload_bytes(p_.value_format, dv);
     alignas(32) float tile[kTile][kMaxHeadDim];
-    float w[kMaxRows][kTile];
-    for (int64_t j0 = 0; j0 < sp; j0 += kTile) {
-      const int n = static_cast<int>(std::min<int64_t>(kTile, sp - j0));
+    float w[kLutRows][kTile];
+    for (int u0 = 0; u0 < n_chunk; u0 += kTile) {
+      const int n = std::min(kTile, n_chunk - u0);
       for (int u = 0; u < n; ++u) {
-        const uint8_t* vb = vals + (j0 + u) * value_bytes_;
+        const uint8_t* vb = vals + (u0 + u) * value_bytes_;
         float vscale = 1.0f;
         if (uint_fmt) {
           codes_as_floats(bits, dv, vb, tile[u]);
           vscale = load_f16_le(vb + nb);
           const float vzero = load_f16_le(vb + nb + 2);
-          for (int r = 0; r < rows; ++r) zsum[r] += sc[r * stot + j0 + u] * vzero;
+          for (int r = 0; r < rows; ++r) zsum[r] += sc[r * kPastChunk + u0 + u] * vzero;
         } else {
           decode_vector(p_.value_format, dv, vb, tile[u]);
         }
-        for (int r = 0; r < rows; ++r) w[r][u] = sc[r * stot + j0 + u] * vscale;
+        for (int r = 0; r < rows; ++r) w[r][u] = sc[r * kPastChunk + u0 + u] * vscale;
       }
       switch (rows) {
         case 1: add_tile<1>(n, dv, tile, w, acc); break;
@@ -349,15 +620,13 @@ class Runner {
     }
   }
 
-  void apply_mask(int64_t b, int64_t hq, int64_t pos, int64_t stot, float* s) const {
-    if (p_.is_causal) {
-      const int64_t limit = pos + (stot - p_.q_len);  // keys j <= limit are visible
-      for (int64_t j = std::max<int64_t>(0, limit + 1); j < stot; ++j) s[j] = kNegInf;
-    }
+  // The causal limit and the mask on scores s[0 .. n) of keys j0 .. j0 + n.
+  void apply_mask(int64_t b, int64_t hq, int64_t pos, int64_t limit, int64_t j0, int n, float* s) const {
+    for (int64_t j = std::max<int64_t>(0, limit + 1 - j0); j < n; ++j) s[j] = kNegInf;
     if (p_.mask_type == MaskType::kNone) return;
     const int64_t* st = p_.mask_stride;
-    const int64_t base = b * st[0] + hq * st[1] + pos * st[2];
-    for (int64_t j = 0; j < stot; ++j) {
+    const int64_t base = b * st[0] + hq * st[1] + pos * st[2] + j0 * st[3];
+    for (int j = 0; j < n; ++j) {
       const int64_t i = base + j * st[3];
       switch (p_.mask_type) {
         case MaskType::kBool:
@@ -372,10 +641,12 @@ class Runner {
   }
 
   const AttentionParams& p_;
-  const void *q_, *k_, *v_, *mask_;
+  const void *q_, *mask_;
+  const NewTiles& new_;
   const uint8_t *past_key_, *past_value_;
   void* y_;
   int group_;
+  bool tiled_past_;
   int64_t past_rows_, key_bytes_, value_bytes_;
 };
 
@@ -412,15 +683,19 @@ void attention(const AttentionParams& p, const void* q, const void* k, const voi
   write_present(p, p.value_format, p.v_head_dim, p.value_row(), p.v, v, p.value_offset, past_value, present_value,
                 pfor);
   if (p.q_len == 0) return;
-  Runner runner(p, q, k, v, mask, past_key, past_value, y);
+  const NewTiles fresh(p, k, v, pfor);
+  Runner runner(p, q, mask, fresh, past_key, past_value, y);
   const int64_t rows = runner.rows_per_head();
-  const int64_t blocks = (rows + kMaxRows - 1) / kMaxRows;
+  // Many rows per task when there is a tile of new keys for them to share; the past alone is scored
+  // kLutRows rows at a time, and smaller tasks spread a decode step over more threads.
+  const int64_t task_rows = p.new_len >= kPrefillTokens ? kTaskRows : kLutRows;
+  const int64_t blocks = (rows + task_rows - 1) / task_rows;
   const int64_t tasks = p.batch * p.kv_heads * blocks;
   pfor(static_cast<size_t>(tasks), [&](size_t i) {
     const int64_t ti = static_cast<int64_t>(i);
     const int64_t blk = ti % blocks, bh = ti / blocks;
-    Task t{bh / p.kv_heads, bh % p.kv_heads, blk * kMaxRows,
-           static_cast<int>(std::min<int64_t>(kMaxRows, rows - blk * kMaxRows))};
+    Task t{bh / p.kv_heads, bh % p.kv_heads, blk * task_rows,
+           static_cast<int>(std::min<int64_t>(task_rows, rows - blk * task_rows))};
     runner.run(t);
   });
 }

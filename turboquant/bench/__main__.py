@@ -1,4 +1,4 @@
-"""python -m turboquant.bench attention|report|pack --device cpu|cuda [options]
+"""python -m turboquant.bench attention|report|pack|prefill|decode|models --device cpu|cuda [options]
 
 Times one decode step (one new token) of TQAttention for each preset and of ONNX Runtime's own
 attention (GroupQueryAttention on fp32, fp16 and its own int8/int4/fp8 caches, ONNX Attention-23)
@@ -16,7 +16,7 @@ from ..arguments import cuda_missing
 from ..arguments import head_dim as _head_dim
 from ..arguments import positive as _positive
 from ..config import TQ_PRESETS
-from . import attention, decode_cli
+from . import attention, decode_cli, prefill
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,10 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--json", help="write the results here as JSON")
     k.add_argument("--plot", help="write a PNG of each format's fraction of the copy rate against the vectors per call here")
     decode_cli.add_parsers(sub)
+    prefill.add_parser(sub)
     args = p.parse_args(argv)
     if args.what in decode_cli.COMMANDS:  # their own checks (decode_cli)
         return decode_cli.main(args)
     _check(p, args)
+    if args.what == "prefill":
+        return prefill.main(args)
     if args.what == "pack":
         from . import pack
 

@@ -378,3 +378,31 @@ def test_causal_needs_enough_keys(ort_session):
     with pytest.raises(ERR) as e:
         ort_session(free_model(3, is_causal=1)).run(None, feeds)
     assert "is_causal needs at most as many queries as keys" in str(e.value)
+
+
+@st.composite
+def prefill_cases(draw):
+    """Calls of many new tokens (prompts and continuation chunks of odd lengths, across the kernels'
+    32-key tiles and 64-row tasks), over pasts of odd lengths, causal or not, with masks."""
+    c = draw(cases())
+    c["sq"] = draw(st.sampled_from([31, 32, 33, 47, 70]))
+    c["sp"] = draw(st.sampled_from([0, 0, 1, 31, 45, 100]))
+    c["hkv"] = draw(st.integers(1, 2))
+    c["group"] = draw(st.sampled_from([1, 3, 4]))
+    c["d"] = draw(st.sampled_from([16, 64, 80, 128]))
+    return c
+
+
+@settings(max_examples=min(120, MAX_EXAMPLES), deadline=None)
+@given(c=prefill_cases())
+def test_prefill_matches_reference(ort_session, device, c):
+    check_case(ort_session, c, device=device)
+
+
+@pytest.mark.parametrize("sq, sp", [(65, 0), (97, 77)])
+def test_prefill_rows_see_only_their_keys(ort_session, sq, sp):
+    """A prompt or chunk whose later keys are huge: a causal row that could see any key past its own
+    position would be pulled far from the reference."""
+    c = dict(b=1, hkv=1, group=4, sq=sq, sp=sp, d=64, kf="mse4", vf="uint4", dtype=TensorProto.FLOAT, layout="bhsd",
+             mask=None, mask_shape="full", causal=True, scale=None, offsets=False, nc=True, values="wide", seed=sq)
+    check_case(ort_session, c)

@@ -309,3 +309,27 @@ def test_narrow_cache_rows_are_refused(ort_session):
     model.graph.output[2].type.tensor_type.shape.dim[3].dim_param = "W"
     with pytest.raises(Exception, match="W >= 34"):
         run(ort_session(model), {**feeds, **narrow})
+
+
+@st.composite
+def prefill_cases(draw):
+    """Prompts and continuation chunks of odd lengths (across the kernels' 32-key tiles and 64-row
+    tasks), several sequences of different lengths (right-padded prompts; pasts of their own)."""
+    c = draw(cases())
+    s = draw(st.sampled_from([33, 40, 47, 70]))
+    cap = draw(st.sampled_from([96, 150]))
+    if c["first"]:
+        lengths = [draw(st.integers(1, s)) for _ in range(c["b"])]
+        lengths[0] = s
+    else:
+        lengths = [draw(st.integers(s, cap)) for _ in range(c["b"])]
+    d = draw(st.sampled_from([16, 64, 128]))
+    return {**c, "s": s, "capacity": cap, "lengths": lengths, "d": d, "rotary": draw(st.sampled_from([0, d // 2, d]))}
+
+
+@settings(max_examples=min(80, MAX_EXAMPLES), deadline=None)
+@given(c=prefill_cases())
+def test_prefill_matches_reference(ort_session, device, c):
+    model, feeds = make(c)
+    y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
+    check_outputs(c, y, pk, pv, reference(c, feeds))
