@@ -3,7 +3,8 @@
 Times one decode step (one new token) of TQAttention for each preset and of ONNX Runtime's own
 attention (GroupQueryAttention on fp32, fp16 and its own int8/int4/fp8 caches, ONNX Attention-23)
 on the same shape, with the same thread count, in one process, and prints each preset's speed-up
-over each baseline; `pack` times TQPack against a copy.
+over each baseline; `pack` times TQPack against a copy; `prefill` first prompts and continuation
+chunks; `decode` whole models, original against rewritten; `models` builds the benchmark models.
 """
 
 from __future__ import annotations
