@@ -13,8 +13,6 @@ using nvinfer1::DimensionOperation;
 
 namespace {
 
-Dims to_dims(const nvinfer1::Dims& d) { return Dims(d.d, d.d + d.nbDims); }
-
 MaskType mask_type_of(DataType t) {
   switch (t) {
     case DataType::kBOOL: return MaskType::kBool;
@@ -23,15 +21,6 @@ MaskType mask_type_of(DataType t) {
     case DataType::kBF16: return MaskType::kBFloat16;
     default: return MaskType::kNone;
   }
-}
-
-int sm_count() {
-  int device = 0, n = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
-    cudaGetLastError();  // clear
-    return 132;          // H100/H200: a size for the workspace bound when no device answers
-  }
-  return n;
 }
 
 }  // namespace
