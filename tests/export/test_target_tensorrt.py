@@ -206,3 +206,65 @@ def test_value_offset_without_key_offset_is_refused():
     node.replace_input_with(12, None)
     with pytest.raises(RewriteError, match="value_offset only after key_offset"):
         for_tensorrt(model)
+
+
+def test_gqa_engine_updates_the_buffers_in_place(tmp_path, ort_session):
+    """Where TensorRT is installed: an engine of one TQGroupQueryAttention node (--target tensorrt's
+    form, present bound to past's buffer) against the ORT CUDA op, a first prompt then decode steps."""
+    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed here (pip's tensorrt needs NVIDIA's index)")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("TensorRT engine test needs a GPU")
+    from turboquant.ort import run
+
+    b, hq, hkv, d, cap = 2, 8, 2, 128, 48
+    w = max(packed_size("mse4", d), packed_size("uint4", d))
+    proto = models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="uint4",
+                             dtype=TensorProto.FLOAT16, packed_qkv=True, rotary_dim=d)
+    path = tmp_path / "gqa.trt.onnx"
+    ir.save(_gqa_trt_model(dtype=TensorProto.FLOAT16, packed_qkv=True, rotary_dim=d), path)
+    hidden = (hq + 2 * hkv) * d
+    prof = tq_trt.Profile({"query": ((1, 1, hidden), (b, 1, hidden), (b, 16, hidden)), "seqlens_k": ((1,), (b,), (b,)),
+                           "past_key": ((1, hkv, cap, w), (b, hkv, cap, w), (b, hkv, cap, w)),
+                           "past_value": ((1, hkv, cap, w), (b, hkv, cap, w), (b, hkv, cap, w)),
+                           "cos_cache": ((cap, d // 2),) * 3, "sin_cache": ((cap, d // 2),) * 3},
+                          values={"total_sequence_length": ((1,), (16,), (cap,))})
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    handle = tq_trt.load_plugins(runtime.get_plugin_registry())  # noqa: F841 - kept alive while the engine runs
+    engine = runtime.deserialize_cuda_engine(tq_trt.build_engine(path, prof))
+    ctx = engine.create_execution_context()
+    sess = ort_session(proto, device="cuda")
+    rng = np.random.default_rng(0)
+    angles = rng.uniform(0, 6.3, (cap, d // 2))
+    cos, sin = np.cos(angles).astype(np.float16), np.sin(angles).astype(np.float16)
+    past = {n: np.zeros((b, hkv, cap, w), np.uint8) for n in ("past_key", "past_value")}
+    bufs = {n: torch.zeros(past[n].shape, dtype=torch.uint8, device="cuda") for n in past}
+    lengths, s = [7, 5], 7
+    for step in range(4):
+        if step:
+            lengths, s = [n + 1 for n in lengths], 1
+        total = 7 if step == 0 else max(lengths)
+        feeds = {"query": rng.standard_normal((b, s, hidden)).astype(np.float16), **past,
+                 "seqlens_k": np.array(lengths, np.int32) - 1, "total_sequence_length": np.array(total, np.int32),
+                 "cos_cache": cos, "sin_cache": sin}
+        y, present_k, present_v = run(sess, feeds)
+        dev = {n: torch.from_numpy(feeds[n]).cuda() for n in ("query", "seqlens_k", "cos_cache", "sin_cache")}
+        host_total = np.array(total, np.int32)
+        out = torch.empty((b, s, hq * d), dtype=torch.float16, device="cuda")
+        for n, t in {**dev, **bufs}.items():
+            ctx.set_input_shape(n, tuple(t.shape))
+            ctx.set_tensor_address(n, t.data_ptr())
+        ctx.set_tensor_address("total_sequence_length", host_total.ctypes.data)  # a shape tensor: host memory
+        ctx.set_tensor_address("output", out.data_ptr())
+        ctx.set_tensor_address("present_key", bufs["past_key"].data_ptr())  # aliased: the same buffer
+        ctx.set_tensor_address("present_value", bufs["past_value"].data_ptr())
+        stream = torch.cuda.current_stream()
+        assert ctx.execute_async_v3(stream.cuda_stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(bufs["past_key"].cpu().numpy(), present_k)
+        np.testing.assert_array_equal(bufs["past_value"].cpu().numpy(), present_v)
+        for i, n in enumerate(lengths):
+            rows = n if step == 0 else s
+            np.testing.assert_array_equal(out.cpu().numpy()[i, :rows], y[i, :rows])
+        past = {"past_key": present_k, "past_value": present_v}
+

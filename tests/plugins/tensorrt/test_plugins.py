@@ -243,3 +243,33 @@ def test_gqa_refusals_before_any_launch(trt, capfd, inputs, message, in_profile)
     assert g.enqueue_shapes(inputs, gqa_outputs()) != 0
     assert message in capfd.readouterr().err
     assert (g.workspace(inputs, gqa_outputs()) > 0) == in_profile
+
+
+def test_exported_genai_nodes_are_accepted_by_the_plugin(trt, tmp_path):
+    """Each TQGroupQueryAttention node of a genai model exported with --target tensorrt, as TensorRT's
+    ONNX parser hands it over: its attributes as fields (every one known), its input types supported,
+    present shaped as past and aliased to it."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes the model)")
+    import onnx_ir as ir
+
+    from turboquant import examples
+    from turboquant.export import export
+
+    cfg = examples.TinyConfig(family="llama", layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=1, vocab=640)
+    src = examples.export_genai(cfg, tmp_path / "genai")
+    out = export(src, "turboquant_k8v4", tmp_path / "trt" / "model.onnx", boundary=0, progress=False, target="tensorrt").output
+    model = ir.load(out)
+    names = {ir.DataType.FLOAT: "float32", ir.DataType.UINT8: "uint8", ir.DataType.INT32: "int32"}
+    nodes = [n for n in model.graph if n.op_type == "TQGroupQueryAttention"]
+    assert len(nodes) == cfg.layers
+    for n in nodes:
+        fields = {k: a.value for k, a in n.attributes.items() if k not in ("plugin_namespace", "plugin_version")}
+        plugin = trt.create("TQGroupQueryAttention", **fields)
+        assert plugin is not None
+        types = [names[v.dtype] for v in n.inputs]
+        outs = ["float32", "uint8", "uint8"]
+        assert all(plugin.supports(i, types, outs) for i in range(len(types) + 3))
+        cache = ",".join(str(x) if isinstance(x, int) else "P" for x in n.inputs[1].shape)
+        shapes = plugin.output_shapes("B,S,512", cache, cache, "B", "0,T", "M,32", "M,32")
+        assert shapes == ["[B, S, 256]", f"[{cache.replace(',', ', ')}]", f"[{cache.replace(',', ', ')}]"]
+        assert [plugin.aliased_input(o) for o in (1, 2)] == [1, 2]
