@@ -41,6 +41,13 @@ inline int sm_count() {
   return n;
 }
 
+// enqueue's status for a launcher's: 0, or -1 with the CUDA error logged under the op's name.
+inline int32_t launch_status(const char* op, cudaError_t e) noexcept {
+  if (e == cudaSuccess) return 0;
+  log_error(std::string(op) + ": CUDA error: " + cudaGetErrorString(e));
+  return -1;
+}
+
 // Build: the build capability, IPluginV3OneBuild, or IPluginV3OneBuildV2 for a plugin whose outputs
 // alias inputs (TensorRT 10.3 and later).
 template <typename Build>

@@ -183,14 +183,9 @@ int32_t AttentionPlugin::enqueue(const nvinfer1::PluginTensorDesc* in, const nvi
     if (r.value_offset >= 0) p.value_offset = static_cast<const float*>(inputs[r.value_offset]);
     const auto* past_key = r.past_key >= 0 ? static_cast<const uint8_t*>(inputs[r.past_key]) : nullptr;
     const auto* past_value = r.past_value >= 0 ? static_cast<const uint8_t*>(inputs[r.past_value]) : nullptr;
-    const cudaError_t e = cuda::attention(p, inputs[0], inputs[1], inputs[2], r.mask >= 0 ? inputs[r.mask] : nullptr,
-                                          past_key, past_value, outputs[0], static_cast<uint8_t*>(outputs[1]),
-                                          static_cast<uint8_t*>(outputs[2]), workspace, sm_count(), stream);
-    if (e != cudaSuccess) {
-      log_error(std::string("TQAttention: CUDA error: ") + cudaGetErrorString(e));
-      return -1;
-    }
-    return 0;
+    return launch_status(kName, cuda::attention(p, inputs[0], inputs[1], inputs[2], r.mask >= 0 ? inputs[r.mask] : nullptr,
+                                                past_key, past_value, outputs[0], static_cast<uint8_t*>(outputs[1]),
+                                                static_cast<uint8_t*>(outputs[2]), workspace, sm_count(), stream));
   } catch (const std::exception& e) {
     log_error(e.what());
     return -1;

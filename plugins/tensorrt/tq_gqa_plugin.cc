@@ -279,14 +279,9 @@ int32_t GqaPlugin::enqueue(const nvinfer1::PluginTensorDesc* in, const nvinfer1:
       throw_invalid(kOp, "the packed caches (past_key, past_value, present_key, present_value) must start at multiples of ",
                     cuda::kCacheAlignment, " bytes");
     }
-    const cudaError_t e = cuda::gqa_attention(p, rot, static_cast<const int32_t*>(inputs[r.seqlens_k]), st.first_prompt,
-                                              qbase, k, v, past_key, past_value, outputs[0], present_key, present_value,
-                                              workspace, sm_count(), stream);
-    if (e != cudaSuccess) {
-      log_error(std::string(kOp) + ": CUDA error: " + cudaGetErrorString(e));
-      return -1;
-    }
-    return 0;
+    return launch_status(kOp, cuda::gqa_attention(p, rot, static_cast<const int32_t*>(inputs[r.seqlens_k]),
+                                                  st.first_prompt, qbase, k, v, past_key, past_value, outputs[0],
+                                                  present_key, present_value, workspace, sm_count(), stream));
   } catch (const std::exception& e) {
     log_error(e.what());
     return -1;
