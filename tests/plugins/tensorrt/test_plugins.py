@@ -62,16 +62,6 @@ def test_defaults_fill_absent_fields(trt):
     ("TQAttention", dict(key_format=3), "field 'key_format' has type"),
     ("TQAttention", dict(scale=-1.0), "attribute 'scale' is -1"),
     ("TQAttention", dict(has_mask=2), "has_mask"),
-    ("TQGroupQueryAttention", dict(), "attributes num_heads (0) and kv_num_heads (0) must be positive"),
-    ("TQGroupQueryAttention", dict(GQA, num_heads=6, kv_num_heads=4), "num_heads a multiple of kv_num_heads"),
-    ("TQGroupQueryAttention", dict(GQA, local_window_size=128), "local_window_size = 128 (sliding window) is not supported"),
-    ("TQGroupQueryAttention", dict(GQA, softcap=30.0), "softcap = 30 is not supported"),
-    ("TQGroupQueryAttention", dict(GQA, smooth_softmax=1), "smooth_softmax is not supported"),
-    ("TQGroupQueryAttention", dict(GQA, qk_output=1), "qk_output = 1 is not supported"),
-    ("TQGroupQueryAttention", dict(GQA, key_format="uint4"), "key_format 'uint4' is a value format"),
-    ("TQGroupQueryAttention", dict(GQA, do_rotary=2), "field 'do_rotary' must be 0 or 1, got 2"),
-    ("TQGroupQueryAttention", dict(GQA, packed_qkv=2), "field 'packed_qkv' must be -1"),
-    ("TQGroupQueryAttention", dict(GQA, past_present_share_buffer=1), "unknown field 'past_present_share_buffer'"),
 ])
 def test_bad_fields_are_refused_with_a_message(trt, capfd, name, fields, message):
     assert trt.create(name, **fields) is None
@@ -162,6 +152,23 @@ def gqa_inputs(b=2, s=1, total=9, capacity=40, packed=True, dtype="float16", rot
 
 def gqa_outputs(b=2, s=1, capacity=40, dtype="float16"):
     return [(dtype, (b, s, 4 * 64)), ("uint8", (b, 2, capacity, W)), ("uint8", (b, 2, capacity, W))]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(), "attributes num_heads (0) and kv_num_heads (0) must be positive"),
+    (dict(GQA, num_heads=6, kv_num_heads=4), "num_heads a multiple of kv_num_heads"),
+    (dict(GQA, local_window_size=128), "local_window_size = 128 (sliding window) is not supported"),
+    (dict(GQA, softcap=30.0), "softcap = 30 is not supported"),
+    (dict(GQA, smooth_softmax=1), "smooth_softmax is not supported"),
+    (dict(GQA, qk_output=1), "qk_output = 1 is not supported"),
+    (dict(GQA, key_format="uint4"), "key_format 'uint4' is a value format"),
+    (dict(GQA, do_rotary=2), "field 'do_rotary' must be 0 or 1, got 2"),
+    (dict(GQA, packed_qkv=2), "field 'packed_qkv' must be -1"),
+    (dict(GQA, past_present_share_buffer=1), "unknown field 'past_present_share_buffer'"),
+])
+def test_gqa_bad_fields_are_refused_with_a_message(trt, capfd, fields, message):
+    assert trt.create("TQGroupQueryAttention", **fields) is None
+    assert message in capfd.readouterr().err
 
 
 def test_gqa_output_shapes(trt):
