@@ -231,15 +231,20 @@ size_t GqaPlugin::getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc* in, 
     }
     int64_t total = 0;
     const GqaSetup st = setup(dims.data(), types.data(), n, &total);
-    // Split-KV scratch grows with the past and the query rows but not monotonically in S: take
-    // the largest over every S the profile allows, each with the longest past it can have.
+    // Split-KV scratch grows with the past but, through the split count's rounding, not
+    // monotonically in B or S: take the largest over every B and S the profile allows, each with
+    // the longest past it can have.
     AttentionParams p = st.params;
+    const int64_t b_min = std::max<int64_t>(in[0].min.d[0], 1), b_max = in[0].max.d[0];
     const int sms = sm_count();
     size_t most = 0;
-    for (int64_t s = s_min; s <= s_max; ++s) {
-      p.q_len = p.new_len = s;
-      p.past_len = total - s;
-      most = std::max(most, cuda::gqa_workspace_bytes(p, st.rotary, sms));
+    for (int64_t b = b_min; b <= b_max; ++b) {
+      for (int64_t s = s_min; s <= s_max; ++s) {
+        p.batch = b;
+        p.q_len = p.new_len = s;
+        p.past_len = total - s;
+        most = std::max(most, cuda::gqa_workspace_bytes(p, st.rotary, sms));
+      }
     }
     return most;
   } catch (const std::exception& e) {

@@ -227,9 +227,16 @@ def test_gqa_workspace_covers_the_profile(trt):
     g = trt.create("TQGroupQueryAttention", **GQA)
     decode = g.workspace(gqa_inputs(b=8, s=1, total=40), gqa_outputs(b=8))
     assert decode > 0
-    # a profile of 1 to 24 new tokens: at least what any one S in it needs
-    each = [g.workspace(gqa_inputs(b=8, s=s, total=40), gqa_outputs(b=8, s=s)) for s in (1, 7, 24)]
-    assert g.workspace_range(gqa_inputs(b=8, s=1, total=1), gqa_inputs(b=8, s=24, total=40), gqa_outputs(b=8, s=24)) >= max(each)
+    # a profile of 1 to 8 sequences of 1 to 24 new tokens: at least what any one call in it needs
+    each = [g.workspace(gqa_inputs(b=b, s=s, total=40), gqa_outputs(b=b, s=s)) for b in range(1, 9) for s in (1, 2, 7, 24)]
+    ranged = g.workspace_range(gqa_inputs(b=1, s=1, total=1), gqa_inputs(b=8, s=24, total=40), gqa_outputs(b=8, s=24))
+    assert ranged >= max(each)
+    # the split count's rounding makes some smaller batches need more than the largest (5 new
+    # tokens over a long past: 13 sequences more than 16), so the bound is not the largest shape's
+    long = dict(s=5, total=4096, capacity=4096)
+    each = [g.workspace(gqa_inputs(b=b, **long), gqa_outputs(b=b, s=5, capacity=4096)) for b in range(1, 17)]
+    ranged = g.workspace_range(gqa_inputs(b=1, **long), gqa_inputs(b=16, **long), gqa_outputs(b=16, s=5, capacity=4096))
+    assert ranged >= max(each)
 
 
 @pytest.mark.parametrize("inputs, message, in_profile", [
