@@ -48,6 +48,24 @@ inline int32_t launch_status(const char* op, cudaError_t e) noexcept {
   return -1;
 }
 
+// The most scratch any call of a profile needs: bytes(p) over every batch size and query length
+// from b_min and q_min up to p's (the profile's largest), since the split count's rounding makes
+// the scratch no monotone function of either; bytes sets what follows from them (the past).
+template <typename Bytes>
+size_t largest_over_profile(AttentionParams p, int64_t b_min, int64_t q_min, Bytes&& bytes) {
+  const int64_t b_max = p.batch, q_max = p.q_len;
+  size_t most = 0;
+  for (int64_t b = b_min < 1 ? 1 : b_min; b <= b_max; ++b) {
+    for (int64_t q = q_min < 1 ? 1 : q_min; q <= q_max; ++q) {
+      p.batch = b;
+      p.q_len = q;
+      const size_t n = bytes(p);
+      most = n > most ? n : most;
+    }
+  }
+  return most;
+}
+
 // Build: the build capability, IPluginV3OneBuild, or IPluginV3OneBuildV2 for a plugin whose outputs
 // alias inputs (TensorRT 10.3 and later).
 template <typename Build>

@@ -161,7 +161,10 @@ size_t AttentionPlugin::getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc
     std::vector<nvinfer1::Dims> dims(n);
     std::vector<DataType> types(n);
     for (int i = 0; i < n; ++i) dims[i] = in[i].max, types[i] = in[i].desc.type;
-    return cuda::attention_workspace_bytes(setup(dims.data(), types.data(), n).params, sm_count());
+    const nvinfer1::Dims& q_min = in[0].min;  // [B, H, Sq, D] or [B, Sq, H*D]
+    const int sms = sm_count();
+    return largest_over_profile(setup(dims.data(), types.data(), n).params, q_min.d[0], q_min.d[q_min.nbDims == 4 ? 2 : 1],
+                                [&](const AttentionParams& p) { return cuda::attention_workspace_bytes(p, sms); });
   } catch (const std::exception& e) {
     log_error(e.what());
     return 0;

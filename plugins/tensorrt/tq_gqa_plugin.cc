@@ -225,28 +225,19 @@ size_t GqaPlugin::getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc* in, 
     const Roles r = checked_roles(dims.data(), types.data(), n);
     // The most tokens a call can hold: the carrier's largest total within the buffers' rows.
     nvinfer1::Dims& carrier = dims[r.total];
-    const int64_t s_max = in[0].max.d[1], s_min = std::max<int64_t>(in[0].min.d[1], 1);
+    const int64_t s_max = in[0].max.d[1], s_min = in[0].min.d[1];
     if (carrier.nbDims == 2 && dims[r.past_key].nbDims == 4) {
       carrier.d[1] = std::max(std::min(carrier.d[1], dims[r.past_key].d[2]), s_max);
     }
     int64_t total = 0;
     const GqaSetup st = setup(dims.data(), types.data(), n, &total);
-    // Split-KV scratch grows with the past but, through the split count's rounding, not
-    // monotonically in B or S: take the largest over every B and S the profile allows, each with
-    // the longest past it can have.
-    AttentionParams p = st.params;
-    const int64_t b_min = std::max<int64_t>(in[0].min.d[0], 1), b_max = in[0].max.d[0];
+    // each batch size and S with the longest past it can have
     const int sms = sm_count();
-    size_t most = 0;
-    for (int64_t b = b_min; b <= b_max; ++b) {
-      for (int64_t s = s_min; s <= s_max; ++s) {
-        p.batch = b;
-        p.q_len = p.new_len = s;
-        p.past_len = total - s;
-        most = std::max(most, cuda::gqa_workspace_bytes(p, st.rotary, sms));
-      }
-    }
-    return most;
+    return largest_over_profile(st.params, in[0].min.d[0], s_min, [&](AttentionParams& p) {
+      p.new_len = p.q_len;
+      p.past_len = total - p.q_len;
+      return cuda::gqa_workspace_bytes(p, st.rotary, sms);
+    });
   } catch (const std::exception& e) {
     log_error(e.what());
     return 0;

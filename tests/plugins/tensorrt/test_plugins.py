@@ -105,6 +105,22 @@ def test_workspace_bound_for_a_long_decode(trt):
     assert a.workspace(bad, outs) == 0  # refused (and logged), not a crash
 
 
+def test_workspace_bound_covers_every_call_of_the_profile(trt):
+    """The split count's rounding makes the scratch no monotone function of the batch or the query
+    length (over a 4096-token past, 7 sequences of 5 queries need more than 16, 2 queries more than
+    3): the bound is the largest over the profile, not the largest shape's."""
+    a = trt.create("TQAttention", **ATTN)
+    kb, vb = packed_size("mse4", 128), packed_size("uint4", 128)
+
+    def io(b, sq, sp=4096):
+        ins = [("float16", (b, 32, sq, 128)), ("float16", (b, 8, sq, 128)), ("float16", (b, 8, sq, 128)),
+               ("uint8", (b, 8, sp, kb)), ("uint8", (b, 8, sp, vb))]
+        return ins, [("float16", (b, 32, sq, 128)), ("uint8", (b, 8, sp + sq, kb)), ("uint8", (b, 8, sp + sq, vb))]
+
+    each = max(a.workspace(*io(b, sq)) for b in range(1, 17) for sq in range(1, 6))
+    assert a.workspace_range(io(1, 1)[0], *io(16, 5)) >= each > a.workspace(*io(16, 5))
+
+
 def test_output_shapes(trt):
     kb, vb = packed_size("mse4", 128), packed_size("uint4", 128)
     a = trt.create("TQAttention", **ATTN)
