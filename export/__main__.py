@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from turboquant.arguments import non_negative
 from turboquant.config import TQ_PRESETS
 
 from .errors import RewriteError
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", help="the exported decoder (.onnx); never overwritten")
     p.add_argument("--preset", required=True, choices=list(TQ_PRESETS), help="cache format")
     p.add_argument("-o", "--output", help="where to write (default: MODEL.<preset>.onnx next to the input)")
-    p.add_argument("--boundary", type=int, default=2, help="first and last N attention layers kept uncompressed (default 2)")
+    p.add_argument("--boundary", type=non_negative, default=2, help="first and last N attention layers kept uncompressed (default 2)")
     p.add_argument("--skip-layers", type=_layer_list, help="also keep these layers uncompressed, e.g. 0,1,5")
     p.add_argument("--keep-layers", type=_layer_list, help="keep exactly these layers uncompressed (replaces --boundary)")
     p.add_argument("--calibrate", metavar="FILE", help="token ids (.npy/.ids) or text (with --tokenizer) to compute per-layer "

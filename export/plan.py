@@ -96,6 +96,8 @@ def plan_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers=Non
                 head_dim_of=None) -> tuple[list[LayerPlan], dict[int, CacheLayer]]:
     if preset not in TQ_PRESETS:
         raise RewriteError(f"unknown preset {preset!r}: valid presets are {', '.join(TQ_PRESETS)}")
+    if not isinstance(boundary, int) or isinstance(boundary, bool) or boundary < 0:
+        raise RewriteError(f"--boundary must be a layer count of zero or more, got {boundary!r}")
     layers = find_cache_layers(model.graph, head_dim_of)
     infos = layer_infos(model.graph, layers)
     if keep_layers is not None:

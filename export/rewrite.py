@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
@@ -118,9 +120,13 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         raise RewriteError(f"target must be 'onnxruntime' or 'tensorrt', got {target!r}")
     src = pathlib.Path(model_path)
     out = pathlib.Path(output) if output else default_output(src, preset)
-    if src.exists() and out.exists() and out.resolve() == src.resolve():
-        raise RewriteError(f"the output {out} is the input model; turboquant never overwrites its input")
+    if not dry_run:  # before loading and calibrating, which take a while
+        _check_writable(out)
+    _refuse_input_files(src, None, out)
     model = _load(src)
+    _refuse_input_files(src, model, out)
+    if not dry_run and _saved_external(model):
+        _check_writable(_data_file(out), "the output's external data file")
     if uses_gqa(model):
         return _export_gqa(model, src, out, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
                            dry_run=dry_run, calibrate=calibrate, offsets=offsets, target=target, unsupported=unsupported)
@@ -132,7 +138,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         from .calibrate import collect, data_free_tokens, load_tokens
 
         plans, _ = plan_layers(model, preset, boundary, skip_layers, keep_layers)
-        ids, source = load_tokens(calibrate, tokenizer) if calibrate is not None else data_free_tokens(model)
+        ids, source = load_tokens(calibrate, tokenizer, model) if calibrate is not None else data_free_tokens(model)
         if ids is not None:
             plan_args = dict(preset=preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers)
             calibration = collect(src, ids, [p.index for p in plans if p.compressed], source,
@@ -147,18 +153,65 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         for_tensorrt(model)
     if dry_run:
         return result
-    _save(model, src, out)
+    _save(model, out)
     result.output = out
     return result
 
 
-def _save(model: ir.Model, src: pathlib.Path, out: pathlib.Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    external = _has_external_data(model) or _initializer_bytes(model) > 1_800_000_000
-    data_name = f"{out.name}.data"
-    if external and (out.parent / data_name).resolve() in _external_files(src, model):
-        raise RewriteError(f"the output's external data file {data_name} is the input's; choose another output name")
-    ir.save(model, out, external_data=data_name if external else None)
+def _data_file(out: pathlib.Path) -> pathlib.Path:
+    return out.with_name(f"{out.name}.data")
+
+
+def _check_writable(path: pathlib.Path, what: str = "the output") -> None:
+    from turboquant.arguments import check_output_file
+
+    try:
+        check_output_file(path, what)
+    except ValueError as e:
+        raise RewriteError(str(e)) from None
+
+
+def _refuse_input_files(src: pathlib.Path, model: ir.Model | None, out: pathlib.Path) -> None:
+    """The output and its data file may be none of the input's files (compared as files, so a hard
+    link or another spelling of the same path counts): the model, or (once loaded) its external data."""
+    inputs = [src] + (sorted(_external_files(src, model)) if model is not None else [])
+    for mine in (out, _data_file(out)):
+        for theirs in inputs:
+            if os.path.exists(mine) and os.path.exists(theirs) and os.path.samefile(mine, theirs):
+                what = "model" if theirs == src else f"external data file {theirs.name}"
+                raise RewriteError(f"the output {mine} is the input's {what}; turboquant never overwrites its input")
+
+
+def _save(model: ir.Model, out: pathlib.Path) -> None:
+    """Writes the model (and its external data) under temporary names in the output folder, then
+    renames them into place: a failure leaves no half-written output and no new data file paired
+    with an old graph."""
+    external = _saved_external(model)
+    data = _data_file(out)
+    tmp = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tq-", dir=out.parent))
+        # the graph names its data file relative to itself: saved under the final names, in tmp
+        ir.save(model, tmp / out.name, external_data=data.name if external else None)
+        if not external:
+            os.replace(tmp / out.name, out)
+            return
+        old = tmp / "previous.data"
+        if data.exists():
+            os.replace(data, old)
+        os.replace(tmp / data.name, data)
+        try:
+            os.replace(tmp / out.name, out)
+        except OSError:
+            if old.exists():
+                os.replace(old, data)  # the old graph keeps its old data
+            raise
+    except OSError as e:
+        raise RewriteError(f"cannot write {out}: {e.strerror or e}") from None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: str, *, boundary, skip_layers,
@@ -187,7 +240,7 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
                                 f"ops, not plugins): {', '.join(foreign)}; an engine needs them replaced first")
     if dry_run:
         return result
-    _save(model, src, out)
+    _save(model, out)
     result.output = out
     if genai_folder and not result.left:
         result.notes.append(f"onnxruntime-genai folder: {genai.write_folder(src, out, result)}")
@@ -198,6 +251,11 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
 
 def _initializer_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def _saved_external(model: ir.Model) -> bool:
+    """Whether the output keeps its weights in a data file: the input did, or they pass protobuf's 2 GB."""
+    return _has_external_data(model) or _initializer_bytes(model) > 1_800_000_000
 
 
 def _has_external_data(model: ir.Model) -> bool:

@@ -91,7 +91,7 @@ int main(int argc, char** argv) {
     std::printf("refused: prefill_supported is false\n");
     return 1;
   }
-  CHECK(cuda::detail::launch_prefill(p, dq, dk, dv, dy, nullptr));
+  CHECK(cuda::detail::launch_prefill(p, dq, dk, dv, nullptr, dy, nullptr));
   CHECK(cudaDeviceSynchronize());
   CHECK(cudaMemcpy(hy.data(), dy, hy.size() * 2, cudaMemcpyDeviceToHost));
 
@@ -150,7 +150,7 @@ int main(int argc, char** argv) {
   std::vector<float> ms;
   for (int it = 0; it < iters + 3; ++it) {
     CHECK(cudaEventRecord(e0));
-    CHECK(cuda::detail::launch_prefill(p, dq, dk, dv, dy, nullptr));
+    CHECK(cuda::detail::launch_prefill(p, dq, dk, dv, nullptr, dy, nullptr));
     CHECK(cudaEventRecord(e1));
     CHECK(cudaEventSynchronize(e1));
     float t;

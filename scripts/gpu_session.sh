@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (see the device tool): build the package with its CUDA kernels (build), run the
 # ORT op tests on the CUDA execution provider, the TensorRT plugins' enqueue tests and the genai test
-# (test), compute-sanitizer on the op tests (check) and on the kernel probes (check-probes), the CUDA
+# (test), compute-sanitizer on the op tests (check) and on the kernel probes (check-probes), the
+# first-prompt kernel's probe and the op bench's prefill rows (prefill), the CUDA
 # benchmarks, the report's table and plots and a kernel profile (bench), the issue's headline size
 # again in a process of its own (repeat), TQPack's developer variants against the default kernels in
 # the pack probe (pack-ab; pack-ab-build builds its probes alone, e.g. in the background). One step
@@ -39,11 +40,24 @@ if [ "$step" = check ]; then  # compute-sanitizer on every CUDA op test, after `
   # case ~50x slower, and the whole set has to fit one call of the device tool (memcheck ~220 s,
   # racecheck ~20 s on the H200); pytest_then_exit.py skips the interpreter's shutdown, which memcheck
   # made longer than the tests
+  # CHECK_K narrows the tests (a pytest -k expression, e.g. "cuda and first_prompt") where a call
+  # has less time than the whole set takes
   for tool in memcheck racecheck; do
-    TQ_MAX_EXAMPLES=10 timeout 330 $CS --tool $tool --error-exitcode 9 python3 "$root/scripts/pytest_then_exit.py" -q \
-      -p no:cacheprovider "$root/tests/plugins/onnxruntime" -k cuda -rs > "$OUT/$tool.log" 2>&1
+    TQ_MAX_EXAMPLES=10 timeout "${CHECK_LIMIT:-330}" $CS --tool $tool --error-exitcode 9 python3 "$root/scripts/pytest_then_exit.py" -q \
+      -p no:cacheprovider "$root/tests/plugins/onnxruntime" -k "${CHECK_K:-cuda}" -rs > "$OUT/$tool.log" 2>&1
     echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/$tool.log" | tr '\n' ' ')"
   done
+fi
+if [ "$step" = prefill ]; then  # the first-prompt kernel alone (its probe), then the op bench's prefill rows
+  cd /tmp
+  /usr/local/cuda/bin/nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -I/tmp/tqsrc/ops/include \
+    /tmp/tqsrc/scripts/cuda_prefill_probe.cu /tmp/tqsrc/ops/cuda/prefill.cu -o /tmp/prefill_probe > "$OUT/prefill_probe.log" 2>&1
+  for a in "1 32 8 4096 128 0 1 20" "8 32 8 2048 128 0 1 20" "1 24 8 16384 128 0 1 10" "2 8 2 300 128 1 1 3" "1 32 8 8192 64 0 1 10"; do
+    timeout 60 /tmp/prefill_probe $a
+  done 2>&1 | tee -a "$OUT/prefill_probe.log"
+  timeout "${PREFILL_LIMIT:-240}" python3 -m turboquant.bench prefill --device cuda ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
+    > "$OUT/prefill.log" 2>&1
+  echo "bench prefill rc=$?"; grep -v "^{" "$OUT/prefill.log" | tail -40
 fi
 if [ "$step" = check-probes ]; then  # compute-sanitizer on the kernel probe and the TQPack probe
   cd /tmp

@@ -110,18 +110,23 @@ class DecoderSession:
         return outs[self.logits_name].numpy(), nxt
 
     def generate(self, prompt_ids: np.ndarray, max_new_tokens: int = 16) -> np.ndarray:
-        """Greedy decoding: returns the new token ids [B, max_new_tokens]."""
+        """Greedy decoding: returns the new token ids [B, max_new_tokens]. Runs the prompt and then
+        max_new_tokens - 1 decode steps: the last token is returned, not fed back."""
         prompt_ids = np.atleast_2d(np.asarray(prompt_ids, np.int64))
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer of zero or more, got {max_new_tokens!r}")
+        out = np.zeros((prompt_ids.shape[0], max_new_tokens), np.int64)
+        if max_new_tokens == 0:
+            return out
         cache = self.empty_cache(prompt_ids.shape[0])
         logits, cache = self.step(prompt_ids, cache, 0)
         past = prompt_ids.shape[1]
-        out = []
-        for _ in range(max_new_tokens):
-            nxt = logits[:, -1].argmax(-1).astype(np.int64)[:, None]
-            out.append(nxt)
-            logits, cache = self.step(nxt, cache, past)
-            past += 1
-        return np.concatenate(out, axis=1)
+        for t in range(max_new_tokens):
+            out[:, t] = logits[:, -1].argmax(-1)
+            if t + 1 < max_new_tokens:
+                logits, cache = self.step(out[:, t:t + 1], cache, past)
+                past += 1
+        return out
 
     def teacher_forced(self, ids: np.ndarray, prefill: int, progress=None) -> np.ndarray:
         """Logits for ids[:, prefill-1:] with ids[:, :prefill] prefilled, then one token per step

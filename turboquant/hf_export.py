@@ -15,6 +15,10 @@ import argparse
 import pathlib
 import sys
 
+from .arguments import check_output_file
+
+GGUF_MAGIC = b"GGUF"
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m turboquant.hf_export", description=__doc__.split("\n\n")[0])
@@ -25,23 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     args = p.parse_args(argv)
 
-    src = pathlib.Path(args.model)
-    out = pathlib.Path(args.output)
-    if not src.is_dir():
-        print(f"error: {src} is not a folder", file=sys.stderr)
-        return 2
-    if args.gguf and not (src / args.gguf).is_file():
-        print(f"error: {src / args.gguf}: no such file", file=sys.stderr)
-        return 2
-    if out.suffix != ".onnx":
-        print(f"error: the output {out} should end in .onnx", file=sys.stderr)
+    try:
+        src, out = _check(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .examples import export_model
 
     kw = {"gguf_file": args.gguf} if args.gguf else {}
-    model = AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True, **kw)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True, **kw)
+    except (OSError, ValueError) as e:  # weights transformers cannot read: its reason, on one line
+        print(f"error: {src}: not a model transformers can load ({str(e).splitlines()[0][:300]})", file=sys.stderr)
+        return 2
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         AutoTokenizer.from_pretrained(str(src), local_files_only=True, **kw).save_pretrained(str(out.parent))
@@ -52,6 +54,27 @@ def main(argv: list[str] | None = None) -> int:
           f"{getattr(c, 'num_key_value_heads', None) or c.num_attention_heads} kv heads to {out}", flush=True)
     export_model(model, out, args.exporter, args.dtype)
     return 0
+
+
+def _check(args) -> tuple[pathlib.Path, pathlib.Path]:
+    """The model folder and the output, refused (ValueError) before transformers loads anything."""
+    src = pathlib.Path(args.model)
+    out = pathlib.Path(args.output)
+    if not src.is_dir():
+        raise ValueError(f"{src} is not a folder")
+    if out.suffix != ".onnx":
+        raise ValueError(f"the output {out} should end in .onnx")
+    if args.gguf:
+        gguf = src / args.gguf
+        if not gguf.is_file():
+            raise ValueError(f"{gguf}: no such file")
+        with open(gguf, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise ValueError(f"--gguf {gguf}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+    elif not (src / "config.json").is_file():
+        raise ValueError(f"{src} has no config.json: not a Hugging Face model folder (for a GGUF file, give --gguf NAME)")
+    check_output_file(out, "the output")
+    return src, out
 
 
 if __name__ == "__main__":

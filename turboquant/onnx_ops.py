@@ -143,7 +143,7 @@ def _schemas() -> list[defs.OpSchema]:
     # the packed cache's formats, as TQAttention and TQGroupQueryAttention take them
     cache_formats = [_A("key_format", _ATTR.STRING, fmt_doc + " (default mse4)", required=False),
                      _A("value_format", _ATTR.STRING, fmt_doc + " (default uint4)", required=False),
-                     _A("norm_correction", _ATTR.INT, "mse keys: 1 (default) or 0", required=False)]
+                     _A("norm_correction", _ATTR.INT, "mse keys and values: 1 (default) or 0", required=False)]
     attention = defs.OpSchema(
         "TQAttention", DOMAIN, OPSET_VERSION,
         "ONNX Attention (opset 23) over a packed uint8 KV cache (docs/ops.md).",

@@ -10,9 +10,22 @@ import pathlib
 import numpy as np
 
 
-def load_tokens(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> tuple[np.ndarray, str]:
+def load_tokens(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
+                vocab: int | None = None) -> tuple[np.ndarray, str]:
     """Returns (int64 ids [N], a description naming the file, its hash and the tokenizer).
-    Raises ValueError naming what was wrong."""
+    Raises ValueError naming what was wrong, also for a negative id or (given the model's vocabulary
+    size) one outside the vocabulary: a Gather would wrap the first and read past the table with
+    the second."""
+    ids, source = _read(path, tokenizer)
+    bad = ids[(ids < 0) | (ids >= vocab)] if vocab is not None else ids[ids < 0]
+    if bad.size:
+        within = f" (0 to {vocab - 1})" if vocab is not None else ""
+        raise ValueError(f"{path}: token id {int(bad[0])} is outside the model's vocabulary{within}; "
+                         f"{bad.size} of {ids.size} ids are")
+    return ids, source
+
+
+def _read(path, tokenizer) -> tuple[np.ndarray, str]:
     path = pathlib.Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such file")

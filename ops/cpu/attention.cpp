@@ -380,7 +380,8 @@ class Runner {
 };
 
 // present[b, h] = past[b, h] ++ pack(new[b, h] - offset[h]): the past rows copied unless present is
-// past (a shared buffer), the new rows written after sequence b's own past.
+// past (a shared buffer), the rows after them zeroed in a fresh preallocated present, the new rows
+// written after sequence b's own past.
 void write_present(const AttentionParams& p, Format fmt, int d, int64_t row_bytes, const BhsStrides& st,
                    const void* x, const float* offset, const uint8_t* past, uint8_t* present, const ParallelFor& pfor) {
   const int64_t past_rows = p.past_rows_or_len(), present_rows = p.present_rows_or_total();
@@ -389,6 +390,8 @@ void write_present(const AttentionParams& p, Format fmt, int d, int64_t row_byte
     const int64_t b = static_cast<int64_t>(bh) / p.kv_heads, h = static_cast<int64_t>(bh) % p.kv_heads;
     uint8_t* dst = present + static_cast<int64_t>(bh) * present_rows * row_bytes;
     if (copy) std::memcpy(dst, past + static_cast<int64_t>(bh) * past_rows * row_bytes, past_rows * row_bytes);
+    const int64_t zero_from = p.zeroed_from(past, present);
+    std::memset(dst + zero_from * row_bytes, 0, (present_rows - zero_from) * row_bytes);
     float row[kMaxHeadDim];
     const float* off = offset ? offset + h * d : nullptr;
     const int64_t first = p.past_of(b);

@@ -49,13 +49,6 @@ struct VectorMap {
   }
 };
 
-// The codec's min and max start from x[0] and compare, so a NaN x[0] is the result, bit for bit, and
-// later NaNs are ignored. The compiler may turn the comparisons into min/max instructions, which
-// return a canonical NaN: the result takes x[0]'s bits back.
-__device__ inline float keep_first_nan(float x0, float v) {
-  return __uint_as_float(x0 != x0 ? __float_as_uint(x0) : __float_as_uint(v));
-}
-
 // codec::butterfly_total over the lanes' partial sums: every lane gets the total.
 __device__ inline float warp_total(float x) {
   for (int o = 1; o < codec::kSumLanes; o <<= 1) x = __fadd_rn(x, __shfl_xor_sync(kPackLanes, x, o));
@@ -115,22 +108,24 @@ __device__ inline void encode_warp(int d, bool nc, const int32_t* csq, float* z,
       }
     } else {  // uint3 / uint4: min and max are order-free
       float mn = z[0], mx = z[0];
+      bool nan = false;
       for (int i = lane; i < d; i += 32) {
         mn = z[i] < mn ? z[i] : mn;
         mx = z[i] > mx ? z[i] : mx;
+        nan = nan || z[i] != z[i];
       }
+      nan = __any_sync(kPackLanes, nan);
       for (int o = 16; o > 0; o >>= 1) {
         const float a = __shfl_xor_sync(kPackLanes, mn, o), b = __shfl_xor_sync(kPackLanes, mx, o);
         mn = a < mn ? a : mn;
         mx = b > mx ? b : mx;
       }
-      mn = keep_first_nan(z[0], mn), mx = keep_first_nan(z[0], mx);
       const float levels = static_cast<float>((1 << bits) - 1);
       const float range = (mx - mn) / levels;
-      const uint16_t s16 = f32_to_f16_sat(range > 1e-8f ? range : 1e-8f);
-      const uint16_t z16 = f32_to_f16_sat(keep_first_nan(z[0], mn + 0.0f));  // a zero minimum as +0
+      const uint16_t s16 = nan ? codec::kUintNanBits : f32_to_f16_sat(range > 1e-8f ? range : 1e-8f);
+      const uint16_t z16 = nan ? codec::kUintNanBits : f32_to_f16_sat(mn + 0.0f);
       const float sc = f16_to_f32(s16), zr = f16_to_f32(z16);
-      for (int i = lane; i < d; i += 32) {
+      for (int i = lane; i < d; i += 32) {  // a NaN scale fails sc > 0: every code 0
         float v = sc > 0.0f ? floorf((z[i] - zr) / sc + 0.5f) : 0.0f;
         v = v < 0.0f ? 0.0f : (v > levels ? levels : v);
         idx[i] = static_cast<uint8_t>(v);

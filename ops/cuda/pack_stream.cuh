@@ -448,12 +448,13 @@ __device__ inline uint32_t uint_code(float t, float levels) {
   return __float_as_uint(__fadd_rd(c, 8388608.0f)) - 0x4b000000u;
 }
 
-// x0: the vector's first element as the codec converts it (its NaN bits matter here).
+// x0: the vector's first element, where the codec's min and max start.
 template <int kBits, int kS>
 __device__ inline void encode_uint_stream(int d, float x0, float (&z)[kS][8], uint8_t* out, int j) {
   const int chunks = d / 8;
   // the codec starts both from x[0]
   float mn = x0, mx = x0;
+  bool nan = false;
 #pragma unroll
   for (int s = 0; s < kS; ++s) {
     if (j + 4 * s >= chunks) continue;
@@ -461,6 +462,7 @@ __device__ inline void encode_uint_stream(int d, float x0, float (&z)[kS][8], ui
     for (int a = 0; a < 8; ++a) {
       mn = z[s][a] < mn ? z[s][a] : mn;
       mx = z[s][a] > mx ? z[s][a] : mx;
+      nan = nan || z[s][a] != z[s][a];
     }
   }
 #pragma unroll
@@ -468,15 +470,17 @@ __device__ inline void encode_uint_stream(int d, float x0, float (&z)[kS][8], ui
     const float a = __shfl_xor_sync(kStreamAll, mn, o), b = __shfl_xor_sync(kStreamAll, mx, o);
     mn = a < mn ? a : mn;
     mx = b > mx ? b : mx;
+    const int other_nan = __shfl_xor_sync(kStreamAll, static_cast<int>(nan), o);  // every lane shuffles
+    nan = nan || other_nan != 0;
   }
-  mn = keep_first_nan(x0, mn), mx = keep_first_nan(x0, mx);
   const float levels = static_cast<float>((1 << kBits) - 1);
   const float range = (mx - mn) / levels;
-  const uint16_t s16 = f32_to_f16_sat(range > 1e-8f ? range : 1e-8f);
-  const uint16_t z16 = f32_to_f16_sat(keep_first_nan(x0, mn + 0.0f));  // a zero minimum as +0
-  // sc: 0 (every code 0) or an fp16 number (normal as a float); with min and max below 2^99 every
-  // dividend is below 2^100, so the quotients by reciprocal are exact except subnormal ones, which
-  // floor to 0 after + 0.5 either way (a NaN element, skipped by min and max, gives NaN both ways)
+  // a vector with a NaN: codec::kUintNanBits for both, and every code 0 (sc > 0 fails below)
+  const uint16_t s16 = nan ? codec::kUintNanBits : f32_to_f16_sat(range > 1e-8f ? range : 1e-8f);
+  const uint16_t z16 = nan ? codec::kUintNanBits : f32_to_f16_sat(mn + 0.0f);  // a zero minimum as +0
+  // sc: 0 or NaN (every code 0) or an fp16 number (normal as a float); with min and max below 2^99
+  // every dividend is below 2^100, so the quotients by reciprocal are exact except subnormal ones,
+  // which floor to 0 after + 0.5 either way
   const float sc = f16_to_f32(s16), zr = f16_to_f32(z16), recip = sc > 0.0f ? __frcp_rn(sc) : 0.0f;
   const auto codes = [&](auto quick) {
 #pragma unroll
@@ -602,7 +606,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks(F, kS)) pack_str
       float* row = reinterpret_cast<float*>(sm.rows[warp]) + g * StreamSmem<F, kS>::kRowFloats;
       encode_mse_stream<format_bits(F), kS>(d, nc, fused, z, row, row_out, buckets, j);
     } else if constexpr (is_uint(F)) {
-      // the first element as the codec converts it (a NaN's bits matter to min and max)
+      // the first element, where the codec's min and max start
       float x0 = live ? load_float(dt, x, static_cast<int64_t>(v) * d) : 0.0f;
       if (live && offset.data) x0 -= offset.row_for(v, d)[0];
       encode_uint_stream<format_bits(F), kS>(d, x0, z, row_out, j);

@@ -20,14 +20,15 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kKeys = 64;  // keys per tile
 // 16-row m-tiles per warp, which share each K and V fragment: two at head size 128 (fewer shared
-// memory reads per product), one at 64 (docs/performance.md, prefill)
-template <int D>
+// memory reads per product), one at 64 and with a mask (whose indexing would spill the second's
+// registers); docs/performance.md, prefill
+template <int D, bool kMask>
 constexpr int mtiles() {
-  return D >= 128 ? 2 : 1;
+  return D >= 128 && !kMask ? 2 : 1;
 }
-template <int D>
+template <int D, bool kMask>
 constexpr int block_rows() {
-  return 16 * mtiles<D>() * kWarps;
+  return 16 * mtiles<D, kMask>() * kWarps;
 }
 
 template <typename T>
@@ -66,11 +67,24 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const T* g, int64_t str
   }
 }
 
-template <int D, typename T>
+// Whether row i sees key t by the attention mask, and the mask's term added to its score: element
+// (b, hq, i, t) of a bool or additive mask through p.mask_stride (0 where it broadcasts).
+__device__ __forceinline__ bool mask_term(const AttentionParams& p, const void* mask, int64_t b, int64_t hq, int64_t i,
+                                          int64_t t, float* add) {
+  const int64_t at = b * p.mask_stride[0] + hq * p.mask_stride[1] + i * p.mask_stride[2] + t * p.mask_stride[3];
+  switch (p.mask_type) {
+    case MaskType::kBool: return static_cast<const uint8_t*>(mask)[at] != 0;
+    case MaskType::kFloat32: *add = static_cast<const float*>(mask)[at]; return true;
+    case MaskType::kFloat16: *add = __half2float(static_cast<const __half*>(mask)[at]); return true;
+    default: *add = __bfloat162float(static_cast<const __nv_bfloat16*>(mask)[at]); return true;
+  }
+}
+
+template <int D, typename T, bool kMask>
 __global__ void __launch_bounds__(kWarps * 32)
-    prefill_kernel(AttentionParams p, const T* q, const T* k, const T* v, T* y) {
+    prefill_kernel(AttentionParams p, const T* q, const T* k, const T* v, const void* mask, T* y) {
   extern __shared__ __align__(128) uint8_t smem[];
-  constexpr int kMt = mtiles<D>(), kRows = block_rows<D>(), kTileBytes = kKeys * D * 2;
+  constexpr int kMt = mtiles<D, kMask>(), kRows = block_rows<D, kMask>(), kTileBytes = kKeys * D * 2;
   constexpr bool kQInRegisters = kMt == 1;  // two m-tiles' fragments would not fit beside their accumulators
   const uint32_t q_at = smem_u32(smem), k_at = q_at + kRows * D * 2, v_at = k_at + 2 * kTileBytes;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -142,7 +156,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
     const int64_t t0 = static_cast<int64_t>(j) * kKeys;
-    const bool edge = t0 + kKeys > p.new_len || (p.is_causal && t0 + kKeys - 1 > q0 + warp_row + diag);
+    const bool edge = kMask || t0 + kKeys > p.new_len || (p.is_causal && t0 + kKeys - 1 > q0 + warp_row + diag);
 #pragma unroll
     for (int mt = 0; mt < kMt; ++mt) {
 #pragma unroll
@@ -153,7 +167,12 @@ __global__ void __launch_bounds__(kWarps * 32)
           if (edge) {
             const int64_t t = t0 + nt * 8 + (lane % 4) * 2 + (e & 1);
             const int64_t row = q0 + warp_row + mt * 16 + lane / 4 + (e >> 1) * 8;
-            if (t >= p.new_len || (p.is_causal && t > row + diag)) x = -INFINITY;
+            float add = 0.0f;
+            if (t >= p.new_len || (p.is_causal && t > row + diag)) {
+              x = -INFINITY;
+            } else if (kMask && row < p.q_len) {  // rows past the prompt are not written: no mask element to read
+              x = mask_term(p, mask, b, hq, row, t, &add) ? x + add * 1.4426950408889634f : -INFINITY;
+            }
           }
           s[mt][nt][e] = x;
         }
@@ -226,9 +245,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-template <int D>
+template <int D, bool kMask>
 constexpr int smem_bytes() {
-  return (block_rows<D>() + 4 * kKeys) * D * 2;  // Q, and two buffers each of K and V
+  return (block_rows<D, kMask>() + 4 * kKeys) * D * 2;  // Q, and two buffers each of K and V
 }
 
 // The opt-in to more than 48 KiB of dynamic shared memory, per kernel and device.
@@ -244,17 +263,17 @@ cudaError_t raise_shared(Kernel kernel, int bytes) {
   return e;
 }
 
-template <int D, typename T>
-cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const void* v, void* y,
+template <int D, typename T, bool kMask>
+cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask, void* y,
                    cudaStream_t stream) {
-  auto* kernel = prefill_kernel<D, T>;
-  constexpr int bytes = smem_bytes<D>();
+  auto* kernel = prefill_kernel<D, T, kMask>;
+  constexpr int bytes = smem_bytes<D, kMask>();
   cudaError_t e = raise_shared(kernel, bytes);
   if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>((p.q_len + block_rows<D>() - 1) / block_rows<D>()), static_cast<unsigned>(p.q_heads),
+  const dim3 grid(static_cast<unsigned>((p.q_len + block_rows<D, kMask>() - 1) / block_rows<D, kMask>()), static_cast<unsigned>(p.q_heads),
                   static_cast<unsigned>(p.batch));
   kernel<<<grid, kWarps * 32, bytes, stream>>>(p, static_cast<const T*>(q), static_cast<const T*>(k),
-                                               static_cast<const T*>(v), static_cast<T*>(y));
+                                               static_cast<const T*>(v), mask, static_cast<T*>(y));
   return cudaGetLastError();
 }
 
@@ -269,16 +288,22 @@ bool prefill_supported(const AttentionParams& p, const void* q, const void* k, c
   const bool shape = (p.head_dim == 64 || p.head_dim == 128) && p.v_head_dim == p.head_dim;
   const bool grid = p.batch <= 65535 && p.q_heads <= 65535 && (p.q_len + 63) / 64 <= INT32_MAX;
   const bool y_pairs = (reinterpret_cast<uintptr_t>(y) & 3) == 0 && p.y.b % 2 == 0 && p.y.h % 2 == 0 && p.y.s % 2 == 0;
-  return half && shape && grid && p.past_len == 0 && p.q_len > 1 && p.new_len > 0 && mask == nullptr &&
-         p.mask_type == MaskType::kNone && aligned16(q) && aligned16(k) && aligned16(v) && rows16(p.q) &&
-         rows16(p.k) && rows16(p.v) && y_pairs;
+  const bool masked = p.mask_type != MaskType::kNone;
+  return half && shape && grid && p.past_len == 0 && p.q_len > 1 && p.new_len > 0 && masked == (mask != nullptr) &&
+         aligned16(q) && aligned16(k) && aligned16(v) && rows16(p.q) && rows16(p.k) && rows16(p.v) && y_pairs;
 }
 
-cudaError_t launch_prefill(const AttentionParams& p, const void* q, const void* k, const void* v, void* y,
-                           cudaStream_t stream) {
+cudaError_t launch_prefill(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
+                           void* y, cudaStream_t stream) {
+  using H = __half;
+  using B = __nv_bfloat16;
   const bool bf16 = p.dtype == DType::kBFloat16;
-  if (p.head_dim == 64) return bf16 ? launch<64, __nv_bfloat16>(p, q, k, v, y, stream) : launch<64, __half>(p, q, k, v, y, stream);
-  return bf16 ? launch<128, __nv_bfloat16>(p, q, k, v, y, stream) : launch<128, __half>(p, q, k, v, y, stream);
+  if (mask != nullptr) {
+    if (p.head_dim == 64) return bf16 ? launch<64, B, true>(p, q, k, v, mask, y, stream) : launch<64, H, true>(p, q, k, v, mask, y, stream);
+    return bf16 ? launch<128, B, true>(p, q, k, v, mask, y, stream) : launch<128, H, true>(p, q, k, v, mask, y, stream);
+  }
+  if (p.head_dim == 64) return bf16 ? launch<64, B, false>(p, q, k, v, mask, y, stream) : launch<64, H, false>(p, q, k, v, mask, y, stream);
+  return bf16 ? launch<128, B, false>(p, q, k, v, mask, y, stream) : launch<128, H, false>(p, q, k, v, mask, y, stream);
 }
 
 }  // namespace turboquant::cuda::detail

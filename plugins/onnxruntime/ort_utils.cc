@@ -26,52 +26,106 @@ void check_input_type(const char* op, const Ort::ConstValue& x, const char* name
   if (t != want) fail(op, "input '", name, "' must be ", dtype_name(want), ", got ", dtype_name(t));
 }
 
-int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t dflt) {
-  int64_t v = dflt;
-  OrtStatus* st = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &v);
-  if (st) {
-    Ort::GetApi().ReleaseStatus(st);
-    return dflt;
-  }
-  return v;
+namespace {
+
+// The ONNX attribute types the ops declare.
+enum class AttrType { kInt, kFloat, kString };
+
+bool succeeded(OrtStatus* st) {
+  if (st == nullptr) return true;
+  Ort::GetApi().ReleaseStatus(st);
+  return false;
 }
 
-float attr_float(const OrtKernelInfo* info, const char* name, float dflt) {
-  float v = dflt;
-  OrtStatus* st = Ort::GetApi().KernelInfoGetAttribute_float(info, name, &v);
-  if (st) {
-    Ort::GetApi().ReleaseStatus(st);
-    return dflt;
+const char* type_name(AttrType t) {
+  switch (t) {
+    case AttrType::kInt: return "INT";
+    case AttrType::kFloat: return "FLOAT";
+    default: return "STRING";
   }
-  return v;
 }
 
-std::string attr_string(const OrtKernelInfo* info, const char* name, const std::string& dflt) {
+// The node's attribute `name` read as type t into out (int64_t, float or std::string); false when
+// it has none of that name and type.
+bool read_as(const OrtKernelInfo* info, const char* name, AttrType t, void* out) {
+  const OrtApi& api = Ort::GetApi();
+  if (t == AttrType::kInt) return succeeded(api.KernelInfoGetAttribute_int64(info, name, static_cast<int64_t*>(out)));
+  if (t == AttrType::kFloat) return succeeded(api.KernelInfoGetAttribute_float(info, name, static_cast<float*>(out)));
   size_t size = 0;
-  OrtStatus* st = Ort::GetApi().KernelInfoGetAttribute_string(info, name, nullptr, &size);
-  if (st) {
-    Ort::GetApi().ReleaseStatus(st);
-    return dflt;
+  if (!succeeded(api.KernelInfoGetAttribute_string(info, name, nullptr, &size))) return false;
+  std::string& s = *static_cast<std::string*>(out);
+  s.assign(size, '\0');
+  if (!succeeded(api.KernelInfoGetAttribute_string(info, name, s.data(), &size))) return false;
+  s.resize(size > 0 ? size - 1 : 0);  // size counts the terminating NUL
+  return true;
+}
+
+// The ONNX type of a node's attribute that did not read as `declared`, or nullptr when the node has
+// none of that name.
+const char* given_type(const OrtKernelInfo* info, const char* name, AttrType declared) {
+  const OrtApi& api = Ort::GetApi();
+  int64_t i = 0;
+  float f = 0.f;
+  std::string s;
+  for (AttrType t : {AttrType::kInt, AttrType::kFloat, AttrType::kString}) {
+    void* out = t == AttrType::kInt ? static_cast<void*>(&i) : t == AttrType::kFloat ? static_cast<void*>(&f) : &s;
+    if (t != declared && read_as(info, name, t, out)) return type_name(t);
   }
-  std::string out(size, '\0');
-  st = Ort::GetApi().KernelInfoGetAttribute_string(info, name, out.data(), &size);
-  if (st) {
-    Ort::GetApi().ReleaseStatus(st);
-    return dflt;
+  // arrays: ORT reads any attribute's ints or floats list, empty unless it is of that type
+  size_t ints = 0, floats = 0;
+  if (succeeded(api.KernelInfoGetAttributeArray_int64(info, name, nullptr, &ints)) &&
+      succeeded(api.KernelInfoGetAttributeArray_float(info, name, nullptr, &floats))) {
+    return ints > 0 ? "INTS" : floats > 0 ? "FLOATS" : "another type";
   }
-  out.resize(size > 0 ? size - 1 : 0);  // size counts the terminating NUL
-  return out;
+  return nullptr;  // absent, or a type the C API cannot read (strings, tensors, graphs)
+}
+
+// The one reader behind attr_int, attr_float and attr_string.
+template <typename T>
+T typed_attr(const char* op, const OrtKernelInfo* info, const char* name, AttrType t, T dflt) {
+  T v = dflt;
+  if (read_as(info, name, t, &v)) return v;
+  if (const char* given = given_type(info, name, t)) {
+    fail(op, "attribute '", name, "' has type ", given, "; expected ", type_name(t));
+  }
+  return dflt;
+}
+
+}  // namespace
+
+int64_t attr_int(const char* op, const OrtKernelInfo* info, const char* name, int64_t dflt) {
+  return typed_attr<int64_t>(op, info, name, AttrType::kInt, dflt);
+}
+
+float attr_float(const char* op, const OrtKernelInfo* info, const char* name, float dflt) {
+  return typed_attr<float>(op, info, name, AttrType::kFloat, dflt);
+}
+
+std::string attr_string(const char* op, const OrtKernelInfo* info, const char* name, const std::string& dflt) {
+  return typed_attr<std::string>(op, info, name, AttrType::kString, dflt);
+}
+
+int64_t infer_attr_int(const char* op, OrtShapeInferContext* ctx, const char* name, int64_t dflt) {
+  const OrtApi& api = Ort::GetApi();
+  const OrtOpAttr* attr = nullptr;
+  if (!succeeded(api.ShapeInferContext_GetAttribute(ctx, name, &attr)) || attr == nullptr) return dflt;
+  int64_t v = dflt;
+  size_t len = 0;
+  if (succeeded(api.ReadOpAttr(attr, ORT_OP_ATTR_INT, &v, sizeof(v), &len))) return v;
+  float f = 0.f;
+  const char* given = succeeded(api.ReadOpAttr(attr, ORT_OP_ATTR_FLOAT, &f, sizeof(f), &len)) ? "FLOAT" : "another type";
+  fail(op, "attribute '", name, "' has type ", given, "; expected INT");
 }
 
 Format attr_format(const char* op, const OrtKernelInfo* info, const char* name, const char* dflt) {
-  const std::string s = attr_string(info, name, dflt);
+  const std::string s = attr_string(op, info, name, dflt);
   const Format f = parse_format(s.c_str());
   if (f == Format::kInvalid) fail(op, "attribute '", name, "' is '", s, "'; expected one of ", kFormatList);
   return f;
 }
 
 bool attr_bool(const char* op, const OrtKernelInfo* info, const char* name, bool dflt) {
-  const int64_t v = attr_int(info, name, dflt ? 1 : 0);
+  const int64_t v = attr_int(op, info, name, dflt ? 1 : 0);
   if (v != 0 && v != 1) fail(op, "attribute '", name, "' is ", v, "; expected 0 or 1");
   return v == 1;
 }

@@ -33,10 +33,14 @@ std::optional<Dims> shape_of(const Ort::ConstValue& x);
 // Fails naming op and input when a present input's element type is not `want`.
 void check_input_type(const char* op, const Ort::ConstValue& x, const char* name, ONNXTensorElementDataType want);
 
-// Attribute with a default when absent.
-int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t dflt);
-float attr_float(const OrtKernelInfo* info, const char* name, float dflt);
-std::string attr_string(const OrtKernelInfo* info, const char* name, const std::string& dflt);
+// An attribute read as the type the op declares, or dflt when the node has none of that name; an
+// attribute of any other type fails, naming op, attribute, the declared and the given type (ORT's
+// typed getters alone would report it absent, and the op would run with its default).
+int64_t attr_int(const char* op, const OrtKernelInfo* info, const char* name, int64_t dflt);
+float attr_float(const char* op, const OrtKernelInfo* info, const char* name, float dflt);
+std::string attr_string(const char* op, const OrtKernelInfo* info, const char* name, const std::string& dflt);
+// The same during shape inference: an int attribute, or dflt when absent.
+int64_t infer_attr_int(const char* op, OrtShapeInferContext* ctx, const char* name, int64_t dflt);
 
 // The format named by a string attribute; fails with the list of valid names.
 Format attr_format(const char* op, const OrtKernelInfo* info, const char* name, const char* dflt);

@@ -29,10 +29,10 @@ AttentionKernel::AttentionKernel(const OrtKernelInfo* info, ONNXTensorElementDat
   attrs.value_format = attr_format(kOp, info, "value_format", "uint4");
   attrs.norm_correction = attr_bool(kOp, info, "norm_correction", true);
   attrs.is_causal = attr_bool(kOp, info, "is_causal", false);
-  attrs.head_dim = attr_int(info, "head_dim", 0);
-  attrs.q_num_heads = attr_int(info, "q_num_heads", 0);
-  attrs.kv_num_heads = attr_int(info, "kv_num_heads", 0);
-  attrs.scale = attr_float(info, "scale", 0.0f);
+  attrs.head_dim = attr_int(kOp, info, "head_dim", 0);
+  attrs.q_num_heads = attr_int(kOp, info, "q_num_heads", 0);
+  attrs.kv_num_heads = attr_int(kOp, info, "kv_num_heads", 0);
+  attrs.scale = attr_float(kOp, info, "scale", 0.0f);
   attrs.validate();
 }
 

@@ -17,15 +17,15 @@ GqaKernel::GqaKernel(const OrtKernelInfo* info, ONNXTensorElementDataType t, Dev
   attrs.key_format = attr_format(kOp, info, "key_format", "mse4");
   attrs.value_format = attr_format(kOp, info, "value_format", "uint4");
   attrs.norm_correction = attr_bool(kOp, info, "norm_correction", true);
-  attrs.num_heads = attr_int(info, "num_heads", 0);
-  attrs.kv_num_heads = attr_int(info, "kv_num_heads", 0);
-  attrs.scale = attr_float(info, "scale", 0.0f);
+  attrs.num_heads = attr_int(kOp, info, "num_heads", 0);
+  attrs.kv_num_heads = attr_int(kOp, info, "kv_num_heads", 0);
+  attrs.scale = attr_float(kOp, info, "scale", 0.0f);
   attrs.do_rotary = attr_bool(kOp, info, "do_rotary", false);
   attrs.rotary_interleaved = attr_bool(kOp, info, "rotary_interleaved", false);
-  attrs.local_window_size = attr_int(info, "local_window_size", -1);
-  attrs.softcap = attr_float(info, "softcap", 0.0f);
+  attrs.local_window_size = attr_int(kOp, info, "local_window_size", -1);
+  attrs.softcap = attr_float(kOp, info, "softcap", 0.0f);
   attrs.smooth_softmax = attr_bool(kOp, info, "smooth_softmax", false);
-  attrs.qk_output = attr_int(info, "qk_output", 0);
+  attrs.qk_output = attr_int(kOp, info, "qk_output", 0);
   attrs.validate();
 }
 

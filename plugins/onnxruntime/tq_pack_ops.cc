@@ -47,7 +47,7 @@ cpu::Offset read_offset(const char* op, const Ort::ConstValue& offset, const std
 
 PackKernel::PackKernel(const OrtKernelInfo* info, ONNXTensorElementDataType, Device dev) : device(dev) {
   format = attr_format(kPack, info, "format", "");
-  head_dim = attr_int(info, "head_dim", 0);
+  head_dim = attr_int(kPack, info, "head_dim", 0);
   norm_correction = attr_bool(kPack, info, "norm_correction", true);
   if (head_dim != 0 && !head_dim_supported(head_dim)) {
     fail(kPack, "attribute 'head_dim' is ", head_dim, "; expected a multiple of 8 from ", kMinHeadDim, " to ",
@@ -86,32 +86,12 @@ OrtStatusPtr PackKernel::ComputeV2(OrtKernelContext* context) {
   });
 }
 
-namespace {
-// An int attribute during shape inference, or dflt when absent.
-int64_t infer_attr_int(const OrtApi& api, OrtShapeInferContext* ctx, const char* name, int64_t dflt) {
-  const OrtOpAttr* attr = nullptr;
-  OrtStatus* st = api.ShapeInferContext_GetAttribute(ctx, name, &attr);
-  if (st || attr == nullptr) {
-    if (st) api.ReleaseStatus(st);
-    return dflt;
-  }
-  int64_t v = dflt;
-  size_t len = 0;
-  st = api.ReadOpAttr(attr, ORT_OP_ATTR_INT, &v, sizeof(v), &len);
-  if (st) {
-    api.ReleaseStatus(st);
-    return dflt;
-  }
-  return v;
-}
-}  // namespace
-
 // Output: the input's shape with the last dimension replaced by head_dim, of type 'dtype'.
 OrtStatusPtr ORT_API_CALL infer_unpack_output(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   return guarded([&] {
     const OrtApi& api = Ort::GetApi();
-    const int64_t dtype = infer_attr_int(api, ctx, "dtype", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-    const int64_t head_dim = infer_attr_int(api, ctx, "head_dim", 0);
+    const int64_t dtype = infer_attr_int(kUnpack, ctx, "dtype", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+    const int64_t head_dim = infer_attr_int(kUnpack, ctx, "head_dim", 0);
     if (dtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && dtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 &&
         dtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) {
       fail(kUnpack, "attribute 'dtype' is ", dtype, "; expected 1 (float32), 10 (float16) or 16 (bfloat16)");
@@ -138,12 +118,12 @@ OrtStatusPtr ORT_API_CALL infer_unpack_output(const OrtCustomOp*, OrtShapeInferC
 
 UnpackKernel::UnpackKernel(const OrtKernelInfo* info, ONNXTensorElementDataType, Device dev) : device(dev) {
   format = attr_format(kUnpack, info, "format", "");
-  head_dim = attr_int(info, "head_dim", 0);
+  head_dim = attr_int(kUnpack, info, "head_dim", 0);
   if (!head_dim_supported(head_dim)) {
     fail(kUnpack, "attribute 'head_dim' is ", head_dim, "; expected a multiple of 8 from ", kMinHeadDim, " to ",
          kMaxHeadDim);
   }
-  const int64_t want = attr_int(info, "dtype", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+  const int64_t want = attr_int(kUnpack, info, "dtype", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
   if (want != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && want != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 &&
       want != ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) {
     fail(kUnpack, "attribute 'dtype' is ", want, "; expected 1 (float32), 10 (float16) or 16 (bfloat16)");

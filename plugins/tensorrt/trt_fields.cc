@@ -13,23 +13,40 @@ using nvinfer1::PluginFieldType;
 
 nvinfer1::ILoggerFinder* g_finder = nullptr;
 
-template <typename T>
-bool read_number(const nvinfer1::PluginField& f, T& out) {
-  if (f.length < 1 || f.data == nullptr) return false;
-  switch (f.type) {
-    case PluginFieldType::kINT8: out = static_cast<T>(*static_cast<const int8_t*>(f.data)); return true;
-    case PluginFieldType::kINT16: out = static_cast<T>(*static_cast<const int16_t*>(f.data)); return true;
-    case PluginFieldType::kINT32: out = static_cast<T>(*static_cast<const int32_t*>(f.data)); return true;
-    case PluginFieldType::kINT64: out = static_cast<T>(*static_cast<const int64_t*>(f.data)); return true;
-    case PluginFieldType::kFLOAT32: out = static_cast<T>(*static_cast<const float*>(f.data)); return true;
-    case PluginFieldType::kFLOAT64: out = static_cast<T>(*static_cast<const double*>(f.data)); return true;
-    default: return false;
-  }
-}
-
 bool is_integer_type(PluginFieldType t) {
   return t == PluginFieldType::kINT8 || t == PluginFieldType::kINT16 || t == PluginFieldType::kINT32 ||
          t == PluginFieldType::kINT64;
+}
+
+bool is_float_type(PluginFieldType t) { return t == PluginFieldType::kFLOAT32 || t == PluginFieldType::kFLOAT64; }
+
+const char* type_name(PluginFieldType t) {
+  switch (t) {
+    case PluginFieldType::kFLOAT16: return "kFLOAT16";
+    case PluginFieldType::kFLOAT32: return "kFLOAT32";
+    case PluginFieldType::kFLOAT64: return "kFLOAT64";
+    case PluginFieldType::kINT8: return "kINT8";
+    case PluginFieldType::kINT16: return "kINT16";
+    case PluginFieldType::kINT32: return "kINT32";
+    case PluginFieldType::kINT64: return "kINT64";
+    case PluginFieldType::kCHAR: return "kCHAR";
+    case PluginFieldType::kDIMS: return "kDIMS";
+    case PluginFieldType::kBF16: return "kBF16";
+    default: return "another type";
+  }
+}
+
+// One number of a field whose type read_field checked (an integer type or a float type).
+template <typename T>
+T number(const nvinfer1::PluginField& f) {
+  switch (f.type) {
+    case PluginFieldType::kINT8: return static_cast<T>(*static_cast<const int8_t*>(f.data));
+    case PluginFieldType::kINT16: return static_cast<T>(*static_cast<const int16_t*>(f.data));
+    case PluginFieldType::kINT32: return static_cast<T>(*static_cast<const int32_t*>(f.data));
+    case PluginFieldType::kINT64: return static_cast<T>(*static_cast<const int64_t*>(f.data));
+    case PluginFieldType::kFLOAT32: return static_cast<T>(*static_cast<const float*>(f.data));
+    default: return static_cast<T>(*static_cast<const double*>(f.data));
+  }
 }
 
 }  // namespace
@@ -64,23 +81,24 @@ void Fields::read(const char* op, const nvinfer1::PluginFieldCollection* fc) {
       for (auto& x : entries_) os << " " << x.name;
       throw InvalidArgument(os.str());
     }
-    bool ok = false;
-    if (e->type == PluginFieldType::kCHAR) {
-      if (f.type == PluginFieldType::kCHAR && f.data != nullptr && f.length >= 0) {
-        const char* c = static_cast<const char*>(f.data);
-        e->s.assign(c, strnlen(c, static_cast<size_t>(f.length)));
-        ok = true;
-      }
-    } else if (e->type == PluginFieldType::kINT32) {
-      ok = is_integer_type(f.type) && read_number(f, e->i);
-    } else {
-      ok = read_number(f, e->f);
-    }
+    // each field has the type its ONNX attribute declares (INT, FLOAT or STRING), one value
+    const bool is_string = e->type == PluginFieldType::kCHAR, is_int = e->type == PluginFieldType::kINT32;
+    const bool ok = f.data != nullptr &&
+                    (is_string ? f.type == PluginFieldType::kCHAR && f.length >= 0
+                               : f.length == 1 && (is_int ? is_integer_type(f.type) : is_float_type(f.type)));
     if (!ok) {
-      os << op << ": field '" << f.name << "' has type " << static_cast<int>(f.type) << " and length " << f.length
-         << "; expected " << (e->type == PluginFieldType::kCHAR ? "a string (kCHAR)"
-                              : e->type == PluginFieldType::kINT32 ? "one integer" : "one number");
+      os << op << ": field '" << f.name << "' has type " << type_name(f.type) << " and length " << f.length
+         << "; expected " << (is_string ? "a string (kCHAR)" : is_int ? "one integer (kINT32 or kINT64)"
+                                                                    : "one float (kFLOAT32 or kFLOAT64)");
       throw InvalidArgument(os.str());
+    }
+    if (is_string) {
+      const char* c = static_cast<const char*>(f.data);
+      e->s.assign(c, strnlen(c, static_cast<size_t>(f.length)));
+    } else if (is_int) {
+      e->i = number<int32_t>(f);
+    } else {
+      e->f = number<float>(f);
     }
   }
 }

@@ -16,6 +16,13 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "turboquant.export", *map(str, args)], capture_output=True, text=True)
 
 
+def assert_one_line_error(r, message):
+    """Exit status 2 and one line with the message (after argparse's usage, for argument errors)."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and message in lines[-1], r.stderr
+    assert len(lines) == 1 or lines[0].startswith("usage:") and "Traceback" not in r.stderr, r.stderr
+
+
 def test_help():
     r = cli("--help")
     assert r.returncode == 0 and "--preset" in r.stdout and "--dry-run" in r.stdout and "--skip-layers" in r.stdout
@@ -143,9 +150,8 @@ def test_unrecognised_form_names_the_node(tmp_path):
         export(_save(m, tmp_path / "relu.onnx"), "turboquant_4bit_nc", tmp_path / "o.onnx", boundary=0)
 
 
-def test_group_query_attention_with_separate_kv_is_rewritten(tmp_path):
-    """A hand-made GroupQueryAttention with separate K and V (the head size from K's shape), no genai
-    folder: rewritten to TQGroupQueryAttention over uint8 caches, and no genai_config.json written."""
+def _gqa():
+    """A hand-made GroupQueryAttention with separate K and V (the head size from K's shape)."""
     vi = helper.make_tensor_value_info
     ins, outs = _cache_io()
     ins = [vi("q", TensorProto.FLOAT, ["B", 1, 256]), vi("k", TensorProto.FLOAT, ["B", 1, 128]), vi("v", TensorProto.FLOAT, ["B", 1, 128]),
@@ -153,8 +159,12 @@ def test_group_query_attention_with_separate_kv_is_rewritten(tmp_path):
     node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_key_values.0.key", "past_key_values.0.value", "seqlens_k",
                                                     "total_sequence_length"], ["y", "present.0.key", "present.0.value"],
                             domain="com.microsoft", num_heads=4, kv_num_heads=2, name="gqa0")
-    m = _model([node], ins, [vi("y", TensorProto.FLOAT, ["B", 1, 256]), *outs])
-    result = export(_save(m, tmp_path / "gqa.onnx"), "turboquant_4bit_nc", tmp_path / "o.onnx", boundary=0)
+    return _model([node], ins, [vi("y", TensorProto.FLOAT, ["B", 1, 256]), *outs])
+
+
+def test_group_query_attention_with_separate_kv_is_rewritten(tmp_path):
+    """No genai folder: rewritten to TQGroupQueryAttention over uint8 caches, and no genai_config.json written."""
+    result = export(_save(_gqa(), tmp_path / "gqa.onnx"), "turboquant_4bit_nc", tmp_path / "o.onnx", boundary=0)
     out = onnx.load(result.output)
     assert [n.op_type for n in out.graph.node] == ["TQGroupQueryAttention"]
     assert out.graph.input[3].type.tensor_type.elem_type == TensorProto.UINT8
@@ -195,3 +205,117 @@ def test_attention23_softcap_refused(tmp_path):
     src = _save(_attention23({"softcap": 30.0}), tmp_path / "sc.onnx")
     with pytest.raises(RewriteError, match="node 'attn0' \\(Attention\\) uses softcap"):
         export(src, "turboquant_4bit_nc", tmp_path / "o.onnx", boundary=0)
+
+
+# -- the input's files, atomic saves, argument errors --------------------------------------------------
+
+def _external(exported, folder):
+    """A copy of a small model with its weights in external data beside it."""
+    src = folder / "e.onnx"
+    onnx.save(onnx.load(str(exported("gpt2-mha-torchscript"))), str(src), save_as_external_data=True,
+              all_tensors_to_one_file=True, location="e.onnx.data", size_threshold=0)
+    return src
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def test_never_overwrites_the_input_files(exported, tmp_path):
+    """Compared as files: the input's external data, a hard link to the model or to its data."""
+    import os
+
+    src = _external(exported, tmp_path)
+    os.link(src, tmp_path / "hard.onnx")
+    before = _files(tmp_path)
+    for out, what in [("e.onnx.data", "external data file e.onnx.data"), ("hard.onnx", "model")]:
+        with pytest.raises(RewriteError, match=f"is the input's {what}; turboquant never overwrites its input"):
+            export(src, "turboquant_k8v4", tmp_path / out)
+    r = cli(src, "--preset", "turboquant_k8v4", "-o", tmp_path / "e.onnx.data")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "never overwrites" in r.stderr
+    assert _files(tmp_path) == before
+    os.link(tmp_path / "e.onnx.data", tmp_path / "linked.onnx.data")  # what -o linked.onnx would write
+    with pytest.raises(RewriteError, match="linked.onnx.data is the input's external data file e.onnx.data"):
+        export(src, "turboquant_k8v4", tmp_path / "linked.onnx")
+    assert _files(tmp_path) == {**before, "linked.onnx.data": before["e.onnx.data"]}
+    (tmp_path / "hard.onnx").unlink()
+    (tmp_path / "linked.onnx.data").unlink()  # onnx refuses data files with several links
+    onnx.checker.check_model(str(src))  # still loads, with its data
+
+
+def test_save_leaves_nothing_behind_when_the_output_is_a_folder(exported, tmp_path):
+    src = _external(exported, tmp_path)
+    (tmp_path / "out.onnx").mkdir()
+    with pytest.raises(RewriteError, match="out.onnx is a folder"):
+        export(src, "turboquant_k8v4", tmp_path / "out.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.onnx", "e.onnx.data", "out.onnx"]
+
+
+def test_save_renames_the_pair_or_keeps_the_old_one(exported, tmp_path, monkeypatch):
+    """An .onnx that cannot be replaced: the earlier output keeps its graph and its data, and no
+    temporary file is left."""
+    import os
+
+    (tmp_path / "src").mkdir()
+    src = _external(exported, tmp_path / "src")
+    out = tmp_path / "o.onnx"
+    export(src, "turboquant_k8v4", out)
+    old = _files(tmp_path)
+    assert set(old) == {"o.onnx", "o.onnx.data"}
+    replace = os.replace
+
+    def refuse_the_graph(a, b):
+        if os.fspath(b) == os.fspath(out):
+            raise PermissionError(13, "Permission denied")
+        replace(a, b)
+
+    monkeypatch.setattr(os, "replace", refuse_the_graph)
+    with pytest.raises(RewriteError, match="cannot write .*o.onnx: Permission denied"):
+        export(src, "turboquant_4bit_nc", out, offsets=False)
+    monkeypatch.undo()
+    assert _files(tmp_path) == old and sorted(p.name for p in tmp_path.iterdir()) == ["o.onnx", "o.onnx.data", "src"]
+    export(src, "turboquant_4bit_nc", out, offsets=False)  # and a save that can rename replaces both
+    assert set(_files(tmp_path)) == {"o.onnx", "o.onnx.data"} and _files(tmp_path) != old
+
+
+def test_output_checked_before_calibration(exported, tmp_path, monkeypatch):
+    from turboquant.export import calibrate
+
+    def calibration_ran(*a, **k):
+        raise AssertionError("calibration ran before the output was checked")
+
+    monkeypatch.setattr(calibrate, "collect", calibration_ran)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RewriteError, match="is a file, not a folder"):
+        export(exported("gpt2-mha-torchscript"), "turboquant_4bit_nc", tmp_path / "file" / "x.onnx")
+
+
+def test_cli_argument_errors(exported, tmp_path):
+    """One line naming the argument, exit status 2, no traceback, nothing written."""
+    src = exported("gpt2-mha-torchscript")
+    (tmp_path / "file").write_text("")
+    (tmp_path / "folder.onnx").mkdir()
+    np.save(tmp_path / "big.npy", np.array([1, 2, 3, 50_000]))
+    np.save(tmp_path / "neg.npy", np.array([1, 2, -1, 4]))
+    cases = [
+        (["--boundary", "-1"], "argument --boundary: must be zero or more, not -1"),
+        (["-o", tmp_path / "file" / "x.onnx"], "is a file, not a folder"),
+        (["-o", tmp_path / "folder.onnx"], "folder.onnx is a folder"),
+        (["-o", tmp_path / ("n" * 300 + ".onnx")], "is longer than the 255 bytes"),
+        (["-o", tmp_path / "a.onnx", "--calibrate", tmp_path / "big.npy"], "token id 50000 is outside the model's vocabulary (0 to "),
+        (["-o", tmp_path / "a.onnx", "--calibrate", tmp_path / "neg.npy"], "token id -1 is outside the model's vocabulary"),
+    ]
+    for args, message in cases:
+        r = cli(src, "--preset", "turboquant_4bit_nc", *args)
+        assert_one_line_error(r, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.npy", "file", "folder.onnx", "neg.npy"]
+    (tmp_path / "src").mkdir()
+    r = cli(_external(exported, tmp_path / "src"), "--preset", "turboquant_k8v4", "-o", tmp_path / ("n" * 250 + ".onnx"))
+    assert_one_line_error(r, "the output's external data file")  # its name, 5 bytes longer, is the one too long
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.npy", "file", "folder.onnx", "neg.npy", "src"]
+
+
+def test_negative_boundary_refused_for_every_form(exported, tmp_path):
+    for src in (exported("gpt2-mha-torchscript"), _save(_gqa(), tmp_path / "gqa.onnx")):
+        with pytest.raises(RewriteError, match="--boundary must be a layer count of zero or more, got -1"):
+            export(src, "turboquant_4bit_nc", tmp_path / "o.onnx", boundary=-1)

@@ -44,3 +44,41 @@ def test_generate_on_each_device(models, device_ready):
     tokens = sess.generate(prompt, 6)
     assert tokens.shape == (1, 6)
     np.testing.assert_array_equal(tokens, DecoderSession(tq).generate(prompt, 6))
+
+
+class _Counting(DecoderSession):
+    """Counts the model runs generate makes."""
+
+    steps = 0
+
+    def step(self, input_ids, cache, past_len):
+        self.steps += 1
+        return super().step(input_ids, cache, past_len)
+
+
+def test_generate_runs_no_step_it_does_not_return(models):
+    src, _ = models
+    prompt = np.array([[3, 1, 4, 1, 5], [2, 7, 1, 8, 2]])
+    sess = _Counting(src)
+    empty = sess.generate(prompt, 0)
+    assert empty.shape == (2, 0) and empty.dtype == np.int64 and sess.steps == 0
+    tokens = sess.generate(prompt, 4)
+    assert tokens.shape == (2, 4) and sess.steps == 4  # the prompt, then 3 decode steps
+    # the tokens are the greedy ones: each the argmax after the prompt and the tokens before it
+    logits = DecoderSession(src).teacher_forced(np.concatenate([prompt, tokens], axis=1), prompt.shape[1])
+    np.testing.assert_array_equal(logits[:, :4].argmax(-1), tokens)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer of zero or more, got -1"):
+        sess.generate(prompt, -1)
+
+
+def test_shared_buffer_generate_fills_the_buffer_exactly(tmp_path):
+    """The shared loop: a buffer of prompt + new - 1 rows holds every token generate feeds the model."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes the model)")
+    from turboquant.shared_buffer import SharedBufferDecoder
+
+    cfg = examples.TinyConfig(family="llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, vocab=320, seed=3)
+    model = examples.export_genai(cfg, tmp_path)
+    prompt = np.random.default_rng(2).integers(3, cfg.vocab, (2, 6))
+    want = SharedBufferDecoder(model, 64).generate(prompt, 5)
+    np.testing.assert_array_equal(SharedBufferDecoder(model, 6 + 5 - 1).generate(prompt, 5), want)
+    assert SharedBufferDecoder(model, 6).generate(prompt, 0).shape == (2, 0)

@@ -37,3 +37,22 @@ def test_refusals(tmp_path, capsys):
     assert "x.gguf: no such file" in capsys.readouterr().err
     assert main([str(tmp_path / "hf"), "-o", str(tmp_path / "m.txt")]) == 2
     assert "should end in .onnx" in capsys.readouterr().err
+
+
+def test_bad_input_refused_before_transformers_loads(tmp_path, capsys):
+    """One line naming what was wrong and exit status 2: no traceback from transformers or mkdir."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "hf" / "model.gguf").write_bytes(b"PK\x03\x04 a zip, not a GGUF file")
+    (tmp_path / "file").write_text("")
+    for argv, message in [
+        ([tmp_path / "empty", "-o", tmp_path / "m.onnx"], "empty has no config.json: not a Hugging Face model folder"),
+        ([tmp_path / "hf", "--gguf", "model.gguf", "-o", tmp_path / "m.onnx"], "model.gguf: not a GGUF file"),
+        ([tmp_path / "hf", "-o", tmp_path / "file" / "m.onnx"], "file is a file, not a folder"),
+        ([tmp_path / "hf", "-o", tmp_path / "m.onnx"], "not a model transformers can load"),  # config.json without a model
+    ]:
+        assert main([str(a) for a in argv]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "m.onnx").exists()

@@ -12,15 +12,11 @@ import argparse
 import json
 import os
 
+from ..arguments import cuda_missing
+from ..arguments import head_dim as _head_dim
+from ..arguments import positive as _positive
 from ..config import TQ_PRESETS
 from . import attention
-
-
-def _positive(text: str) -> int:
-    n = int(text)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive count, not {text}")
-    return n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,37 +24,38 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="what", required=True)
     a = sub.add_parser("attention", help="decode attention per step")
     a.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    a.add_argument("--batch", type=int, default=1)
-    a.add_argument("--q-heads", type=int, default=32)
-    a.add_argument("--kv-heads", type=int, default=8)
-    a.add_argument("--head-dim", type=int, default=128)
-    a.add_argument("--context", type=int, nargs="+", default=[8192], help="tokens in the cache (several: a sweep)")
-    a.add_argument("--threads", type=int, default=os.cpu_count(), help="intra-op threads, the same for every candidate")
-    a.add_argument("--repeat", type=int, default=20)
+    a.add_argument("--batch", type=_positive, default=1)
+    a.add_argument("--q-heads", type=_positive, default=32)
+    a.add_argument("--kv-heads", type=_positive, default=8)
+    a.add_argument("--head-dim", type=_head_dim, default=128)
+    a.add_argument("--context", type=_positive, nargs="+", default=[8192], help="tokens in the cache (several: a sweep)")
+    a.add_argument("--threads", type=_positive, default=os.cpu_count(), help="intra-op threads, the same for every candidate")
+    a.add_argument("--repeat", type=_positive, default=20)
     a.add_argument("--presets", nargs="+", default=list(TQ_PRESETS), choices=list(TQ_PRESETS))
     a.add_argument("--json", help="write the results here as JSON")
     a.add_argument("--plot", help="write a PNG of time against context length here")
     r = sub.add_parser("report", help="a grid of context lengths and batch sizes: markdown table and PNG plots")
     r.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    r.add_argument("--batch", type=int, nargs="+", default=[1, 4])
-    r.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 8192])
-    r.add_argument("--q-heads", type=int, default=32)
-    r.add_argument("--kv-heads", type=int, default=8)
-    r.add_argument("--head-dim", type=int, default=128)
-    r.add_argument("--threads", type=int, default=os.cpu_count())
-    r.add_argument("--repeat", type=int, default=20)
+    r.add_argument("--batch", type=_positive, nargs="+", default=[1, 4])
+    r.add_argument("--context", type=_positive, nargs="+", default=[1024, 4096, 8192])
+    r.add_argument("--q-heads", type=_positive, default=32)
+    r.add_argument("--kv-heads", type=_positive, default=8)
+    r.add_argument("--head-dim", type=_head_dim, default=128)
+    r.add_argument("--threads", type=_positive, default=os.cpu_count())
+    r.add_argument("--repeat", type=_positive, default=20)
     r.add_argument("--presets", nargs="+", default=list(TQ_PRESETS), choices=list(TQ_PRESETS))
     r.add_argument("--out", default="bench-report", help="folder for the table, JSON and plots (default ./bench-report)")
     k = sub.add_parser("pack", help="TQPack throughput per format, against a copy in the same run")
     k.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     k.add_argument("--vectors", type=_positive, nargs="+", default=[1 << 21],
                    help="fp16 vectors per call (default 2097152: 512 MiB; several: a sweep)")
-    k.add_argument("--head-dim", type=int, default=128)
-    k.add_argument("--threads", type=int, default=os.cpu_count())
-    k.add_argument("--repeat", type=int, default=20)
+    k.add_argument("--head-dim", type=_head_dim, default=128)
+    k.add_argument("--threads", type=_positive, default=os.cpu_count())
+    k.add_argument("--repeat", type=_positive, default=20)
     k.add_argument("--json", help="write the results here as JSON")
     k.add_argument("--plot", help="write a PNG of each format's fraction of the copy rate against the vectors per call here")
     args = p.parse_args(argv)
+    _check(p, args)
     if args.what == "pack":
         from . import pack
 
@@ -107,6 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         attention.plot(results, args.plot)
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _check(p: argparse.ArgumentParser, args) -> None:
+    """What the argument types alone cannot refuse, before anything is built or timed."""
+    if getattr(args, "device", None) == "cuda" and cuda_missing():
+        p.error(f"argument --device: cuda: {cuda_missing()}")
+    if getattr(args, "q_heads", None) and args.q_heads % args.kv_heads:
+        p.error(f"argument --q-heads: {args.q_heads} is not a multiple of --kv-heads {args.kv_heads}")
 
 
 if __name__ == "__main__":

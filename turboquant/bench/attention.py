@@ -16,7 +16,7 @@ import onnxruntime as ort
 from onnx import TensorProto
 
 from .. import models
-from ..config import TQ_PRESETS, TurboQuantConfig
+from ..config import TQ_PRESETS, TurboQuantConfig, check_head_dim
 from ..ort import inference_session
 from ..reference import formats
 from . import baselines
@@ -29,6 +29,15 @@ class Shape:
     kv_heads: int = 8
     head_dim: int = 128
     context: int = 8192
+
+    def __post_init__(self):
+        # ORT's GroupQueryAttention baseline dies on a zero batch (SIGFPE), and the formats need their head sizes
+        for field in ("batch", "q_heads", "kv_heads", "context"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be a positive count, got {getattr(self, field)}")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads {self.q_heads} is not a multiple of kv_heads {self.kv_heads}")
+        check_head_dim(self.head_dim)
 
 
 @dataclasses.dataclass

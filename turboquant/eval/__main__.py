@@ -7,6 +7,7 @@ import json
 import pathlib
 import sys
 
+from turboquant.arguments import check_output_file, cuda_missing, positive, read_onnx
 from turboquant.config import TQ_PRESETS
 
 
@@ -35,7 +36,7 @@ def parse(argv):
                    "(default 2048; 0 for the whole text)")
     p.add_argument("--batch", type=int, default=8, help="windows decoded together (default 8)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--threads", type=int, help="intra-op threads (CPU)")
+    p.add_argument("--threads", type=positive, help="intra-op threads (CPU)")
     p.add_argument("--sensitivity", metavar="PRESET", choices=list(TQ_PRESETS),
                    help="per-layer mode: rewrite the original with PRESET one layer at a time and report each")
     p.add_argument("--sensitivity-mode", choices=["only", "all-but-one"], default="only",
@@ -47,6 +48,13 @@ def parse(argv):
     args = p.parse_args(argv)
     if not args.rewritten and not args.sensitivity:
         p.error("give at least one rewritten model, or --sensitivity PRESET")
+    if args.json and args.json != "-":  # the results come after the whole run: refuse a bad path now
+        try:
+            check_output_file(args.json, "--json")
+        except ValueError as e:
+            p.error(str(e))
+    if args.device == "cuda" and cuda_missing():
+        p.error(f"--device cuda: {cuda_missing()}")
     return args
 
 
@@ -58,14 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     from .runner import Evaluator, Windows
     from .sensitivity import choose_layers, layer_sensitivity
 
-    for path in [args.original, *args.rewritten]:
-        if not pathlib.Path(path).is_file():
-            print(f"error: {path}: no such file", file=sys.stderr)
-            return 2
     try:
+        vocab = _check_models(args.original, args.rewritten)
         if args.sensitivity:  # refuse a bad layer choice before the long run
             choose_layers(args.original, args.sensitivity_mode, args.layers, args.boundary)
-        ids, source = load_tokens(args.text, args.tokenizer)
+        ids, source = load_tokens(args.text, args.tokenizer, vocab=vocab)
         windows = Windows(args.context, args.prefill, args.stride, args.max_tokens or None, args.batch)
         windows.check()
         providers = ["CUDAExecutionProvider"] if args.device == "cuda" else ["CPUExecutionProvider"]
@@ -97,6 +102,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             pathlib.Path(args.json).write_text(out + "\n")
     return 0
+
+
+def _check_models(original: str, rewritten: list[str]) -> int | None:
+    """Refuses a path that is no ONNX model before anything runs; returns the original's vocabulary
+    size (None where the model does not say it), which the token ids must stay within."""
+    import onnx_ir as ir
+
+    from turboquant.export.calibrate import vocabulary_size
+
+    for path in rewritten:
+        read_onnx(path)
+    return vocabulary_size(ir.from_proto(read_onnx(original)))
 
 
 def _row(r) -> None:

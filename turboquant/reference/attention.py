@@ -48,7 +48,7 @@ def attention(
         past_key = np.zeros((b, hkv, 0, kb), np.uint8)
         past_value = np.zeros((b, hkv, 0, vb), np.uint8)
     present_key = np.concatenate([past_key, formats.pack(k_new, key_format, norm_correction, koff)], axis=2)
-    present_value = np.concatenate([past_value, formats.pack(v_new, value_format, True, voff)], axis=2)
+    present_value = np.concatenate([past_value, formats.pack(v_new, value_format, norm_correction, voff)], axis=2)
 
     # Keys as scored (offset removed), values as read back (offset restored).
     k_all = np.concatenate([formats.unpack(past_key, key_format, d), k_new - koff], axis=2).astype(np.float64)

@@ -22,6 +22,8 @@ from .numerics import f32_to_fp8_bits, fp8_bits_to_f32, sat_f16, to_f32
 
 NORM_EPS = np.float32(1e-8)
 SCALE_EPS = np.float32(1e-8)
+UINT_NAN_BITS = 0x7E00  # the fp16 quiet NaN of a uniform vector holding a NaN
+NAN16 = np.array(UINT_NAN_BITS, np.uint16).view(np.float16)
 
 
 # -- building blocks --------------------------------------------------------------------------
@@ -151,8 +153,9 @@ def uint_params(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.nd
     levels = np.float32((1 << bits) - 1)
     # a zero minimum is stored as +0 whichever zeros the vector holds (the min of +0 and -0 is
     # either), so the bytes do not depend on the order a kernel compares in
-    mn, mx = x.min(-1) + np.float32(0.0), x.max(-1)
-    scale16 = sat_f16(np.maximum((mx - mn) / levels, SCALE_EPS))
+    with np.errstate(invalid="ignore"):  # a signalling NaN (its vector's bytes are set below)
+        mn, mx = x.min(-1) + np.float32(0.0), x.max(-1)
+        scale16 = sat_f16(np.maximum((mx - mn) / levels, SCALE_EPS))
     zero16 = sat_f16(mn)
     sc = scale16.astype(np.float32)[..., None]
     zr = zero16.astype(np.float32)[..., None]
@@ -161,6 +164,12 @@ def uint_params(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.nd
     # A scale below fp16's smallest subnormal stores as 0: the vector is constant to fp16
     # precision and reads back as the zero point, whatever q is; store q = 0.
     q = np.where(sc > 0, q, 0)
+    # A vector holding a NaN: every index 0, scale and zero both UINT_NAN_BITS, so that it
+    # reads back NaN in every coordinate (a NaN in one coordinate alone has no code).
+    nan = np.isnan(x).any(-1)
+    q = np.where(nan[..., None], 0, q)
+    scale16 = np.where(nan, NAN16, scale16)
+    zero16 = np.where(nan, NAN16, zero16)
     return np.clip(q, 0, levels).astype(np.uint8), scale16, zero16
 
 

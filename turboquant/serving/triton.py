@@ -16,17 +16,30 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import re
 import shutil
 import sys
+
+from ..arguments import non_negative_list, positive, read_onnx
 
 _TRITON_TYPES = {1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 6: "TYPE_INT32", 7: "TYPE_INT64", 9: "TYPE_BOOL",
                  10: "TYPE_FP16", 11: "TYPE_FP64", 16: "TYPE_BF16"}
 
 
-def _io(model_path: pathlib.Path):
-    import onnx
+# A model's folder name in the repository, and a quoted string in config.pbtxt: letters, digits,
+# '_', '-' and '.', not starting with a dot (no '..', no hidden folder, no path separator).
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 
-    m = onnx.load(str(model_path), load_external_data=False)
+
+def check_name(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"--name {name!r} is not a model name Triton takes: up to 128 letters, digits, '_', '-' "
+                         "and '.', not starting with '.'")
+    return name
+
+
+def _io(model_path: pathlib.Path):
+    m = read_onnx(model_path)
     init = {t.name for t in m.graph.initializer}
 
     def rows(values):
@@ -100,8 +113,14 @@ def write_repository(model: str | os.PathLike, out: str | os.PathLike, *, name: 
     if backend == "tensorrt" and (engine is None or not pathlib.Path(engine).is_file()):
         raise ValueError("the TensorRT backend serves an engine: give --engine PLAN (built with trtexec or "
                          "turboquant.tensorrt.build_engine)")
+    if not isinstance(instances, int) or instances < 1:
+        raise ValueError(f"--instances must be a positive count, got {instances!r}")
+    if any(not isinstance(g, int) or g < 0 for g in gpus or []):
+        raise ValueError(f"--gpus must be GPU ids of zero or more, got {gpus}")
+    if library is not None and any(c in library for c in '"\\\n'):
+        raise ValueError(f"--library {library!r}: config.pbtxt cannot quote a path with '\"', '\\' or a newline")
+    name = check_name(name if name is not None else model.name.split(".")[0])
     inputs, outputs, proto = _io(model)
-    name = name or model.name.split(".")[0]
     folder = pathlib.Path(out) / name
     version = folder / "1"
     version.mkdir(parents=True, exist_ok=True)
@@ -131,14 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
     p.add_argument("--engine", help="with --backend tensorrt: the serialized engine (.plan)")
     p.add_argument("--library", help="custom-op library path as the server sees it (default: this installation's)")
-    p.add_argument("--gpus", help="comma-separated GPU ids for the instances (default: CPU instances)")
-    p.add_argument("--instances", type=int, default=1, help="model instances per device (default 1)")
+    p.add_argument("--gpus", type=non_negative_list, help="comma-separated GPU ids for the instances (default: CPU instances)")
+    p.add_argument("--instances", type=positive, default=1, help="model instances per device (default 1)")
     p.add_argument("--stateful", action="store_true", help="keep each sequence's cache on the server (implicit state)")
     a = p.parse_args(argv)
     try:
-        gpus = [int(g) for g in a.gpus.split(",")] if a.gpus else []
         folder = write_repository(a.model, a.out, name=a.name, backend=a.backend, engine=a.engine, library=a.library,
-                                  gpus=gpus, instances=a.instances, stateful=a.stateful)
+                                  gpus=a.gpus or [], instances=a.instances, stateful=a.stateful)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -65,6 +65,15 @@ struct AttentionParams {
   TQ_HD int64_t key_row() const { return key_row_bytes ? key_row_bytes : packed_size(key_format, head_dim); }
   TQ_HD int64_t value_row() const { return value_row_bytes ? value_row_bytes : packed_size(value_format, v_head_dim); }
   TQ_HD int64_t past_of(int64_t b) const { return sequence_past(past_lens, b, past_len, past_lens_bias); }
+  // The first row of each (b, h) that a fresh present (not past's buffer) of the preallocated
+  // layout gets zeroed from: the rows past the copied past, which the new tokens reach for some
+  // sequences only and then not in their padding bytes. present_rows_or_total() when nothing is to
+  // be zeroed: a shared buffer, or the dense layout, which the past and the new tokens fill.
+  TQ_HD int64_t zeroed_from(const uint8_t* past, const uint8_t* present) const {
+    if (present_rows == 0 || past == present) return present_rows_or_total();
+    const int64_t from = past ? past_rows_or_len() : 0;
+    return from < present_rows ? from : present_rows;
+  }
 };
 
 // Rotary embedding of Q and the new K inside the op (GroupQueryAttention's do_rotary), as ORT's

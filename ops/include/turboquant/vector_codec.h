@@ -163,19 +163,25 @@ TQ_HD void decode_mse(int bits, int d, const uint8_t* in, float* out) {
   for (int i = 0; i < d; ++i) out[i] = static_cast<float>(static_cast<double>(y[i]) * (s / dp));
 }
 
+// A uniform vector holding a NaN packs as every index 0 with scale and zero both this fp16 quiet
+// NaN, so that it reads back NaN in every coordinate (a NaN in one coordinate alone has no code).
+constexpr uint16_t kUintNanBits = 0x7e00u;
+
 TQ_HD void encode_uint(int bits, int d, const float* x, uint8_t* out) {
   float mn = x[0], mx = x[0];
-  for (int i = 1; i < d; ++i) {
+  bool nan = false;
+  for (int i = 0; i < d; ++i) {
     mn = x[i] < mn ? x[i] : mn;
     mx = x[i] > mx ? x[i] : mx;
+    nan = nan || x[i] != x[i];
   }
   const float levels = static_cast<float>((1 << bits) - 1);
   const float range = (mx - mn) / levels;
-  const uint16_t s16 = f32_to_f16_sat(range > 1e-8f ? range : 1e-8f);
-  const uint16_t z16 = f32_to_f16_sat(mn + 0.0f);  // a zero minimum as +0, whichever zeros x holds
+  const uint16_t s16 = nan ? kUintNanBits : f32_to_f16_sat(range > 1e-8f ? range : 1e-8f);
+  const uint16_t z16 = nan ? kUintNanBits : f32_to_f16_sat(mn + 0.0f);  // a zero minimum as +0
   const float sc = f16_to_f32(s16), zr = f16_to_f32(z16);
   uint8_t q[kMaxHeadDim];
-  for (int i = 0; i < d; ++i) {
+  for (int i = 0; i < d; ++i) {  // a NaN scale fails sc > 0: every code 0
     float v = sc > 0.0f ? floorf((x[i] - zr) / sc + 0.5f) : 0.0f;
     v = v < 0.0f ? 0.0f : (v > levels ? levels : v);
     q[i] = static_cast<uint8_t>(v);

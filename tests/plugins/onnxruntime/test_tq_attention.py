@@ -141,18 +141,51 @@ def test_presets_every_head_dim(ort_session, device, d, kf, vf):
     check_case(ort_session, c, device=device)
 
 
-@pytest.mark.parametrize("sq, d, dtype, layout, causal, kf, vf", [
-    (300, 128, TensorProto.FLOAT16, "bsd", True, "mse4", "uint4"),
-    (257, 64, TensorProto.BFLOAT16, "bhsd", True, "mse3", "uint3"),
-    (130, 128, TensorProto.BFLOAT16, "bsd", False, "fp8", "uint4"),
-    (1000, 128, TensorProto.FLOAT16, "bhsd", True, "mse3", "uint4"),
+@pytest.mark.parametrize("sq, d, dtype, layout, causal, kf, vf, mask, mask_shape", [
+    (300, 128, TensorProto.FLOAT16, "bsd", True, "mse4", "uint4", None, "full"),
+    (257, 64, TensorProto.BFLOAT16, "bhsd", True, "mse3", "uint3", None, "full"),
+    (130, 128, TensorProto.BFLOAT16, "bsd", False, "fp8", "uint4", None, "full"),
+    (1000, 128, TensorProto.FLOAT16, "bhsd", True, "mse3", "uint4", None, "full"),
+    (200, 128, TensorProto.FLOAT16, "bsd", True, "mse4", "uint4", "float", "b1qk"),
+    (150, 64, TensorProto.FLOAT16, "bsd", False, "mse4", "uint4", "bool", "full"),
+    (129, 128, TensorProto.BFLOAT16, "bhsd", False, "mse4", "uint4", "float16", "k"),
 ])
-def test_first_prompt(ort_session, device, sq, d, dtype, layout, causal, kf, vf):
+def test_first_prompt(ort_session, device, sq, d, dtype, layout, causal, kf, vf, mask, mask_shape):
     """A prompt with no past, long enough for several tiles of query rows and keys (on CUDA the
-    tensor-core prefill kernel, which the short hypothesis cases reach only with one tile)."""
-    c = dict(b=2, hkv=2, group=4, sq=sq, sp=0, d=d, kf=kf, vf=vf, dtype=dtype, layout=layout, mask=None,
-             mask_shape="full", causal=causal, scale=None, offsets=False, nc=True, values="normal", seed=sq)
+    tensor-core prefill kernel, which the short hypothesis cases reach only with one tile), with and
+    without masks."""
+    c = dict(b=2, hkv=2, group=4, sq=sq, sp=0, d=d, kf=kf, vf=vf, dtype=dtype, layout=layout, mask=mask,
+             mask_shape=mask_shape, causal=causal, scale=None, offsets=False, nc=True, values="normal", seed=sq)
     check_case(ort_session, c, device=device)
+
+
+CASE = dict(b=2, hkv=2, group=2, sq=2, sp=3, d=64, kf="mse4", vf="uint4", dtype=TensorProto.FLOAT, layout="bhsd",
+            mask=None, mask_shape="full", causal=True, scale=None, offsets=False, nc=True, values="normal", seed=7)
+
+
+@pytest.mark.parametrize("vf", ["mse3", "mse4"])
+@pytest.mark.parametrize("nc", [False, True])
+def test_norm_correction_covers_mse_values(ort_session, device, vf, nc):
+    """norm_correction applies to MSE values as to MSE keys, in the op and the reference alike."""
+    check_case(ort_session, {**CASE, "vf": vf, "nc": nc}, device=device)
+
+
+@pytest.mark.parametrize("vf", ["uint3", "uint4"])
+def test_new_values_with_a_nan_pack_as_nan_vectors(ort_session, device, vf):
+    """The new tokens' values are packed into present as TQPack packs them: a NaN makes the vector's
+    row the NaN vector of the format (docs/ops.md), the other rows are unchanged."""
+    rng = np.random.default_rng(3)
+    q, k, v, _, pk, pv, _, _ = make_inputs({**CASE, "vf": vf}, rng)
+    v[0, 1, 0, 5] = np.nan
+    v[1, 0, 1, 0] = -np.nan
+    m = models.attention_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format=vf, is_causal=1)
+    _, prk, prv = run(ort_session(m, device=device), {"Q": q, "K": k, "V": v, "past_key": pk, "past_value": pv})
+    _, wk, wv = attention(q, k, v, None, pk, pv, key_format="mse4", value_format=vf, is_causal=True)
+    np.testing.assert_array_equal(prk, wk)
+    np.testing.assert_array_equal(prv, wv)
+    nb = 64 * int(vf[4]) // 8
+    for b, h, s in ((0, 1, 3), (1, 0, 4)):
+        assert (prv[b, h, s, :nb] == 0).all() and list(prv[b, h, s, nb:]) == [0x00, 0x7E, 0x00, 0x7E]
 
 
 def test_threads_give_the_same_result(ort_session):

@@ -149,7 +149,33 @@ def run_shared(session, feeds, device):
 def test_matches_reference(ort_session, device, c):
     model, feeds = make(c)
     y, pk, pv = run(ort_session(model, 2, device), feeds)
-    check_outputs(c, y, pk, pv, reference(c, feeds))
+    want = reference(c, feeds)
+    check_outputs(c, y, pk, pv, want)
+    np.testing.assert_array_equal(pk, want[1])  # a fresh present: every byte the reference's, zeros included
+    np.testing.assert_array_equal(pv, want[2])
+
+
+@pytest.mark.parametrize("first, s, runs, formats", [
+    (False, 1, [[9, 5, 9], [9, 9, 2], [3, 9, 9]], ("mse4", "uint4")),
+    (False, 3, [[11, 4, 10], [11, 11, 3], [6, 9, 11]], ("fp8", "uint4")),
+    (True, 6, [[6, 2, 5], [6, 6, 1], [3, 6, 4]], ("mse3", "uint3")),
+])
+def test_fresh_present_holds_zeros_where_nothing_is_written(ort_session, device, first, s, runs, formats):
+    """A fresh present longer than the past buffer of 4 or 8 rows (total_sequence_length beyond some
+    sequences' lengths, rows wider than the packed vectors): the rows after the past that no new
+    token reaches, and the padding of the new rows there, are zeros in every run, whatever an earlier
+    run left in that memory."""
+    session = None
+    for seed, lengths in enumerate(runs):
+        c = dict(BASE, b=3, s=s, first=first, capacity=4 if first else 8, lengths=lengths, formats=formats, pad=6,
+                 seed=seed)
+        model, feeds = make(c)
+        session = session or ort_session(model, 2, device)
+        _, pk, pv = run(session, feeds)
+        _, wk, wv = reference(c, feeds)
+        assert pk.shape[2] == max(lengths) > c["capacity"]
+        np.testing.assert_array_equal(pk, wk)
+        np.testing.assert_array_equal(pv, wv)
 
 
 @settings(max_examples=min(40, MAX_EXAMPLES), deadline=None)

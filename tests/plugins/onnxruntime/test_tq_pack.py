@@ -78,6 +78,26 @@ def test_pack_many_vectors(ort_session, device, rng, fmt):
     np.testing.assert_array_equal(run(sess, {"x": x})[0], formats.pack(x, fmt, True))
 
 
+@pytest.mark.parametrize("fmt", ["uint3", "uint4"])
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16])
+@pytest.mark.parametrize("d", [16, 128])
+def test_nan_packs_as_a_nan_vector(ort_session, device, fmt, dtype, d):
+    """A vector with a NaN anywhere (first, inside, last; either sign) packs as the reference's NaN
+    vector (indices 0, scale and zero fp16 NaN) and reads back NaN everywhere; its neighbours do not
+    change."""
+    x = np.tile(np.arange(d, dtype=np.float32), (3, 6, 1))
+    for row, (where, sign) in enumerate([(0, 1), (3, 1), (d - 1, 1), (3, -1), (1, -1)]):
+        x[1, row, where] = sign * np.nan
+    x = x.astype(DTYPES[dtype])
+    got = run(ort_session(models.pack_model(fmt, d, dtype, rank=3), device=device), {"x": x})[0]
+    want = formats.pack(x, fmt)
+    np.testing.assert_array_equal(got, want)
+    nb = d * int(fmt[4]) // 8
+    assert (got[1, :5, :nb] == 0).all() and (got[1, :5, nb:] == [0x00, 0x7E, 0x00, 0x7E]).all()
+    back = run(ort_session(models.unpack_model(fmt, d, rank=3), device=device), {"packed": got})[0]
+    assert np.isnan(back[1, :5]).all() and np.isfinite(back[1, 5]).all() and np.isfinite(back[[0, 2]]).all()
+
+
 @settings(max_examples=min(100, MAX_EXAMPLES), deadline=None)
 @given(data=vectors(), fmt=st.sampled_from(ALL_FORMATS))
 def test_unpack_matches_reference(ort_session, device, data, fmt):

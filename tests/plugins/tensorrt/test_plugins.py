@@ -62,6 +62,11 @@ def test_defaults_fill_absent_fields(trt):
     ("TQAttention", dict(key_format=3), "field 'key_format' has type"),
     ("TQAttention", dict(scale=-1.0), "attribute 'scale' is -1"),
     ("TQAttention", dict(has_mask=2), "has_mask"),
+    # each field has its attribute's type: an INT scale is not read as a float, nor a FLOAT flag as an int
+    ("TQAttention", dict(scale=1), "TQAttention: field 'scale' has type kINT32 and length 1; expected one float"),
+    ("TQAttention", dict(is_causal=1.0), "TQAttention: field 'is_causal' has type kFLOAT32 and length 1; expected one integer"),
+    ("TQPack", dict(format="mse4", norm_correction=0.0), "TQPack: field 'norm_correction' has type kFLOAT32"),
+    ("TQUnpack", dict(format=4, head_dim=64), "TQUnpack: field 'format' has type kINT32 and length 1; expected a string"),
 ])
 def test_bad_fields_are_refused_with_a_message(trt, capfd, name, fields, message):
     assert trt.create(name, **fields) is None

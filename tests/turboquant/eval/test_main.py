@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from turboquant.eval.__main__ import main
@@ -49,3 +50,40 @@ def test_errors_name_what_was_wrong(tiny, tmp_path, capsys):
     assert "boundary layers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([str(src), "--text", str(text)])  # nothing to compare
+
+
+def test_bad_input_refused_before_the_run(tiny, tmp_path, capsys, monkeypatch):
+    """One line naming what was wrong, exit status 2, and the models never run."""
+    from turboquant.eval import runner
+
+    def ran(*a, **k):
+        raise AssertionError("the evaluation ran")
+
+    monkeypatch.setattr(runner.Evaluator, "__init__", ran)
+    src, dst, text = tiny
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not protobuf \x00\x01\x02")
+    np.save(tmp_path / "big.npy", np.array([1, 2, 256, 3]))  # the vocabulary is 0..255
+    np.save(tmp_path / "neg.npy", np.array([1, -2, 3]))
+    (tmp_path / "folder").mkdir()
+    base = ["--context", "64", "--prefill", "32", "--max-tokens", "64", "--no-progress"]
+    for argv, message in [
+        ([src, bad, "--text", text], "bad.onnx: not an ONNX model"),
+        ([bad, dst, "--text", text], "bad.onnx: not an ONNX model"),
+        ([src, dst, "--text", tmp_path / "big.npy"], "token id 256 is outside the model's vocabulary (0 to 255)"),
+        ([src, dst, "--text", tmp_path / "neg.npy"], "token id -2 is outside the model's vocabulary (0 to 255)"),
+    ]:
+        assert main([str(a) for a in argv] + base) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    for argv, message in [
+        ([src, dst, "--text", text, "--json", tmp_path / "folder"], f"--json {tmp_path / 'folder'} is a folder"),
+        ([src, dst, "--text", text, "--threads", "-1"], "argument --threads: must be a positive count, not -1"),
+        ([src, dst, "--text", text, "--threads", "0"], "argument --threads: must be a positive count, not 0"),
+        *([([src, dst, "--text", text, "--device", "cuda"], "--device cuda: this ONNX Runtime has no CUDAExecutionProvider")]
+          if "CUDAExecutionProvider" not in ort.get_available_providers() else []),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main([str(a) for a in argv] + base)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and message in err[-1], err

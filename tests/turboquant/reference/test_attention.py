@@ -66,3 +66,17 @@ def test_fully_masked_rows_are_zero(rng):
     mask = np.array([[True, True], [False, False]])
     y, _, _ = attention(q, k, v, mask, key_format="fp8", value_format="uint4")
     assert np.all(y[0, 0, 1] == 0) and np.all(np.isfinite(y))
+
+
+@pytest.mark.parametrize("vf", ["mse3", "mse4"])
+@pytest.mark.parametrize("nc", [False, True])
+def test_norm_correction_covers_mse_values(vf, nc, rng):
+    """norm_correction applies to every MSE-packed cache, the values' as well as the keys' (as the op
+    and TQPack apply it)."""
+    q = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 2, 64)).astype(np.float32)
+    _, prk, prv = attention(q, k, v, key_format="mse4", value_format=vf, norm_correction=nc)
+    assert np.array_equal(prk, formats.pack(k, "mse4", nc))
+    assert np.array_equal(prv, formats.pack(v, vf, nc))
+    assert not np.array_equal(prv, formats.pack(v, vf, not nc))

@@ -101,6 +101,25 @@ def test_constant_and_zero_vectors_stay_finite(fmt):
             np.testing.assert_allclose(rec, np.float16(value).astype(np.float32), rtol=1e-3)
 
 
+NAN_BITS = {"plain": 0x7FC00000, "negative": 0xFFC00000, "payload": 0x7F800123}
+
+
+@pytest.mark.parametrize("fmt", ["uint3", "uint4"])
+@pytest.mark.parametrize("where", [0, 3, 63])
+@pytest.mark.parametrize("nan", list(NAN_BITS))
+def test_a_uniform_vector_with_a_nan_packs_as_nan(fmt, where, nan):
+    """Any NaN (of any sign or payload) makes the whole vector NaN: every index 0, fp16 scale and
+    zero both 0x7e00; the other vectors are packed as without it."""
+    x = np.tile(np.arange(64, dtype=np.float32), (3, 1))
+    x[1, where] = np.array(NAN_BITS[nan], np.uint32).view(np.float32)
+    packed = formats.pack(x, fmt)
+    nb = 64 * int(fmt[4]) // 8
+    assert hexbytes(packed[1]) == hexbytes(np.r_[np.zeros(nb, np.uint8), 0x00, 0x7E, 0x00, 0x7E])
+    np.testing.assert_array_equal(packed[[0, 2]], formats.pack(x[[0, 2]], fmt))
+    back = formats.unpack(packed, fmt, 64)
+    assert np.isnan(back[1]).all() and np.isfinite(back[[0, 2]]).all()
+
+
 def test_large_magnitudes_saturate_scales():
     x = np.full((1, 64), 1e6, np.float32)
     x[0, 0] = -1e6

@@ -53,3 +53,46 @@ def test_tensorrt_repository_and_errors(rewritten, tmp_path, capsys):
     assert main([str(rewritten), "--out", str(tmp_path / "r2"), "--backend", "tensorrt"]) == 2
     assert "give --engine PLAN" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.onnx"), "--out", str(tmp_path / "r3")]) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--name", "../../escaped"], "--name '../../escaped' is not a model name Triton takes"),
+    (["--name", 'a"b'], "--name 'a\"b' is not a model name Triton takes"),
+    (["--name", ".hidden"], "not starting with '.'"),
+    (["--name", "a/b"], "is not a model name"),
+    (["--instances", "-3"], "argument --instances: must be a positive count, not -3"),
+    (["--instances", "0"], "argument --instances: must be a positive count, not 0"),
+    (["--gpus=-1"], "argument --gpus: must be zero or more, not -1"),
+    (["--gpus", "0,x"], "argument --gpus: expected a non-negative integer, got 'x'"),
+    (["--library", 'lib"x.so'], "config.pbtxt cannot quote a path"),
+])
+def test_cli_refuses_bad_arguments(rewritten, tmp_path, capsys, args, message):
+    """Nothing is written, outside --out or in it, and the message names the argument."""
+    out = tmp_path / "deep" / "repo"
+    argv = [str(rewritten), "--out", str(out), *args]
+    if message.startswith("argument"):  # argparse's own refusal
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+    else:
+        assert main(argv) == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert list(tmp_path.rglob("*")) == []
+
+
+def test_default_name_must_be_a_model_name_too(rewritten, tmp_path, capsys):
+    odd = tmp_path / ".tiny.onnx"  # the name up to its first dot is empty: the repository folder itself
+    odd.write_bytes(rewritten.read_bytes())
+    assert main([str(odd), "--out", str(tmp_path / "repo")]) == 2
+    assert "--name '' is not a model name" in capsys.readouterr().err
+    assert not (tmp_path / "repo").exists()
+
+
+def test_not_an_onnx_model(tmp_path, capsys):
+    bad = tmp_path / "model.onnx"
+    bad.write_bytes(b"not protobuf \x00\x01\x02")
+    assert main([str(bad), "--out", str(tmp_path / "repo")]) == 2
+    err = capsys.readouterr().err
+    assert "model.onnx: not an ONNX model" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "repo").exists()
+

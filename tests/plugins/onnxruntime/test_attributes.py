@@ -1,0 +1,62 @@
+"""Every op reads each attribute with the type docs/ops.md declares: an attribute of another type
+(scale=1 as an INT, is_causal=1.0 as a FLOAT) is refused when the session is created, with a message
+naming the op, the attribute, the declared and the given type, instead of running with the default."""
+
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from turboquant import models
+
+ATTENTION = dict(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4")
+GQA = dict(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4")
+
+
+def model_for(op):
+    if op == "TQAttention":
+        return models.attention_model(**ATTENTION)
+    if op == "TQGroupQueryAttention":
+        return models.gqa_model(**GQA)
+    if op == "TQPack":
+        return models.pack_model("uint4", 64)
+    return models.unpack_model("uint4", 64)
+
+
+def with_attribute(model, name, value):
+    node = model.graph.node[0]
+    for a in list(node.attribute):
+        if a.name == name:
+            node.attribute.remove(a)
+    node.attribute.append(helper.make_attribute(name, value))
+    return model
+
+
+@pytest.mark.parametrize("op, name, value, declared, given", [
+    ("TQAttention", "scale", 1, "FLOAT", "INT"),
+    ("TQAttention", "is_causal", 1.0, "INT", "FLOAT"),
+    ("TQAttention", "key_format", 4, "STRING", "INT"),
+    ("TQAttention", "head_dim", [64], "INT", "INTS"),
+    ("TQGroupQueryAttention", "do_rotary", 1.0, "INT", "FLOAT"),
+    ("TQGroupQueryAttention", "softcap", 30, "FLOAT", "INT"),
+    ("TQGroupQueryAttention", "local_window_size", 2.0, "INT", "FLOAT"),
+    ("TQGroupQueryAttention", "num_heads", "4", "INT", "STRING"),
+    ("TQGroupQueryAttention", "scale", [0.5], "FLOAT", "FLOATS"),
+    ("TQPack", "format", 4, "STRING", "INT"),
+    ("TQPack", "norm_correction", 0.0, "INT", "FLOAT"),
+    ("TQPack", "head_dim", 64.0, "INT", "FLOAT"),
+    ("TQUnpack", "format", 4.0, "STRING", "FLOAT"),
+    ("TQUnpack", "dtype", 10.0, "INT", "FLOAT"),  # read by shape inference too
+])
+def test_a_wrongly_typed_attribute_is_refused(ort_session, op, name, value, declared, given):
+    with pytest.raises(Exception) as e:
+        ort_session(with_attribute(model_for(op), name, value))
+    message = str(e.value)
+    assert f"{op}: attribute '{name}' has type {given}; expected {declared}" in message, message
+
+
+@pytest.mark.parametrize("op, name, value", [
+    ("TQAttention", "scale", 0.125), ("TQAttention", "is_causal", 1), ("TQGroupQueryAttention", "do_rotary", 0),
+    ("TQPack", "format", "mse3"), ("TQUnpack", "dtype", TensorProto.FLOAT),
+])
+def test_attributes_of_the_declared_type_are_accepted(ort_session, op, name, value):
+    assert isinstance(ort_session(with_attribute(model_for(op), name, value)), ort.InferenceSession)
