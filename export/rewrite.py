@@ -219,19 +219,25 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
     """export() for onnxruntime-genai models (GroupQueryAttention)."""
     from . import genai
 
-    if target != "onnxruntime":
-        raise RewriteError("GroupQueryAttention models can only be rewritten for onnxruntime (no TensorRT plugin "
-                           "implements TQGroupQueryAttention)")
     if calibrate is not None:
         raise RewriteError("--calibrate is not supported for GroupQueryAttention models: their keys are rotated inside "
                            "the op, after the point where a calibration probe could read them")
-    genai_folder = (src.parent / genai.CONFIG).is_file()
+    genai_folder = target == "onnxruntime" and (src.parent / genai.CONFIG).is_file()  # genai runs ONNX Runtime only
     if genai_folder and not dry_run:
         genai.check_output_folder(src, out)
+    # TensorRT takes each cache's shape as declared: every layer gets its own row width
     result = rewrite_gqa_model(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
-                               unsupported=unsupported)
+                               unsupported=unsupported, per_layer=True if target == "tensorrt" else None)
     if offsets and TQ_PRESETS[preset]["key_quant_bits"] in (3, 4):
         result.notes.append("not calibrated (no key offsets or scales): GroupQueryAttention rotates keys inside the op")
+    if target == "tensorrt":
+        from .tensorrt import for_tensorrt, foreign_ops
+
+        for_tensorrt(model)
+        foreign = foreign_ops(model)
+        if foreign:
+            result.notes.append("TensorRT's ONNX parser knows none of these ops left in the model (ONNX Runtime contrib "
+                                f"ops, not plugins): {', '.join(foreign)}; an engine needs them replaced first")
     if dry_run:
         return result
     _save(model, out)

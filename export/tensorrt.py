@@ -5,31 +5,46 @@ in the namespace its `plugin_namespace` attribute names (version: `plugin_versio
 attribute becomes a plugin field. The plugins tell their optional inputs apart by type and position,
 so absent optional inputs are dropped instead of left as empty names, and TQAttention says whether
 it has a mask (has_mask), which the shapes alone cannot tell while the engine is built.
+
+TQGroupQueryAttention says whether QKV is packed in query (packed_qkv: which input is past_key,
+which present_key aliases, must be known before any shape is), drops cos_cache, sin_cache and
+position_ids when do_rotary is 0 (the op ignores them then), and takes total_sequence_length as
+the length carrier: TensorRT keeps an int32 tensor on the device, where the plugin cannot read it
+before its launch, but gives every tensor's shape on the host; ConstantOfShape([0, total]) is an
+empty int32 tensor whose second dimension is the total (no memory, no kernel), one per graph.
 """
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
 import onnx_ir as ir
 
 import turboquant
 
+from .errors import RewriteError
+
 PLUGIN_VERSION = "1"
+_GQA_TOTAL, _GQA_COS, _GQA_SIN, _GQA_POSITIONS, _GQA_VALUE_OFFSET = 6, 7, 8, 9, 13
 
 
 def for_tensorrt(model: ir.Model) -> int:
     """Rewrites the turboquant nodes of `model` (subgraphs included) in place; returns how many."""
     count = 0
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+    carriers: dict[tuple[int, int], ir.Value] = {}
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
         if node.domain != turboquant.DOMAIN:
             continue
         inputs = list(node.inputs)
         if node.op_type == "TQAttention":
             has_mask = len(inputs) > 3 and inputs[3] is not None
             node.attributes["has_mask"] = ir.AttrInt64("has_mask", int(has_mask))
+        elif node.op_type == "TQGroupQueryAttention":
+            inputs = _gqa_inputs(node, inputs, carriers)
         node.attributes["plugin_namespace"] = ir.AttrString("plugin_namespace", turboquant.DOMAIN)
         node.attributes["plugin_version"] = ir.AttrString("plugin_version", PLUGIN_VERSION)
         kept = [v for v in inputs if v is not None]
-        if len(kept) != len(inputs):
+        if kept != list(node.inputs):
             node.resize_inputs(0)
             node.resize_inputs(len(kept))
             for i, v in enumerate(kept):
@@ -37,3 +52,56 @@ def for_tensorrt(model: ir.Model) -> int:
         count += 1
     model.metadata_props["turboquant.target"] = "tensorrt"
     return count
+
+
+def _gqa_inputs(node: ir.Node, inputs: list, carriers: dict) -> list:
+    """TQGroupQueryAttention's inputs in the plugin's form (module docstring); sets packed_qkv."""
+    inputs = inputs + [None] * (_GQA_VALUE_OFFSET + 1 - len(inputs))
+    packed = inputs[1] is None
+    node.attributes["packed_qkv"] = ir.AttrInt64("packed_qkv", int(packed))
+    rotary = node.attributes.get("do_rotary")
+    if rotary is None or not rotary.value:
+        inputs[_GQA_COS] = inputs[_GQA_SIN] = inputs[_GQA_POSITIONS] = None
+    if inputs[_GQA_VALUE_OFFSET] is not None and inputs[_GQA_VALUE_OFFSET - 1] is None:
+        raise RewriteError(f"node {node.name!r}: the TensorRT plugin takes value_offset only after key_offset "
+                           "(absent inputs are left out, so their order tells them apart)")
+    total = inputs[_GQA_TOTAL]
+    if total is None:
+        raise RewriteError(f"node {node.name!r} has no total_sequence_length input")
+    key = (id(node.graph), id(total))
+    if key not in carriers:
+        carriers[key] = _length_carrier(node, total)
+    inputs[_GQA_TOTAL] = carriers[key]
+    return inputs
+
+
+def _length_carrier(before: ir.Node, total: ir.Value) -> ir.Value:
+    """ConstantOfShape([0, total]): an empty int32 tensor whose shape holds the total, inserted
+    before the first node that reads it."""
+    name = f"{total.name}_tq_length"
+    zero = ir.node("Constant", [], {"value": ir.tensor(np.array([0], np.int64), name=f"{name}_zero")}, name=f"{name}_zero")
+    one = ir.node("Constant", [], {"value": ir.tensor(np.array([1], np.int64), name=f"{name}_one")}, name=f"{name}_one")
+    cast = ir.node("Cast", [total], {"to": ir.DataType.INT64}, name=f"{name}_cast")
+    flat = ir.node("Reshape", [cast.outputs[0], one.outputs[0]], name=f"{name}_flat")
+    shape = ir.node("Concat", [zero.outputs[0], flat.outputs[0]], {"axis": 0}, name=f"{name}_shape")
+    fill = ir.node("ConstantOfShape", [shape.outputs[0]], {"value": ir.tensor(np.array([0], np.int32), name=f"{name}_value")},
+                   name=name)
+    for n in (zero, one, cast, flat, shape, fill):
+        before.graph.insert_before(before, n)
+    out = fill.outputs[0]
+    out.name = name
+    out.dtype = ir.DataType.INT32
+    out.shape = ir.Shape([0, None])
+    return out
+
+
+def foreign_ops(model: ir.Model) -> list[str]:
+    """Op types of the graph (subgraphs included) that are neither standard ONNX nor turboquant's:
+    TensorRT's ONNX parser knows none of them (it looks each up as a plugin)."""
+    found: dict[str, int] = {}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain == turboquant.DOMAIN or onnx.defs.has(node.op_type, node.domain or ""):
+            continue
+        name = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
+        found[name] = found.get(name, 0) + 1
+    return [f"{name} x{n}" for name, n in sorted(found.items())]

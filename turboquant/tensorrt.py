@@ -6,6 +6,11 @@ with `python -m turboquant.export ... --target tensorrt`.
 
 The same from the command line, with trtexec:
     trtexec --onnx=model.tq.trt.onnx --dynamicPlugins=$(python -c "import turboquant; print(turboquant.trt_plugin_path())") ...
+
+A model rewritten from onnxruntime-genai's (TQGroupQueryAttention, TensorRT 10.3 or later) has its
+present.N.* aliased to past_key_values.N.* (the preview feature ALIASED_PLUGIN_IO_10_03, which
+build_engine turns on; trtexec: --preview=+aliasedPluginIO1003): bind both names to the same
+device buffer of the profile's capacity rows, and each step writes only its new rows there.
 """
 
 from __future__ import annotations
@@ -37,21 +42,48 @@ def load_plugins(registry=None):
     return handle
 
 
-def decoder_profile(model: str | os.PathLike, *, batch=(1, 1, 4), new=(1, 1, 256), past=(0, 256, 4096)) -> dict:
+class Profile(dict):
+    """Shape ranges (min, opt, max) by input name, and in `values` the value ranges of the inputs
+    TensorRT takes as shape tensors (on the host): IOptimizationProfile.set_shape and set_shape_input."""
+
+    def __init__(self, shapes=(), values=None):
+        super().__init__(shapes)
+        self.values = dict(values or {})
+
+
+def decoder_profile(model: str | os.PathLike, *, batch=(1, 1, 4), new=(1, 1, 256), past=(0, 256, 4096),
+                    capacity: int | tuple[int, int, int] | None = None) -> Profile:
     """Shape ranges (min, opt, max) for every input of an exported decoder: input_ids, attention_mask,
-    position_ids and the (packed or float) caches past_key_values.N.*."""
+    position_ids and the (packed or float) caches past_key_values.N.*.
+
+    Models rewritten from onnxruntime-genai's (TQGroupQueryAttention) keep their caches in shared
+    buffers of `capacity` rows (default: past[2] + new[2], the most tokens a sequence holds), which
+    present aliases; their seqlens_k ([batch]) and total_sequence_length (a scalar whose value
+    TensorRT reads on the host, in `values`: new + past) are profiled too where they are graph inputs."""
     import onnx
 
     m = onnx.load(os.fspath(model), load_external_data=False)
-    prof = {}
+    shared = any(n.op_type == "TQGroupQueryAttention" for n in m.graph.node)
+    if capacity is None:
+        capacity = past[2] + new[2]
+    rows = tuple(capacity) if isinstance(capacity, (tuple, list)) else (capacity,) * 3
+    if shared and min(rows) < past[2] + new[2]:
+        raise ValueError(f"capacity {rows} cannot hold past[2] + new[2] = {past[2] + new[2]} tokens: present is updated "
+                         "in place in the cache buffers")
+    totals = tuple(n + p for n, p in zip(new, past))
+    prof = Profile()
     for i in m.graph.input:
         dims = [d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim]
         if i.name in ("input_ids", "position_ids"):
             prof[i.name] = tuple((b, n) for b, n in zip(batch, new))
         elif i.name == "attention_mask":
-            prof[i.name] = tuple((b, n + p) for b, n, p in zip(batch, new, past))
-        elif len(dims) == 4:  # a cache [batch, kv_heads, past, last]
-            prof[i.name] = tuple((b, dims[1], p, dims[3]) for b, p in zip(batch, past))
+            prof[i.name] = tuple((b, t) for b, t in zip(batch, totals))
+        elif i.name == "seqlens_k":
+            prof[i.name] = tuple((b,) for b in batch)
+        elif i.name == "total_sequence_length":
+            prof.values[i.name] = tuple((t,) for t in totals)
+        elif len(dims) == 4:  # a cache [batch, kv_heads, past or capacity, last]
+            prof[i.name] = tuple((b, dims[1], r if shared else p, dims[3]) for b, p, r in zip(batch, past, rows))
     return prof
 
 
@@ -76,7 +108,11 @@ def build_engine(model: str | os.PathLike, profile: dict, *, fp16: bool = False,
     opt = builder.create_optimization_profile()
     for name, (lo, mid, hi) in profile.items():
         opt.set_shape(name, lo, mid, hi)
+    for name, (lo, mid, hi) in getattr(profile, "values", {}).items():
+        opt.set_shape_input(name, lo, mid, hi)
     config.add_optimization_profile(opt)
+    if _has_op(model, "TQGroupQueryAttention"):  # present aliases past: the caches are updated in place
+        config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
     if fp16:
         config.set_flag(trt.BuilderFlag.FP16)
     if version_compatible:
@@ -86,3 +122,9 @@ def build_engine(model: str | os.PathLike, profile: dict, *, fp16: bool = False,
     if engine is None:
         raise RuntimeError(f"TensorRT could not build an engine from {model} (see the log above)")
     return bytes(engine)
+
+
+def _has_op(model: str | os.PathLike, op_type: str) -> bool:
+    import onnx
+
+    return any(n.op_type == op_type for n in onnx.load(os.fspath(model), load_external_data=False).graph.node)

@@ -13,8 +13,6 @@ using nvinfer1::DimensionOperation;
 
 namespace {
 
-Dims to_dims(const nvinfer1::Dims& d) { return Dims(d.d, d.d + d.nbDims); }
-
 MaskType mask_type_of(DataType t) {
   switch (t) {
     case DataType::kBOOL: return MaskType::kBool;
@@ -23,15 +21,6 @@ MaskType mask_type_of(DataType t) {
     case DataType::kBF16: return MaskType::kBFloat16;
     default: return MaskType::kNone;
   }
-}
-
-int sm_count() {
-  int device = 0, n = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
-    cudaGetLastError();  // clear
-    return 132;          // H100/H200: a size for the workspace bound when no device answers
-  }
-  return n;
 }
 
 }  // namespace
@@ -172,7 +161,10 @@ size_t AttentionPlugin::getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc
     std::vector<nvinfer1::Dims> dims(n);
     std::vector<DataType> types(n);
     for (int i = 0; i < n; ++i) dims[i] = in[i].max, types[i] = in[i].desc.type;
-    return cuda::attention_workspace_bytes(setup(dims.data(), types.data(), n).params, sm_count());
+    const nvinfer1::Dims& q_min = in[0].min;  // [B, H, Sq, D] or [B, Sq, H*D]
+    const int sms = sm_count();
+    return largest_over_profile(setup(dims.data(), types.data(), n).params, q_min.d[0], q_min.d[q_min.nbDims == 4 ? 2 : 1],
+                                [&](const AttentionParams& p) { return cuda::attention_workspace_bytes(p, sms); });
   } catch (const std::exception& e) {
     log_error(e.what());
     return 0;
@@ -194,14 +186,9 @@ int32_t AttentionPlugin::enqueue(const nvinfer1::PluginTensorDesc* in, const nvi
     if (r.value_offset >= 0) p.value_offset = static_cast<const float*>(inputs[r.value_offset]);
     const auto* past_key = r.past_key >= 0 ? static_cast<const uint8_t*>(inputs[r.past_key]) : nullptr;
     const auto* past_value = r.past_value >= 0 ? static_cast<const uint8_t*>(inputs[r.past_value]) : nullptr;
-    const cudaError_t e = cuda::attention(p, inputs[0], inputs[1], inputs[2], r.mask >= 0 ? inputs[r.mask] : nullptr,
-                                          past_key, past_value, outputs[0], static_cast<uint8_t*>(outputs[1]),
-                                          static_cast<uint8_t*>(outputs[2]), workspace, sm_count(), stream);
-    if (e != cudaSuccess) {
-      log_error(std::string("TQAttention: CUDA error: ") + cudaGetErrorString(e));
-      return -1;
-    }
-    return 0;
+    return launch_status(kName, cuda::attention(p, inputs[0], inputs[1], inputs[2], r.mask >= 0 ? inputs[r.mask] : nullptr,
+                                                past_key, past_value, outputs[0], static_cast<uint8_t*>(outputs[1]),
+                                                static_cast<uint8_t*>(outputs[2]), workspace, sm_count(), stream));
   } catch (const std::exception& e) {
     log_error(e.what());
     return -1;

@@ -41,12 +41,6 @@ Offset offset_of(const nvinfer1::PluginTensorDesc* desc, const void* const* inpu
   return off;
 }
 
-int32_t report(const char* op, cudaError_t e) {
-  if (e == cudaSuccess) return 0;
-  log_error(std::string(op) + ": CUDA error: " + cudaGetErrorString(e));
-  return -1;
-}
-
 }  // namespace
 
 // ---- TQPack -------------------------------------------------------------------------------------
@@ -104,7 +98,7 @@ int32_t PackPlugin::enqueue(const nvinfer1::PluginTensorDesc* in, const nvinfer1
     return -1;
   }
   (void)out;
-  return report(kName, cuda::pack(format_, d, norm_correction_, to_dtype(in[0].type), inputs[0], volume_but_last(x),
+  return launch_status(kName, cuda::pack(format_, d, norm_correction_, to_dtype(in[0].type), inputs[0], volume_but_last(x),
                                   offset_of(in, inputs, num_inputs_, x), static_cast<uint8_t*>(outputs[0]), stream));
 }
 
@@ -160,7 +154,7 @@ int32_t UnpackPlugin::enqueue(const nvinfer1::PluginTensorDesc* in, const nvinfe
               " bytes (" + format_name(format_) + " vectors of head_dim " + std::to_string(head_dim_) + ")");
     return -1;
   }
-  return report(kName, cuda::unpack(format_, head_dim_, static_cast<const uint8_t*>(inputs[0]), volume_but_last(x),
+  return launch_status(kName, cuda::unpack(format_, head_dim_, static_cast<const uint8_t*>(inputs[0]), volume_but_last(x),
                                     offset_of(in, inputs, num_inputs_, out[0].dims), to_dtype(out[0].type), outputs[0],
                                     stream));
 }

@@ -299,8 +299,6 @@ def test_refusals(built, tmp_path):
         export(src, "turboquant_4bit_nc", src.parent / "model.tq.onnx")
     with pytest.raises(RewriteError, match="--calibrate is not supported"):
         export(src, "turboquant_4bit_nc", tmp_path / "a" / "m.onnx", calibrate=tmp_path / "ids.npy")
-    with pytest.raises(RewriteError, match="only be rewritten for onnxruntime"):
-        export(src, "turboquant_4bit_nc", tmp_path / "b" / "m.onnx", target="tensorrt")
 
 
 def test_unsupported_features_refused_or_left(built, tmp_path):

@@ -1,13 +1,22 @@
 """--target tensorrt: the turboquant nodes as TensorRT's ONNX parser maps them to the plugins, and an
 engine built from a rewritten model where TensorRT is installed."""
 
+import json
+
 import numpy as np
 import onnx
+import onnx_ir as ir
+import onnxruntime as ort
 import pytest
+from onnx import TensorProto
 
+from turboquant import examples, models
+from turboquant import tensorrt as tq_trt
+from turboquant.config import packed_size
 from turboquant.decoder import DecoderSession
-from turboquant.export import export
+from turboquant.export import RewriteError, export
 from turboquant.export.__main__ import main
+from turboquant.export.tensorrt import for_tensorrt
 
 
 def test_nodes_carry_the_plugin_namespace_and_no_empty_inputs(exported, tmp_path):
@@ -71,3 +80,191 @@ def test_engine_matches_onnxruntime(exported, tmp_path):
     assert ctx.execute_async_v3(stream.cuda_stream)
     stream.synchronize()
     np.testing.assert_allclose(outs["logits"].float().cpu().numpy(), want, rtol=2e-3, atol=2e-3)
+
+
+# --- onnxruntime-genai models (TQGroupQueryAttention) -------------------------------------------------
+
+GENAI = examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=1, vocab=640)
+
+
+@pytest.fixture(scope="module")
+def genai_model(tmp_path_factory):
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes these models)")
+    return examples.export_genai(GENAI, tmp_path_factory.mktemp("genai"))
+
+
+@pytest.fixture(scope="module")
+def genai_trt(genai_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("genai-trt") / "model.onnx"
+    return export(genai_model, "turboquant_4bit_nc", out, progress=False, target="tensorrt")
+
+
+def _attrs(node):
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def test_genai_nodes_take_the_plugins_form(genai_trt):
+    """Packed QKV and rotary (genai's builder): query, the caches, seqlens_k, one length carrier
+    shared by every layer, cos and sin; present keeps past's shape (each layer its own width)."""
+    m = onnx.load(str(genai_trt.output))
+    nodes = [n for n in m.graph.node if n.op_type == "TQGroupQueryAttention"]
+    assert len(nodes) == GENAI.layers
+    produced = {o: n for n in m.graph.node for o in n.output}
+    carriers = {n.input[4] for n in nodes}
+    assert len(carriers) == 1
+    fill = produced[carriers.pop()]
+    assert fill.op_type == "ConstantOfShape" and onnx.numpy_helper.to_array(_attrs(fill)["value"]).dtype == np.int32
+    widths = json.loads({p.key: p.value for p in m.metadata_props}["turboquant.cache_row_bytes"])
+    shapes = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
+    for layer, n in enumerate(nodes):
+        a = _attrs(n)
+        assert a["plugin_namespace"] == b"turboquant" and a["plugin_version"] == b"1" and a["packed_qkv"] == 1
+        assert a["do_rotary"] == 1 and "" not in n.input and len(n.input) == 7
+        assert n.input[1:3] == [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
+        assert n.input[5:] == ["cos_cache", "sin_cache"]
+        assert shapes[n.input[1]][3] == widths[str(layer)]  # boundary layers raw16, the others packed
+    assert sorted(set(widths.values())) == [max(packed_size("mse4", 64), packed_size("uint4", 64)), 2 * 64]
+    assert {p.key: p.value for p in m.metadata_props}["turboquant.target"] == "tensorrt"
+
+
+def test_genai_folder_is_not_written_for_tensorrt(genai_trt):
+    assert not (genai_trt.output.parent / "genai_config.json").exists()  # genai runs on ONNX Runtime only
+
+
+def test_contrib_ops_tensorrt_lacks_are_named(genai_trt):
+    note = next(n for n in genai_trt.notes if "TensorRT's ONNX parser knows none" in n)
+    assert "com.microsoft.SkipSimplifiedLayerNormalization x" in note and "SimplifiedLayerNormalization x1" in note
+    assert "TQGroupQueryAttention" not in note
+
+
+def test_length_carrier_has_the_total_in_its_shape(genai_trt, tmp_path):
+    """The carrier, run on ONNX Runtime from attention_mask: an empty int32 [0, total] whose second
+    dimension is total_sequence_length (attention_mask's length in genai's graphs)."""
+    m = onnx.load(str(genai_trt.output))
+    carrier = next(n for n in m.graph.node if n.op_type == "TQGroupQueryAttention").input[4]
+    part = tmp_path / "carrier.onnx"
+    onnx.utils.extract_model(str(genai_trt.output), str(part), ["attention_mask"], [carrier], check_model=False)
+    sess = ort.InferenceSession(str(part), providers=["CPUExecutionProvider"])
+    for total in (1, 7, 300):
+        (out,) = sess.run(None, {"attention_mask": np.ones((2, total), np.int64)})
+        assert out.shape == (0, total) and out.dtype == np.int32
+
+
+def test_genai_cli_target_tensorrt(genai_model, tmp_path, capsys):
+    assert main([str(genai_model), "--preset", "turboquant_k8v4", "-o", str(tmp_path / "t.onnx"), "--target", "tensorrt"]) == 0
+    assert "TensorRT's ONNX parser knows none" in capsys.readouterr().out
+
+
+def test_genai_profile_covers_the_shared_buffers(genai_trt):
+    prof = tq_trt.decoder_profile(genai_trt.output, batch=(1, 2, 4), new=(1, 1, 64), past=(0, 100, 192))
+    m = onnx.load(str(genai_trt.output))
+    widths = json.loads({p.key: p.value for p in m.metadata_props}["turboquant.cache_row_bytes"])
+    assert prof["input_ids"] == ((1, 1), (2, 1), (4, 64))
+    assert prof["attention_mask"] == ((1, 1), (2, 101), (4, 256))
+    for layer in range(GENAI.layers):  # the buffers hold every token: 192 + 64 rows in each range
+        w = widths[str(layer)]
+        assert prof[f"past_key_values.{layer}.key"] == ((1, 2, 256, w), (2, 2, 256, w), (4, 2, 256, w))
+    assert prof.values == {}  # total_sequence_length is computed from attention_mask there
+    assert tq_trt.decoder_profile(genai_trt.output, capacity=5000)["past_key_values.0.value"][0][2] == 5000
+    with pytest.raises(ValueError, match="cannot hold past"):
+        tq_trt.decoder_profile(genai_trt.output, new=(1, 1, 64), past=(0, 10, 100), capacity=(100, 164, 164))
+
+
+def _gqa_trt_model(**kw):
+    model = ir.from_proto(models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4", **kw))
+    for_tensorrt(model)
+    return model
+
+
+def test_profile_gives_the_total_as_a_value_where_it_is_an_input(tmp_path):
+    """A graph whose seqlens_k and total_sequence_length are inputs: TensorRT takes the total as a
+    shape tensor (it feeds the carrier's ConstantOfShape), profiled by value."""
+    path = tmp_path / "gqa.onnx"
+    ir.save(_gqa_trt_model(rotary_dim=64), path)
+    prof = tq_trt.decoder_profile(path, batch=(1, 2, 8), new=(1, 1, 16), past=(0, 31, 48))
+    assert prof["seqlens_k"] == ((1,), (2,), (8,))
+    assert prof.values == {"total_sequence_length": ((1,), (32,), (64,))}
+    assert prof["past_key"] == ((1, 2, 64, 36), (2, 2, 64, 36), (8, 2, 64, 36))
+
+
+def test_rotary_inputs_dropped_without_do_rotary_and_key_value_layout_told():
+    m = _gqa_trt_model()  # separate key and value, no rotary
+    n = next(x for x in m.graph if x.op_type == "TQGroupQueryAttention")
+    assert n.attributes["packed_qkv"].value == 0
+    assert [v.name for v in n.inputs] == ["query", "key", "value", "past_key", "past_value", "seqlens_k",
+                                          "total_sequence_length_tq_length"]
+    with_pos = _gqa_trt_model(position_ids=True)  # ignored by the op without do_rotary: left out too
+    assert len(next(x for x in with_pos.graph if x.op_type == "TQGroupQueryAttention").inputs) == 7
+    offsets = next(x for x in _gqa_trt_model(offsets=True).graph if x.op_type == "TQGroupQueryAttention")
+    assert [v.name for v in offsets.inputs][-2:] == ["key_offset", "value_offset"]
+
+
+def test_value_offset_without_key_offset_is_refused():
+    model = ir.from_proto(models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4",
+                                           offsets=True))
+    node = next(x for x in model.graph if x.op_type == "TQGroupQueryAttention")
+    node.replace_input_with(12, None)
+    with pytest.raises(RewriteError, match="value_offset only after key_offset"):
+        for_tensorrt(model)
+
+
+def test_gqa_engine_updates_the_buffers_in_place(tmp_path, ort_session):
+    """Where TensorRT is installed: an engine of one TQGroupQueryAttention node (--target tensorrt's
+    form, present bound to past's buffer) against the ORT CUDA op, a first prompt then decode steps."""
+    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed here (pip's tensorrt needs NVIDIA's index)")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("TensorRT engine test needs a GPU")
+    from turboquant.ort import run
+
+    b, hq, hkv, d, cap = 2, 8, 2, 128, 48
+    w = max(packed_size("mse4", d), packed_size("uint4", d))
+    proto = models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="uint4",
+                             dtype=TensorProto.FLOAT16, packed_qkv=True, rotary_dim=d)
+    path = tmp_path / "gqa.trt.onnx"
+    ir.save(_gqa_trt_model(dtype=TensorProto.FLOAT16, packed_qkv=True, rotary_dim=d), path)
+    hidden = (hq + 2 * hkv) * d
+    prof = tq_trt.Profile({"query": ((1, 1, hidden), (b, 1, hidden), (b, 16, hidden)), "seqlens_k": ((1,), (b,), (b,)),
+                           "past_key": ((1, hkv, cap, w), (b, hkv, cap, w), (b, hkv, cap, w)),
+                           "past_value": ((1, hkv, cap, w), (b, hkv, cap, w), (b, hkv, cap, w)),
+                           "cos_cache": ((cap, d // 2),) * 3, "sin_cache": ((cap, d // 2),) * 3},
+                          values={"total_sequence_length": ((1,), (16,), (cap,))})
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    handle = tq_trt.load_plugins(runtime.get_plugin_registry())  # noqa: F841 - kept alive while the engine runs
+    engine = runtime.deserialize_cuda_engine(tq_trt.build_engine(path, prof))
+    ctx = engine.create_execution_context()
+    sess = ort_session(proto, device="cuda")
+    rng = np.random.default_rng(0)
+    angles = rng.uniform(0, 6.3, (cap, d // 2))
+    cos, sin = np.cos(angles).astype(np.float16), np.sin(angles).astype(np.float16)
+    past = {n: np.zeros((b, hkv, cap, w), np.uint8) for n in ("past_key", "past_value")}
+    bufs = {n: torch.zeros(past[n].shape, dtype=torch.uint8, device="cuda") for n in past}
+    lengths, s = [7, 5], 7
+    for step in range(4):
+        if step:
+            lengths, s = [n + 1 for n in lengths], 1
+        total = 7 if step == 0 else max(lengths)
+        feeds = {"query": rng.standard_normal((b, s, hidden)).astype(np.float16), **past,
+                 "seqlens_k": np.array(lengths, np.int32) - 1, "total_sequence_length": np.array(total, np.int32),
+                 "cos_cache": cos, "sin_cache": sin}
+        y, present_k, present_v = run(sess, feeds)
+        dev = {n: torch.from_numpy(feeds[n]).cuda() for n in ("query", "seqlens_k", "cos_cache", "sin_cache")}
+        host_total = np.array(total, np.int32)
+        out = torch.empty((b, s, hq * d), dtype=torch.float16, device="cuda")
+        for n, t in {**dev, **bufs}.items():
+            ctx.set_input_shape(n, tuple(t.shape))
+            ctx.set_tensor_address(n, t.data_ptr())
+        ctx.set_tensor_address("total_sequence_length", host_total.ctypes.data)  # a shape tensor: host memory
+        ctx.set_tensor_address("output", out.data_ptr())
+        ctx.set_tensor_address("present_key", bufs["past_key"].data_ptr())  # aliased: the same buffer
+        ctx.set_tensor_address("present_value", bufs["past_value"].data_ptr())
+        stream = torch.cuda.current_stream()
+        assert ctx.execute_async_v3(stream.cuda_stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(bufs["past_key"].cpu().numpy(), present_k)
+        np.testing.assert_array_equal(bufs["past_value"].cpu().numpy(), present_v)
+        for i, n in enumerate(lengths):
+            rows = n if step == 0 else s
+            np.testing.assert_array_equal(out.cpu().numpy()[i, :rows], y[i, :rows])
+        past = {"past_key": present_k, "past_value": present_v}
+

@@ -49,6 +49,9 @@ class Harness:
             ("tqh_output_types", ctypes.c_int, [vp, ctypes.c_int, ip, ctypes.c_int, ip]),
             ("tqh_supports", ctypes.c_int, [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ip]),
             ("tqh_workspace", ctypes.c_longlong, [vp, ctypes.c_int, ip, ip, lp, ctypes.c_int, ip, ip, lp]),
+            ("tqh_workspace_range", ctypes.c_longlong, [vp, ctypes.c_int, ip, ip, lp, lp, ctypes.c_int, ip, ip, lp]),
+            ("tqh_configure", ctypes.c_int, [vp, ctypes.c_int, ip, ip, lp, ctypes.c_int, ip, ip, lp]),
+            ("tqh_aliased_input", ctypes.c_int, [vp, ctypes.c_int]),
             ("tqh_enqueue", ctypes.c_int, [vp, ctypes.c_int, ip, ip, lp, ctypes.POINTER(vp), ctypes.c_int, ip, ip, lp,
                                            ctypes.POINTER(vp), vp, vp]),
         ]:
@@ -136,6 +139,36 @@ class Plugin:
         ot, orank, odims = _descs(outputs)
         return self.hx.h.tqh_workspace(self.ptr, len(inputs), it, ir, idims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
                                        len(outputs), ot, orank, odims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+
+    def workspace_range(self, inputs_min, inputs, outputs) -> int:
+        """The workspace for a profile whose inputs range from inputs_min's shapes to inputs'."""
+        it, ir, idims = _descs(inputs)
+        _, _, lo = _descs(inputs_min)
+        ot, orank, odims = _descs(outputs)
+        lp = ctypes.POINTER(ctypes.c_int64)
+        return self.hx.h.tqh_workspace_range(self.ptr, len(inputs), it, ir, lo.ctypes.data_as(lp), idims.ctypes.data_as(lp),
+                                             len(outputs), ot, orank, odims.ctypes.data_as(lp))
+
+    def configure(self, inputs, outputs) -> int:
+        it, ir, idims = _descs(inputs)
+        ot, orank, odims = _descs(outputs)
+        lp = ctypes.POINTER(ctypes.c_int64)
+        return self.hx.h.tqh_configure(self.ptr, len(inputs), it, ir, idims.ctypes.data_as(lp), len(outputs), ot, orank,
+                                       odims.ctypes.data_as(lp))
+
+    def aliased_input(self, output: int) -> int:
+        """getAliasedInput(output): -1 none, -2 when the plugin offers no IPluginV3OneBuildV2."""
+        return self.hx.h.tqh_aliased_input(self.ptr, output)
+
+    def enqueue_shapes(self, inputs, outputs) -> int:
+        """enqueue on null buffers, for shapes it must refuse before launching anything; inputs and
+        outputs are (dtype name, shape) pairs."""
+        it, ir, idims = _descs(inputs)
+        ot, orank, odims = _descs(outputs)
+        lp = ctypes.POINTER(ctypes.c_int64)
+        null_in, null_out = (ctypes.c_void_p * len(inputs))(), (ctypes.c_void_p * len(outputs))()
+        return self.hx.h.tqh_enqueue(self.ptr, len(inputs), it, ir, idims.ctypes.data_as(lp), null_in, len(outputs), ot,
+                                     orank, odims.ctypes.data_as(lp), null_out, None, None)
 
     def enqueue(self, inputs, outputs, workspace=None, stream=None) -> int:
         """inputs/outputs: torch CUDA tensors; returns enqueue's status (0: success)."""

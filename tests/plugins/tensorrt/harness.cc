@@ -117,6 +117,12 @@ class ExprBuilder : public IExprBuilder {
   explicit ExprBuilder(apiv::VExprBuilder* impl) { mImpl = impl; }
 };
 
+long long workspace_of(void* plugin, std::vector<DynamicPluginTensorDesc>& in, std::vector<DynamicPluginTensorDesc>& out) {
+  const int nin = static_cast<int>(in.size()), nout = static_cast<int>(out.size());
+  if (build(plugin)->configurePlugin(in.data(), nin, out.data(), nout) != 0) return -1;
+  return static_cast<long long>(build(plugin)->getWorkspaceSize(in.data(), nin, out.data(), nout));
+}
+
 }  // namespace
 
 extern "C" {
@@ -241,6 +247,24 @@ void tqh_destroy(void* plugin) { delete static_cast<IPluginV3*>(plugin); }
 
 int tqh_nb_outputs(void* plugin) { return build(plugin)->getNbOutputs(); }
 
+// The input that output `out` aliases (IPluginV3OneBuildV2::getAliasedInput; -1: none), or -2 when
+// the plugin's build capability is not that interface (version 2 of PLUGIN_V3ONE_BUILD), so
+// TensorRT would never ask.
+int tqh_aliased_input(void* plugin, int out) {
+  IPluginV3OneBuild* b = build(plugin);
+  const InterfaceInfo info = b->getInterfaceInfo();
+  if (std::strcmp(info.kind, "PLUGIN_V3ONE_BUILD") != 0 || info.major != 2) return -2;
+  return static_cast<IPluginV3OneBuildV2*>(b)->getAliasedInput(out);
+}
+
+// configurePlugin with these input and output descriptors (types and shapes), as the builder
+// calls it before asking for aliases and workspace; returns its status.
+int tqh_configure(void* plugin, int nin, const int* it, const int* ir, const int64_t* id, int nout, const int* ot,
+                  const int* orank, const int64_t* od) {
+  auto in = dyn(descs(nin, it, ir, id)), out = dyn(descs(nout, ot, orank, od));
+  return build(plugin)->configurePlugin(in.data(), nin, out.data(), nout);
+}
+
 int tqh_output_types(void* plugin, int nin, const int* in_types, int nout, int* out_types) {
   std::vector<DataType> in(nin), out(nout);
   for (int i = 0; i < nin; ++i) in[i] = static_cast<DataType>(in_types[i]);
@@ -258,9 +282,19 @@ int tqh_supports(void* plugin, int pos, int nin, int nout, const int* types) {
 long long tqh_workspace(void* plugin, int nin, const int* it, const int* ir, const int64_t* id, int nout, const int* ot,
                         const int* orank, const int64_t* od) {
   auto in = dyn(descs(nin, it, ir, id)), out = dyn(descs(nout, ot, orank, od));
-  if (build(plugin)->configurePlugin(in.data(), nin, out.data(), nout) != 0) return -1;
-  return static_cast<long long>(build(plugin)->getWorkspaceSize(in.data(), nin, out.data(), nout));
+  return workspace_of(plugin, in, out);
 }
+
+// The workspace for a profile whose inputs range from min_dims to id (the max) dims.
+long long tqh_workspace_range(void* plugin, int nin, const int* it, const int* ir, const int64_t* min_dims,
+                              const int64_t* id, int nout, const int* ot, const int* orank, const int64_t* od) {
+  auto in = dyn(descs(nin, it, ir, id)), out = dyn(descs(nout, ot, orank, od));
+  const auto lo = descs(nin, it, ir, min_dims);
+  for (int i = 0; i < nin; ++i) in[i].min = lo[i].dims;
+  return workspace_of(plugin, in, out);
+}
+
+
 
 int tqh_enqueue(void* plugin, int nin, const int* it, const int* ir, const int64_t* id, const void** inputs, int nout,
                 const int* ot, const int* orank, const int64_t* od, void** outputs, void* workspace, void* stream) {

@@ -1,5 +1,6 @@
-"""The plugins' enqueue on device buffers against the ORT CUDA ops: packing byte for byte, attention
-numerically (both run ops/cuda, so agreement is tight). Needs a GPU, torch and onnxruntime-gpu."""
+"""The plugins' enqueue on device buffers against the ORT CUDA ops: packing and TQGroupQueryAttention
+byte for byte, TQAttention numerically (both run ops/cuda, so agreement is tight). Needs a GPU,
+torch and onnxruntime-gpu."""
 
 import numpy as np
 import pytest
@@ -141,3 +142,84 @@ def test_attention_enqueue_refuses_bad_shapes(trt, torch, capfd):
             torch.zeros((1, 3, 6, pv.shape[3]), dtype=torch.uint8, device="cuda")]
     assert plugin.enqueue([q, k, k, past, pv], outs) != 0
     assert "multiple of the kv head count" in capfd.readouterr().err
+
+
+# TQGroupQueryAttention: the plugin updates its buffers in place (present aliased to past), the ORT
+# CUDA op is run with separate present buffers fed back as the next past; the two must agree byte
+# for byte, outputs included (the same ops/cuda launcher on the same device and SM count).
+GQA_STEPS = {  # batch, capacity, the prompt's lengths (right padded to the longest), then each later call's new tokens
+    "short": (3, 24, [9, 6, 4], [1, 1, 1, 4, 1]),
+    "long": (2, 272, [200, 131], [1, 1, 5, 1]),
+    "one": (1, 40, [1], [1, 1, 3]),
+}
+
+
+@pytest.mark.parametrize("preset", list(TQ_PRESETS))
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("steps", list(GQA_STEPS))
+def test_gqa_matches_ort_cuda_byte_for_byte(trt, torch, ort_session, preset, dtype, rotary, steps):
+    b, capacity, prompt, later = GQA_STEPS[steps]
+    hq, hkv, d = 8, 2, 128
+    cfg = TurboQuantConfig.from_cache_dtype(preset, d)
+    packed = rotary  # genai's builder packs QKV and rotates in the op; the other layout without rotary
+    model = models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
+                             value_format=cfg.value_format, dtype=dtype, packed_qkv=packed, rotary_dim=d if rotary else 0,
+                             norm_correction=int(cfg.norm_correction))
+    session = ort_session(model, device="cuda")
+    plugin = trt.create("TQGroupQueryAttention", key_format=cfg.key_format, value_format=cfg.value_format,
+                        norm_correction=int(cfg.norm_correction), num_heads=hq, kv_num_heads=hkv, do_rotary=int(rotary),
+                        packed_qkv=int(packed))
+    rng = np.random.default_rng(len(prompt) * 7 + capacity + dtype)
+    t = NP[dtype]
+    width = max(packed_size(cfg.key_format, d), packed_size(cfg.value_format, d))
+    past = {n: np.zeros((b, hkv, capacity, width), np.uint8) for n in ("past_key", "past_value")}  # genai zeroes them
+    buffers = {n: torch.zeros(past[n].shape, dtype=torch.uint8, device="cuda") for n in past}
+    tables = {}
+    if rotary:
+        angles = rng.uniform(0, 6.3, (capacity, d // 2))
+        tables = {"cos_cache": np.cos(angles).astype(np.float32).astype(t), "sin_cache": np.sin(angles).astype(np.float32).astype(t)}
+    lengths, s, first = list(prompt), max(prompt), True
+    for new in [None] + later:
+        if new is not None:
+            lengths, s, first = [n + new for n in lengths], new, False
+        total = s if first else max(lengths)
+        hidden = (hq + 2 * hkv) * d if packed else hq * d
+        feeds = {"query": rng.standard_normal((b, s, hidden)).astype(np.float32).astype(t)}
+        if not packed:
+            feeds["key"], feeds["value"] = (rng.standard_normal((b, s, hkv * d)).astype(np.float32).astype(t) for _ in "kv")
+        feeds.update(past, seqlens_k=np.array(lengths, np.int32) - 1, total_sequence_length=np.array(total, np.int32))
+        feeds.update(tables)
+        y, present_k, present_v = run(session, feeds)
+
+        inputs = [on_gpu(torch, feeds["query"])] + ([] if packed else [on_gpu(torch, feeds["key"]), on_gpu(torch, feeds["value"])])
+        inputs += [buffers["past_key"], buffers["past_value"], on_gpu(torch, feeds["seqlens_k"]),
+                   torch.empty((0, total), dtype=torch.int32, device="cuda")]  # the length carrier
+        inputs += [on_gpu(torch, tables[n]) for n in ("cos_cache", "sin_cache") if rotary]
+        outs = [on_gpu(torch, np.zeros_like(y)), buffers["past_key"], buffers["past_value"]]  # present aliases past
+        descs = [(str(x.dtype).removeprefix("torch."), tuple(x.shape)) for x in inputs]
+        out_descs = [(str(x.dtype).removeprefix("torch."), tuple(x.shape)) for x in outs]
+        ws = torch.empty(max(plugin.workspace(descs, out_descs), 1), dtype=torch.uint8, device="cuda")
+        assert plugin.enqueue(inputs, outs, ws) == 0
+        torch.cuda.synchronize()
+        where = f"{steps} step with {s} new tokens, lengths {lengths}"
+        np.testing.assert_array_equal(buffers["past_key"].cpu().numpy(), present_k, err_msg=where)
+        np.testing.assert_array_equal(buffers["past_value"].cpu().numpy(), present_v, err_msg=where)
+        got = to_numpy(outs[0]).view(np.uint8).reshape(b, s, -1)
+        want = y.view(np.uint8).reshape(b, s, -1)
+        for i, n in enumerate(lengths):  # a padded prompt's positions past its length are unspecified (as in ORT)
+            rows = n if first else s
+            np.testing.assert_array_equal(got[i, :rows], want[i, :rows], err_msg=f"{where}, sequence {i}")
+        past = {"past_key": present_k, "past_value": present_v}
+
+
+def test_gqa_enqueue_refuses_a_total_beyond_the_buffers(trt, torch, capfd):
+    plugin = trt.create("TQGroupQueryAttention", num_heads=4, kv_num_heads=2, packed_qkv=1)
+    w = max(packed_size("mse4", 64), packed_size("uint4", 64))
+    q = torch.zeros((1, 1, 8 * 64), dtype=torch.float16, device="cuda")
+    pk = torch.zeros((1, 2, 16, w), dtype=torch.uint8, device="cuda")
+    pv = torch.zeros_like(pk)
+    seqlens = torch.tensor([16], dtype=torch.int32, device="cuda")
+    carrier = torch.empty((0, 17), dtype=torch.int32, device="cuda")
+    assert plugin.enqueue([q, pk, pv, seqlens, carrier], [torch.zeros((1, 1, 256), dtype=torch.float16, device="cuda"), pk, pv]) != 0
+    assert "total_sequence_length (17) is beyond the 16 rows" in capfd.readouterr().err
