@@ -38,6 +38,13 @@ class Calibration:
     q_heads: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> query heads
 
 
+def calibration_metadata(calibration: Calibration, value_offsets: bool, key_scales: bool) -> dict[str, str]:
+    """What calibrated a rewritten model, for its metadata_props."""
+    return {"turboquant.offsets": "keys and values" if value_offsets else "keys",
+            "turboquant.key_scales": "yes" if key_scales and calibration.key_scales else "no",
+            "turboquant.calibration": f"{calibration.source}, {calibration.tokens} tokens"}
+
+
 def key_scale(key_sq: np.ndarray, query_sq: np.ndarray, limit: float = 16.0) -> np.ndarray:
     """s = (E[k^2] / E[q^2])^(1/4) per KV head and channel (k centred, q over the head's group),
     normalised to a geometric mean of 1 per head and kept within [1/limit, limit]."""

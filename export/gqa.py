@@ -28,7 +28,7 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS, packed_size
 
 from .cache_io import CacheLayer
 from .errors import RewriteError
-from .plan import RewriteResult, _ranges, plan_layers
+from .plan import LayerPlan, RewriteResult, _ranges, plan_layers
 from .surgery import _replace_graph_output
 
 BOUNDARY_FORMAT = "raw16"
@@ -132,8 +132,12 @@ def row_width(key_format: str, value_format: str, head_dim: int) -> int:
     return max(packed_size(key_format, head_dim), packed_size(value_format, head_dim))
 
 
-def _replace(graph: ir.Graph, old: ir.Node, key_format: str, value_format: str, norm_correction: bool) -> ir.Node:
-    inputs = list(old.inputs)[:_NUM_INPUTS]
+def _replace(graph: ir.Graph, old: ir.Node, key_format: str, value_format: str, norm_correction: bool,
+             inputs: list | None = None, offsets: list | None = None) -> ir.Node:
+    """inputs: old's, or what takes their place; offsets: key_offset (and value_offset) to append."""
+    inputs = list(old.inputs if inputs is None else inputs)[:_NUM_INPUTS]
+    if offsets:
+        inputs += [None] * (_NUM_INPUTS - len(inputs)) + list(offsets)
     attrs = {name: a.value for name, a in old.attributes.items()}
     attrs.update(key_format=key_format, value_format=value_format, norm_correction=int(norm_correction))
     new = ir.node("TQGroupQueryAttention", inputs, attrs, domain=turboquant.DOMAIN, num_outputs=3,
@@ -150,14 +154,9 @@ def _replace(graph: ir.Graph, old: ir.Node, key_format: str, value_format: str, 
     return new
 
 
-def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
-                      unsupported: str = "refuse", per_layer: bool | None = None) -> RewriteResult:
-    """Rewrites a GroupQueryAttention model in place (module docstring); returns what was done.
-
-    per_layer: give each layer its own row width (True) or every layer the widest (False); None
-    decides by the installed onnxruntime-genai (export/genai.py reads_per_layer_shapes)."""
-    if unsupported not in ("refuse", "leave"):
-        raise RewriteError(f"unsupported must be 'refuse' or 'leave', got {unsupported!r}")
+def plan_gqa_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers=None, keep_layers=None
+                    ) -> tuple[list[LayerPlan], dict[int, CacheLayer], dict[int, ir.Node]]:
+    """plan_layers for a GroupQueryAttention model, and each layer's GroupQueryAttention node."""
     nodes: dict[int, ir.Node] = {}
 
     def head_dim_of(layer: CacheLayer) -> int | None:
@@ -176,6 +175,24 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
     if others:
         raise RewriteError(f"layers {others} are not read by GroupQueryAttention while layers {sorted(nodes)} are; "
                            "a model that mixes attention forms is not supported")
+    return plans, layers, nodes
+
+
+def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
+                      unsupported: str = "refuse", per_layer: bool | None = None, calibration=None,
+                      value_offsets: bool = False, key_scales: bool = True) -> RewriteResult:
+    """Rewrites a GroupQueryAttention model in place (module docstring); returns what was done.
+
+    calibration (export.calibrate.Calibration, from export/calibrate_gqa.py): per compressed layer
+    the mean rotated key, fed to the op as key_offset (the mean value as value_offset too when
+    value_offsets), and the rotary-pair-tied key scales applied to Q and K before it (unless
+    key_scales is False).
+
+    per_layer: give each layer its own row width (True) or every layer the widest (False); None
+    decides by the installed onnxruntime-genai (export/genai.py reads_per_layer_shapes)."""
+    if unsupported not in ("refuse", "leave"):
+        raise RewriteError(f"unsupported must be 'refuse' or 'leave', got {unsupported!r}")
+    plans, layers, nodes = plan_gqa_layers(model, preset, boundary, skip_layers, keep_layers)
     cfg = TQ_PRESETS[preset]
     left, notes = [], []
     for plan in plans:
@@ -209,7 +226,14 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
         node = nodes[plan.index]
         heads = _attr(node, "kv_num_heads", 0)
         plan.kv_heads = plan.kv_heads or heads or None  # the op's attribute where the cache inputs leave it symbolic
-        node = _replace(graph, node, plan.key_format, plan.value_format, cfg["norm_correction"])
+        inputs = offsets = None
+        if calibration is not None and plan.compressed and plan.index in calibration.keys:
+            from .calibrate_gqa import calibrated_inputs
+
+            inputs, offsets = calibrated_inputs(model, node, plan.index, calibration, key_format=plan.key_format,
+                                                dtype=layers[plan.index].past_key.dtype.numpy(),
+                                                value_offsets=value_offsets, key_scales=key_scales)
+        node = _replace(graph, node, plan.key_format, plan.value_format, cfg["norm_correction"], inputs, offsets)
         layer = layers[plan.index]
         for v in (layer.past_key, layer.past_value, node.outputs[1], node.outputs[2]):
             _retype(v, heads, plan.row_bytes)
@@ -236,6 +260,10 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
                                           "norm_correction": bool(cfg["norm_correction"]) if p.compressed else None,
                                           "form": p.form} for p in plans]),
     })
+    if calibration is not None:
+        from .calibrate import calibration_metadata
+
+        model.metadata_props.update(calibration_metadata(calibration, value_offsets, key_scales))
     return RewriteResult(preset, plans, None, notes, row_bytes=max(widths.values()), left=left)
 
 

@@ -80,9 +80,9 @@ def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layer
                                           "form": p.form} for p in plans]),
     })
     if calibration is not None:
-        model.metadata_props["turboquant.offsets"] = "keys and values" if value_offsets else "keys"
-        model.metadata_props["turboquant.key_scales"] = "yes" if key_scales and calibration.key_scales else "no"
-        model.metadata_props["turboquant.calibration"] = f"{calibration.source}, {calibration.tokens} tokens"
+        from .calibrate import calibration_metadata
+
+        model.metadata_props.update(calibration_metadata(calibration, value_offsets, key_scales))
     return RewriteResult(preset, plans, None)
 
 
@@ -120,6 +120,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         raise RewriteError(f"target must be 'onnxruntime' or 'tensorrt', got {target!r}")
     src = pathlib.Path(model_path)
     out = pathlib.Path(output) if output else default_output(src, preset)
+    if calibrate is not None and not offsets:
+        raise RewriteError("--calibrate and --no-offsets contradict each other: calibration only computes offsets and scales")
     if not dry_run:  # before loading and calibrating, which take a while
         _check_writable(out)
     _refuse_input_files(src, None, out)
@@ -127,14 +129,14 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     _refuse_input_files(src, model, out)
     if not dry_run and _saved_external(model):
         _check_writable(_data_file(out), "the output's external data file")
+    calibrates = offsets and (calibrate is not None or _mse_keys(preset))
     if uses_gqa(model):
         return _export_gqa(model, src, out, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
-                           dry_run=dry_run, calibrate=calibrate, offsets=offsets, target=target, unsupported=unsupported)
-    if calibrate is not None and not offsets:
-        raise RewriteError("--calibrate and --no-offsets contradict each other: calibration only computes offsets and scales")
+                           dry_run=dry_run, calibrate=calibrate if calibrates else False, tokenizer=tokenizer,
+                           value_offsets=value_offsets, key_scales=key_scales, progress=progress, target=target,
+                           unsupported=unsupported)
     calibration = None
-    mse_keys = preset in TQ_PRESETS and TQ_PRESETS[preset]["key_quant_bits"] in (3, 4)
-    if offsets and (calibrate is not None or mse_keys):
+    if calibrates:
         from .calibrate import collect, data_free_tokens, load_tokens
 
         plans, _ = plan_layers(model, preset, boundary, skip_layers, keep_layers)
@@ -156,6 +158,11 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     _save(model, out)
     result.output = out
     return result
+
+
+def _mse_keys(preset: str) -> bool:
+    """Presets with Lloyd-Max keys, which calibrate data-free by default."""
+    return preset in TQ_PRESETS and TQ_PRESETS[preset]["key_quant_bits"] in (3, 4)
 
 
 def _data_file(out: pathlib.Path) -> pathlib.Path:
@@ -215,21 +222,32 @@ def _save(model: ir.Model, out: pathlib.Path) -> None:
 
 
 def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: str, *, boundary, skip_layers,
-                keep_layers, dry_run, calibrate, offsets, target, unsupported) -> RewriteResult:
-    """export() for onnxruntime-genai models (GroupQueryAttention)."""
+                keep_layers, dry_run, calibrate, tokenizer, value_offsets, key_scales, progress, target,
+                unsupported) -> RewriteResult:
+    """export() for onnxruntime-genai models (GroupQueryAttention). calibrate: a file, None (data-free)
+    or False (no calibration); export/calibrate_gqa.py measures it."""
     from . import genai
 
-    if calibrate is not None:
-        raise RewriteError("--calibrate is not supported for GroupQueryAttention models: their keys are rotated inside "
-                           "the op, after the point where a calibration probe could read them")
     genai_folder = target == "onnxruntime" and (src.parent / genai.CONFIG).is_file()  # genai runs ONNX Runtime only
     if genai_folder and not dry_run:
         genai.check_output_folder(src, out)
+    calibration, notes = None, []
+    if calibrate is not False:
+        from .calibrate import data_free_tokens, load_tokens
+        from .calibrate_gqa import collect_gqa
+
+        ids, source = load_tokens(calibrate, tokenizer, model) if calibrate is not None else data_free_tokens(model)
+        if ids is not None:
+            calibration, notes = collect_gqa(src, ids, source, preset=preset, boundary=boundary, skip_layers=skip_layers,
+                                             keep_layers=keep_layers, key_scales=key_scales,
+                                             progress=progress if progress is not None else sys.stderr.isatty())
+        else:
+            notes.append(f"not calibrated: {source}")
     # TensorRT takes each cache's shape as declared: every layer gets its own row width
     result = rewrite_gqa_model(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
-                               unsupported=unsupported, per_layer=True if target == "tensorrt" else None)
-    if offsets and TQ_PRESETS[preset]["key_quant_bits"] in (3, 4):
-        result.notes.append("not calibrated (no key offsets or scales): GroupQueryAttention rotates keys inside the op")
+                               unsupported=unsupported, per_layer=True if target == "tensorrt" else None,
+                               calibration=calibration, value_offsets=value_offsets, key_scales=key_scales)
+    result.notes += notes
     if target == "tensorrt":
         from .tensorrt import for_tensorrt, foreign_ops
 

@@ -123,7 +123,7 @@ def test_cache_io_config_and_library(built, rewritten):
     assert (result.output.parent / decoder["session_options"]["custom_ops_library"]).is_file()
     assert (result.output.parent / "tokenizer.json").is_file()
     summary = result.summary()
-    assert "not calibrated" in summary
+    assert meta["turboquant.calibration"] == "data-free (random token ids, seed 0), 4096 tokens"  # export/calibrate_gqa.py
     assert "layers 0-1, 4-5: 128 (raw16); layers 2-3: 36 (mse4/uint4)" in summary
     assert "onnxruntime-genai 0.18.0 (installed) allocates each layer's cache" in summary
 
@@ -297,7 +297,7 @@ def test_refusals(built, tmp_path):
     src = built("llama")
     with pytest.raises(RewriteError, match="needs its own config"):
         export(src, "turboquant_4bit_nc", src.parent / "model.tq.onnx")
-    with pytest.raises(RewriteError, match="--calibrate is not supported"):
+    with pytest.raises(RewriteError, match="calibration file"):
         export(src, "turboquant_4bit_nc", tmp_path / "a" / "m.onnx", calibrate=tmp_path / "ids.npy")
 
 

@@ -35,6 +35,8 @@ def parse(argv):
     p.add_argument("--max-tokens", type=int, default=2048, help="score about this many tokens, rounded up to whole windows "
                    "(default 2048; 0 for the whole text)")
     p.add_argument("--batch", type=int, default=8, help="windows decoded together (default 8)")
+    p.add_argument("--shared-buffer", action="store_true", help="run each model the way onnxruntime-genai does (one "
+                   "preallocated buffer per cache tensor, bound as past and present): for genai-built models")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=positive, help="intra-op threads (CPU)")
     p.add_argument("--sensitivity", metavar="PRESET", choices=list(TQ_PRESETS),
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         windows.check()
         providers = ["CUDAExecutionProvider"] if args.device == "cuda" else ["CPUExecutionProvider"]
         progress = not args.no_progress and sys.stderr.isatty()
-        ev = Evaluator(args.original, ids, windows, providers=providers, threads=args.threads, progress=progress)
+        ev = Evaluator(args.original, ids, windows, providers=providers, threads=args.threads, progress=progress,
+                       shared_buffer=args.shared_buffer)
         print(f"text: {source}, {ids.size} tokens; {ev.scored_tokens} decoded and scored in windows of {args.context} "
               f"(prefill {args.prefill}); original perplexity {ev.original.perplexity:.4f}", flush=True)
         results = []

@@ -54,8 +54,12 @@ class Evaluator:
     """Runs the original once on the windows, then compares any number of models with it."""
 
     def __init__(self, original: str | os.PathLike, ids: np.ndarray, windows: Windows = Windows(), *,
-                 providers: Sequence = ("CPUExecutionProvider",), threads: int | None = None, progress: bool = True):
+                 providers: Sequence = ("CPUExecutionProvider",), threads: int | None = None, progress: bool = True,
+                 shared_buffer: bool = False):
+        """shared_buffer: run every model as onnxruntime-genai does, one buffer of `context` rows per
+        cache tensor bound as past and present (turboquant.shared_buffer), for genai-built models."""
         self.windows = windows
+        self.shared_buffer = shared_buffer
         cut = windows.cut(ids)
         self.batches = np.array_split(cut, -(-len(cut) // windows.batch))
         self.providers = providers
@@ -83,7 +87,12 @@ class Evaluator:
 
         from turboquant.decoder import DecoderSession
 
-        sess = DecoderSession(model, providers=self.providers, threads=self.threads)
+        if self.shared_buffer:
+            from turboquant.shared_buffer import SharedBufferDecoder
+
+            sess = SharedBufferDecoder(model, self.windows.context, providers=self.providers, threads=self.threads)
+        else:
+            sess = DecoderSession(model, providers=self.providers, threads=self.threads)
         steps = sum(len(b) for b in self.batches) * (self.windows.context - self.windows.prefill)
         with tqdm(total=steps, desc=label[:40], unit="tok", disable=not self.progress, leave=False) as bar:
             for batch in self.batches:

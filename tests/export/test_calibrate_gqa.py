@@ -1,0 +1,176 @@
+"""Calibration of onnxruntime-genai models: key offsets (mean rotated keys) and rotary-pair-tied key
+scales for TQGroupQueryAttention, on a small model built by genai's own builder with large fixed
+key components (qkv biases)."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from turboquant import examples
+from turboquant.eval.metrics import Comparison, Scores, log_softmax
+from turboquant.export import RewriteError, export
+from turboquant.export import __main__ as cli
+from turboquant.export import calibrate_gqa
+from turboquant.export.calibrate import key_scale
+from turboquant.shared_buffer import SharedBufferDecoder
+
+pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes these models)")
+
+CFG = examples.TinyConfig(family="qwen2", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=11, vocab=640,
+                          key_bias=2.0)
+HQ, HKV, D = CFG.heads, CFG.kv_heads, CFG.head_dim
+MAX_LENGTH = 64
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return examples.export_genai(CFG, tmp_path_factory.mktemp("genai-calib"))
+
+
+@pytest.fixture(scope="module")
+def rewritten(src, tmp_path_factory):
+    cache = {}
+
+    def get(preset, **kw):
+        key = (preset, tuple(sorted((k, str(v)) for k, v in kw.items())))
+        if key not in cache:
+            cache[key] = export(src, preset, tmp_path_factory.mktemp("tq") / "model.onnx", progress=False, **kw)
+        return cache[key]
+
+    return get
+
+
+def _parts(path):
+    m = onnx.load(str(path))
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in m.graph.initializer}
+    consts = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in m.graph.node if n.op_type == "Constant"}
+    muls = {n.name: consts[n.input[1]] for n in m.graph.node if n.op_type == "Mul" and n.name.startswith("tq_")}
+    tq = {n.name: n for n in m.graph.node if n.op_type == "TQGroupQueryAttention"}
+    return inits, muls, tq, {p.key: p.value for p in m.metadata_props}
+
+
+def _held_out(batch=4, length=48):
+    return np.random.default_rng(99).integers(0, CFG.vocab, (batch, length))  # not the calibration's seed-0 ids
+
+
+def _logits(path, ids, prefill=16):
+    return SharedBufferDecoder(path, MAX_LENGTH).teacher_forced(ids, prefill)
+
+
+def test_pair_groups_tie_rotary_pairs_and_free_the_rest():
+    g = calibrate_gqa.pair_groups(8, 4, interleaved=False)
+    assert list(g) == [0, 1, 0, 1, 2, 3, 4, 5]
+    g = calibrate_gqa.pair_groups(8, 4, interleaved=True)
+    assert list(g) == [0, 0, 1, 1, 2, 3, 4, 5]
+    rng = np.random.default_rng(0)
+    k2, q2 = rng.uniform(0.1, 10, (2, 8)), rng.uniform(0.1, 10, (2, 8))
+    s = calibrate_gqa.tied_key_scale(k2, q2, calibrate_gqa.pair_groups(8, 4, False))
+    np.testing.assert_array_equal(s[:, :2], s[:, 2:4])
+    # a pair's scale is the per-channel rule over the pair's energies; free channels keep their own
+    ref = key_scale(np.concatenate([k2[:, :2] + k2[:, 2:4], k2[:, :2] + k2[:, 2:4], k2[:, 4:]], 1),
+                    np.concatenate([q2[:, :2] + q2[:, 2:4], q2[:, :2] + q2[:, 2:4], q2[:, 4:]], 1))
+    np.testing.assert_allclose(s, ref, rtol=1e-6)
+
+
+def test_offsets_and_scales_are_fed_to_the_compressed_layers(rewritten):
+    r = rewritten("turboquant_4bit_nc")
+    assert r.compressed == [2, 3]
+    inits, muls, tq, meta = _parts(r.output)
+    for node in tq.values():
+        layer = int(node.input[3].split(".")[1])
+        if layer not in r.compressed:
+            assert len(node.input) <= 12 or not any(node.input[12:]), node.name  # boundary layers: no offsets
+            continue
+        assert node.input[12] == f"tq_key_offset_{layer}"
+        koff = inits[node.input[12]]
+        assert koff.shape == (HKV, D) and koff.dtype == np.float32 and np.abs(koff).max() > 0.1
+        factor = muls[f"tq_qkv_scaled_{layer}"]  # one Mul on the packed QKV input
+        assert node.input[0] == f"tq_qkv_scaled_{layer}" and factor.shape == ((HQ + 2 * HKV) * D,)
+        sq, sk, sv = np.split(factor, [HQ * D, (HQ + HKV) * D])
+        s = 1.0 / sk.reshape(HKV, D)
+        np.testing.assert_allclose(sq.reshape(HQ, D), np.repeat(s, HQ // HKV, axis=0), rtol=1e-5)
+        np.testing.assert_array_equal(sv, 1.0)
+        np.testing.assert_allclose(s[:, :D // 2], s[:, D // 2:], rtol=1e-6)  # rotate_half pairs share a scale
+        assert s.std() > 0.05
+    assert meta["turboquant.offsets"] == "keys" and meta["turboquant.key_scales"] == "yes"
+    assert meta["turboquant.calibration"] == "data-free (random token ids, seed 0), 4096 tokens"
+
+
+def _as_raw16(path, out):
+    """The rewritten model with every TQGroupQueryAttention on raw16 caches (fp16 bits, no
+    quantization), offsets and scales kept: what they do to the scores alone."""
+    m = onnx.load(str(path))
+    for n in m.graph.node:
+        if n.op_type == "TQGroupQueryAttention":
+            for a in n.attribute:
+                if a.name in ("key_format", "value_format"):
+                    a.s = b"raw16"
+    for v in [*m.graph.input, *m.graph.output]:
+        if v.name.startswith(("past_key_values.", "present.")):
+            v.type.tensor_type.shape.dim[3].dim_value = 2 * D
+    onnx.save(m, str(out))
+    return out
+
+
+def test_calibrated_scores_are_unchanged(src, rewritten, tmp_path, monkeypatch):
+    """On raw16 caches the calibrated model matches the original to fp16 rounding; scales not tied
+    across the rotary pairs would not commute with the rotation, and do not."""
+    ids = _held_out(2, 40)
+    ref = _logits(src, ids)
+    tol = 2e-3 * float(np.abs(ref).max())
+    calibrated = _logits(_as_raw16(rewritten("turboquant_4bit_nc").output, tmp_path / "cal.onnx"), ids)
+    np.testing.assert_allclose(calibrated, ref, atol=tol)
+
+    monkeypatch.setattr(calibrate_gqa, "tied_key_scale", lambda k2, q2, groups: key_scale(k2, q2))
+    untied = export(src, "turboquant_4bit_nc", tmp_path / "untied" / "model.onnx", progress=False)
+    wrong = _logits(_as_raw16(untied.output, tmp_path / "untied.onnx"), ids)
+    assert np.abs(wrong - ref).max() > 10 * tol
+
+
+def test_calibration_lowers_the_error_on_held_out_ids(src, rewritten):
+    ids = _held_out()
+    ref = log_softmax(_logits(src, ids)[:, :-1])
+    results = {}
+    for name, kw in (("none", dict(offsets=False)), ("offsets", dict(key_scales=False)), ("both", {})):
+        c = Comparison(name, Scores())
+        c.add(ref, log_softmax(_logits(rewritten("turboquant_4bit_nc", **kw).output, ids)[:, :-1]), ids[:, 16:])
+        results[name] = c.mean_kl
+    print(f"4bit_nc mean KL on held-out ids: {results}")
+    assert results["offsets"] < 0.8 * results["none"]
+    assert results["both"] < 0.8 * results["none"]
+
+
+def test_options(src, rewritten, tmp_path):
+    inits, muls, _, meta = _parts(rewritten("turboquant_4bit_nc", offsets=False).output)
+    assert not [n for n in inits if n.startswith("tq_")] and not muls and "turboquant.calibration" not in meta
+
+    inits, muls, _, meta = _parts(rewritten("turboquant_4bit_nc", key_scales=False).output)
+    assert {"tq_key_offset_2", "tq_key_offset_3"} <= set(inits) and not muls and meta["turboquant.key_scales"] == "no"
+
+    inits, _, _, meta = _parts(rewritten("turboquant_3bit_nc", value_offsets=True).output)
+    assert inits["tq_value_offset_2"].shape == (HKV, D) and meta["turboquant.offsets"] == "keys and values"
+
+    _, _, tq, meta = _parts(rewritten("turboquant_k8v4").output)  # fp8 keys: not calibrated unless asked
+    assert "turboquant.calibration" not in meta and not any(len(n.input) > 12 for n in tq.values())
+
+    np.save(tmp_path / "ids.npy", np.random.default_rng(3).integers(0, CFG.vocab, 600))
+    inits, muls, _, meta = _parts(rewritten("turboquant_k8v4", calibrate=tmp_path / "ids.npy").output)
+    assert "tq_key_offset_2" in inits and not muls  # fp8 keys are scale-free
+    assert "ids.npy" in meta["turboquant.calibration"] and "512 tokens" in meta["turboquant.calibration"]  # whole windows of 256
+
+    with pytest.raises(RewriteError, match="contradict"):
+        export(src, "turboquant_4bit_nc", tmp_path / "x" / "model.onnx", calibrate=tmp_path / "ids.npy", offsets=False)
+
+
+def test_cli_flags(src, tmp_path, capsys):
+    out = tmp_path / "cli" / "model.onnx"
+    assert cli.main([str(src), "--preset", "turboquant_k3v4_nc", "-o", str(out), "--no-key-scales", "--no-progress"]) == 0
+    meta = {p.key: p.value for p in onnx.load(str(out), load_external_data=False).metadata_props}
+    assert meta["turboquant.key_scales"] == "no" and meta["turboquant.offsets"] == "keys"
+    assert json.loads(meta["turboquant.layers"])[2]["key_format"] == "mse3"
+    capsys.readouterr()
+    assert cli.main([str(src), "--preset", "turboquant_4bit_nc", "-o", str(tmp_path / "t" / "m.onnx"),
+                     "--calibrate", str(tmp_path / "some.txt")]) == 2
+    assert "calibration file" in capsys.readouterr().err
