@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 from turboquant import examples
-from turboquant.eval.metrics import Comparison, Scores, log_softmax
+from turboquant.eval.runner import Evaluator, Windows
 from turboquant.export import RewriteError, export
 from turboquant.export import __main__ as cli
 from turboquant.export import calibrate_gqa
@@ -49,10 +49,6 @@ def _parts(path):
     muls = {n.name: consts[n.input[1]] for n in m.graph.node if n.op_type == "Mul" and n.name.startswith("tq_")}
     tq = {n.name: n for n in m.graph.node if n.op_type == "TQGroupQueryAttention"}
     return inits, muls, tq, {p.key: p.value for p in m.metadata_props}
-
-
-def _held_out(batch=4, length=48):
-    return np.random.default_rng(99).integers(0, CFG.vocab, (batch, length))  # not the calibration's seed-0 ids
 
 
 def _logits(path, ids, prefill=16):
@@ -117,7 +113,7 @@ def _as_raw16(path, out):
 def test_calibrated_scores_are_unchanged(src, rewritten, tmp_path, monkeypatch):
     """On raw16 caches the calibrated model matches the original to fp16 rounding; scales not tied
     across the rotary pairs would not commute with the rotation, and do not."""
-    ids = _held_out(2, 40)
+    ids = np.random.default_rng(99).integers(0, CFG.vocab, (2, 40))  # not the calibration's seed-0 ids
     ref = _logits(src, ids)
     tol = 2e-3 * float(np.abs(ref).max())
     calibrated = _logits(_as_raw16(rewritten("turboquant_4bit_nc").output, tmp_path / "cal.onnx"), ids)
@@ -130,16 +126,15 @@ def test_calibrated_scores_are_unchanged(src, rewritten, tmp_path, monkeypatch):
 
 
 def test_calibration_lowers_the_error_on_held_out_ids(src, rewritten):
-    ids = _held_out()
-    ref = log_softmax(_logits(src, ids)[:, :-1])
-    results = {}
-    for name, kw in (("none", dict(offsets=False)), ("offsets", dict(key_scales=False)), ("both", {})):
-        c = Comparison(name, Scores())
-        c.add(ref, log_softmax(_logits(rewritten("turboquant_4bit_nc", **kw).output, ids)[:, :-1]), ids[:, 16:])
-        results[name] = c.mean_kl
-    print(f"4bit_nc mean KL on held-out ids: {results}")
-    assert results["offsets"] < 0.8 * results["none"]
-    assert results["both"] < 0.8 * results["none"]
+    """Through the eval's shared-buffer loop (as genai runs the models), on ids apart from the
+    calibration's."""
+    ids = np.random.default_rng(99).integers(0, CFG.vocab, 208)
+    ev = Evaluator(src, ids, Windows(context=48, prefill=16, max_tokens=None, batch=5), progress=False, shared_buffer=True)
+    kl = {name: ev.compare(rewritten("turboquant_4bit_nc", **kw).output, name).mean_kl
+          for name, kw in (("none", dict(offsets=False)), ("offsets", dict(key_scales=False)), ("both", {}))}
+    print(f"4bit_nc mean KL on held-out ids over {ev.scored_tokens} decoded tokens: {kl}")
+    assert ev.scored_tokens == 5 * 32
+    assert kl["offsets"] < 0.8 * kl["none"] and kl["both"] < 0.8 * kl["none"]
 
 
 def test_options(src, rewritten, tmp_path):
