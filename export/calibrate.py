@@ -160,11 +160,7 @@ def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], s
 
     from turboquant.decoder import DecoderSession
 
-    ids = np.asarray(ids, np.int64).reshape(-1)
-    if ids.size < 2:
-        raise RewriteError("calibration needs at least 2 tokens")
-    window = min(window, ids.size)
-    starts = list(range(0, ids.size - window + 1, window))[:max_windows]
+    ids, window, starts = windows(ids, window, max_windows)
     with tempfile.TemporaryDirectory(prefix="turboquant-calibration-") as tmp:
         queries: dict[int, tuple[str, int]] = {}
         path = model_path
@@ -176,11 +172,7 @@ def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], s
         for s in tqdm(starts, desc="calibrating", unit="window", disable=not progress):
             outs = sess.run_all(ids[None, s:s + window], sess.empty_cache(1), 0)
             for layer in layers:
-                k = np.asarray(outs[sess.cache_outputs[(layer, "key")]], np.float64)
-                v = np.asarray(outs[sess.cache_outputs[(layer, "value")]], np.float64)
-                _add(sums["k"], layer, k.sum(axis=(0, 2)))
-                _add(sums["k2"], layer, (k * k).sum(axis=(0, 2)))
-                _add(sums["v"], layer, v.sum(axis=(0, 2)))
+                k = add_cache_sums(sums, outs, sess, layer)
                 if layer in queries:
                     name, heads = queries[layer]
                     q = np.asarray(outs[name], np.float64)
@@ -195,6 +187,26 @@ def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], s
     scales = {i: key_scale(sums["k2"][i] / count - mean_k[i] ** 2, sums["q2"][i] / count) for i in sums["q2"]}
     return Calibration({i: mean_k[i].astype(np.float32) for i in layers},
                        {i: (sums["v"][i] / count).astype(np.float32) for i in layers}, count, source, scales, q_heads)
+
+
+def windows(ids: np.ndarray, window: int, max_windows: int) -> tuple[np.ndarray, int, list[int]]:
+    """The ids as one row, the window length (at most the ids'), and up to max_windows window starts."""
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    if ids.size < 2:
+        raise RewriteError("calibration needs at least 2 tokens")
+    window = min(window, ids.size)
+    return ids, window, list(range(0, ids.size - window + 1, window))[:max_windows]
+
+
+def add_cache_sums(sums: dict, outs: dict, sess, layer: int) -> np.ndarray:
+    """Adds a layer's keys (and their squares) and values of one window, its present outputs, to
+    sums["k"], sums["k2"], sums["v"]; returns the keys [B, Hkv, S, D] as float64."""
+    k = np.asarray(outs[sess.cache_outputs[(layer, "key")]], np.float64)
+    v = np.asarray(outs[sess.cache_outputs[(layer, "value")]], np.float64)
+    _add(sums["k"], layer, k.sum(axis=(0, 2)))
+    _add(sums["k2"], layer, (k * k).sum(axis=(0, 2)))
+    _add(sums["v"], layer, v.sum(axis=(0, 2)))
+    return k
 
 
 def _add(acc: dict, key, value) -> None:

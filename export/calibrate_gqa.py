@@ -23,8 +23,7 @@ import tempfile
 import numpy as np
 import onnx_ir as ir
 
-from .calibrate import Calibration, key_scale
-from .errors import RewriteError
+from .calibrate import Calibration, _add, add_cache_sums, key_scale, windows
 from .gqa import _attr, plan_gqa_layers
 from .surgery import _initializer, _scaled
 
@@ -72,11 +71,7 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
 
     from turboquant.decoder import _NP, DecoderSession
 
-    ids = np.asarray(ids, np.int64).reshape(-1)
-    if ids.size < 2:
-        raise RewriteError("calibration needs at least 2 tokens")
-    window = min(window, ids.size)
-    starts = list(range(0, ids.size - window + 1, window))[:max_windows]
+    ids, window, starts = windows(ids, window, max_windows)
     probe = ir.load(model_path)
     plans, _, nodes = plan_gqa_layers(probe, preset, boundary, skip_layers, keep_layers)
     layers = [p for p in plans if p.compressed]
@@ -109,11 +104,7 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
             outs = sess.run_all(ids[None, s:s + window], empty, 0)
             for plan in layers:
                 i = plan.index
-                k = np.asarray(outs[sess.cache_outputs[(i, "key")]], np.float64)
-                v = np.asarray(outs[sess.cache_outputs[(i, "value")]], np.float64)
-                _add(sums["k"], i, k.sum(axis=(0, 2)))
-                _add(sums["k2"], i, (k * k).sum(axis=(0, 2)))
-                _add(sums["v"], i, v.sum(axis=(0, 2)))
+                add_cache_sums(sums, outs, sess, i)
                 if i in queries:
                     hq, hkv = heads[i]
                     q = np.asarray(outs[queries[i]], np.float64)[..., :hq * plan.head_dim]
@@ -128,10 +119,6 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
                               {p.index: (sums["v"][p.index] / count).astype(np.float32) for p in layers}, count,
                               source, scales, {i: heads[i][0] for i in scales})
     return calibration, notes
-
-
-def _add(acc: dict, key, value) -> None:
-    acc[key] = acc.get(key, 0.0) + value
 
 
 def calibrated_inputs(model: ir.Model, node: ir.Node, index: int, calibration: Calibration, *, key_format: str,

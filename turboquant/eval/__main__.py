@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         header = f"{'model':<48} {'ppl':>9} {'increase':>9} {'mean KL':>9} {'top-1':>7}"
         print(header)
         for path in args.rewritten:
-            results.append(ev.compare(path, pathlib.Path(path).name))
+            results.append(ev.compare(path, _label(path, args.rewritten)))
             _row(results[-1])
         if args.sensitivity:
             for _, r in layer_sensitivity(ev, args.original, args.sensitivity, mode=args.sensitivity_mode,
@@ -117,6 +117,14 @@ def _check_models(original: str, rewritten: list[str]) -> int | None:
     for path in rewritten:
         read_onnx(path)
     return vocabulary_size(ir.from_proto(read_onnx(original)))
+
+
+def _label(path: str, paths: list[str]) -> str:
+    """The file name, or with its folder where names repeat (genai folders all hold model.onnx)."""
+    name = pathlib.Path(path).name
+    if sum(pathlib.Path(p).name == name for p in paths) > 1:
+        return f"{pathlib.Path(path).parent.name}/{name}"
+    return name
 
 
 def _row(r) -> None:
