@@ -76,7 +76,7 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
     plans, _, nodes = plan_gqa_layers(probe, preset, boundary, skip_layers, keep_layers)
     layers = [p for p in plans if p.compressed]
     groups, queries, notes = {}, {}, []
-    for plan in layers if key_scales else []:
+    for plan in [p for p in layers if key_scales and p.key_format.startswith("mse")]:  # fp8 keys are scale-free
         node = nodes[plan.index]
         rotary = rotary_dim(node, plan.head_dim)
         if rotary is None:

@@ -152,7 +152,7 @@ def test_options(src, rewritten, tmp_path):
 
     np.save(tmp_path / "ids.npy", np.random.default_rng(3).integers(0, CFG.vocab, 600))
     inits, muls, _, meta = _parts(rewritten("turboquant_k8v4", calibrate=tmp_path / "ids.npy").output)
-    assert "tq_key_offset_2" in inits and not muls  # fp8 keys are scale-free
+    assert "tq_key_offset_2" in inits and not muls and meta["turboquant.key_scales"] == "no"  # fp8 keys are scale-free
     assert "ids.npy" in meta["turboquant.calibration"] and "512 tokens" in meta["turboquant.calibration"]  # whole windows of 256
 
     with pytest.raises(RewriteError, match="contradict"):
