@@ -111,18 +111,22 @@ def _as_raw16(path, out):
 
 
 def test_calibrated_scores_are_unchanged(src, rewritten, tmp_path, monkeypatch):
-    """On raw16 caches the calibrated model matches the original to fp16 rounding; scales not tied
-    across the rotary pairs would not commute with the rotation, and do not."""
+    """On raw16 caches (fp16 bits, no quantization) the calibrated model is as far from the original
+    as the uncalibrated one, i.e. fp16 rounding apart; scales not tied across the rotary pairs would
+    not commute with the rotation, and do not."""
     ids = np.random.default_rng(99).integers(0, CFG.vocab, (2, 40))  # not the calibration's seed-0 ids
     ref = _logits(src, ids)
-    tol = 2e-3 * float(np.abs(ref).max())
-    calibrated = _logits(_as_raw16(rewritten("turboquant_4bit_nc").output, tmp_path / "cal.onnx"), ids)
-    np.testing.assert_allclose(calibrated, ref, atol=tol)
+
+    def error(result, name):
+        return np.abs(_logits(_as_raw16(result.output, tmp_path / f"{name}.onnx"), ids) - ref)
+
+    floor = error(rewritten("turboquant_4bit_nc", offsets=False), "plain")  # the fp16 rounding alone
+    calibrated = error(rewritten("turboquant_4bit_nc"), "calibrated")
+    assert calibrated.max() <= 1.25 * floor.max() and calibrated.mean() <= 1.25 * floor.mean()
 
     monkeypatch.setattr(calibrate_gqa, "tied_key_scale", lambda k2, q2, groups: key_scale(k2, q2))
     untied = export(src, "turboquant_4bit_nc", tmp_path / "untied" / "model.onnx", progress=False)
-    wrong = _logits(_as_raw16(untied.output, tmp_path / "untied.onnx"), ids)
-    assert np.abs(wrong - ref).max() > 10 * tol
+    assert error(untied, "untied").max() > 10 * floor.max()
 
 
 def test_calibration_lowers_the_error_on_held_out_ids(src, rewritten):

@@ -119,9 +119,10 @@ def test_genai_nodes_take_the_plugins_form(genai_trt):
     for layer, n in enumerate(nodes):
         a = _attrs(n)
         assert a["plugin_namespace"] == b"turboquant" and a["plugin_version"] == b"1" and a["packed_qkv"] == 1
-        assert a["do_rotary"] == 1 and "" not in n.input and len(n.input) == 7
+        calibrated = layer in genai_trt.compressed  # data-free by default: the key offset follows, after the rotary tables
+        assert a["do_rotary"] == 1 and "" not in n.input and len(n.input) == 7 + calibrated
         assert n.input[1:3] == [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
-        assert n.input[5:] == ["cos_cache", "sin_cache"]
+        assert n.input[5:7] == ["cos_cache", "sin_cache"] and n.input[7:] == [f"tq_key_offset_{layer}"] * calibrated
         assert shapes[n.input[1]][3] == widths[str(layer)]  # boundary layers raw16, the others packed
     assert sorted(set(widths.values())) == [max(packed_size("mse4", 64), packed_size("uint4", 64)), 2 * 64]
     assert {p.key: p.value for p in m.metadata_props}["turboquant.target"] == "tensorrt"
