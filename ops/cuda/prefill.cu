@@ -250,15 +250,16 @@ constexpr int smem_bytes() {
   return (block_rows<D, kMask>() + 4 * kKeys) * D * 2;  // Q, and two buffers each of K and V
 }
 
-// The opt-in to more than 48 KiB of dynamic shared memory, per kernel and device.
-template <typename Kernel>
-cudaError_t raise_shared(Kernel kernel, int bytes) {
+// The opt-in to more than 48 KiB of dynamic shared memory, per kernel (one `raised` per
+// instantiation: kernels of one signature must not share it) and device.
+template <int D, typename T, bool kMask>
+cudaError_t raise_shared(int bytes) {
   static std::atomic<bool> raised[64];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev < 64 && raised[dev].load()) return cudaSuccess;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  e = cudaFuncSetAttribute(prefill_kernel<D, T, kMask>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e == cudaSuccess && dev < 64) raised[dev].store(true);
   return e;
 }
@@ -268,7 +269,7 @@ cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const
                    cudaStream_t stream) {
   auto* kernel = prefill_kernel<D, T, kMask>;
   constexpr int bytes = smem_bytes<D, kMask>();
-  cudaError_t e = raise_shared(kernel, bytes);
+  cudaError_t e = raise_shared<D, T, kMask>(bytes);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>((p.q_len + block_rows<D, kMask>() - 1) / block_rows<D, kMask>()), static_cast<unsigned>(p.q_heads),
                   static_cast<unsigned>(p.batch));

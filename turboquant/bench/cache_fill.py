@@ -15,6 +15,9 @@ from ..ort import inference_session
 from .cache_layout import CacheTensor
 
 UNIT = 256  # distinct random rows per tensor and sequence
+# elements one ONNX Runtime kernel launch fills or expands: its CUDA fill and Expand kernels index
+# with 32-bit integers (a larger ConstantOfShape faults, a larger Expand is refused)
+MAX_ELEMENTS = 2**31 - 1
 _ONNX = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16, np.uint8: TensorProto.UINT8}
 
 
@@ -58,12 +61,15 @@ def allocate(tensors: list[CacheTensor], batch: int, rows: int, device: str) -> 
     for c in tensors:
         if c.dtype not in sessions:
             sessions[c.dtype] = ort.InferenceSession(_zeros_model(_ONNX[c.dtype]).SerializeToString(), providers=providers)
-        io = sessions[c.dtype].io_binding()
-        io.bind_cpu_input("shape", np.array([batch, c.heads, rows, c.width], np.int64))
-        io.bind_output("cache", device)
-        sessions[c.dtype].run_with_iobinding(io)
-        held.append(io.get_outputs()[0])
-    total = sum(int(np.prod(v.shape())) * np.dtype(c.dtype).itemsize for v, c in zip(held, tensors))
+        # a tensor over MAX_ELEMENTS in pieces of whole sequences: the same bytes held at once
+        step = max(1, MAX_ELEMENTS // (c.heads * rows * c.width))
+        for b0 in range(0, batch, step):
+            io = sessions[c.dtype].io_binding()
+            io.bind_cpu_input("shape", np.array([min(step, batch - b0), c.heads, rows, c.width], np.int64))
+            io.bind_output("cache", device)
+            sessions[c.dtype].run_with_iobinding(io)
+            held.append((io.get_outputs()[0], c))
+    total = sum(int(np.prod(v.shape())) * np.dtype(c.dtype).itemsize for v, c in held)
     del held, sessions
     return total
 
@@ -97,6 +103,12 @@ class RandomFill:
         """c's cache for batch sequences of `rows` rows, an OrtValue on the device."""
         unit = self.unit(c, batch)
         reps = -(-rows // UNIT)
+        if batch * c.heads * reps * UNIT * c.width > MAX_ELEMENTS:  # too large for one Expand: through the host
+            kind, dev = ("cuda", 0) if self.device == "cuda" else ("cpu", 0)
+            full = np.ascontiguousarray(np.tile(unit, (1, 1, reps, 1))[:, :, :rows])
+            v = ort.OrtValue.ortvalue_from_shape_and_type(full.shape, full.dtype, kind, dev)  # memory of its own
+            v.update_inplace(full)
+            return v
         sess = self._repeat[c.dtype]
         io = sess.io_binding()
         io.bind_cpu_input("unit", unit)

@@ -8,6 +8,8 @@ import pytest
 import turboquant
 from turboquant.config import packed_size
 
+from .conftest import torch_cuda_reason
+
 ATTN = dict(key_format="mse4", value_format="uint4", norm_correction=1, is_causal=0, head_dim=128, q_num_heads=0,
             kv_num_heads=0, scale=0.0, has_mask=-1)
 GQA = dict(key_format="mse4", value_format="uint4", norm_correction=1, num_heads=4, kv_num_heads=2, scale=0.0, do_rotary=0,
@@ -123,7 +125,11 @@ def test_workspace_bound_covers_every_call_of_the_profile(trt):
         return ins, [("float16", (b, 32, sq, 128)), ("uint8", (b, 8, sp + sq, kb)), ("uint8", (b, 8, sp + sq, vb))]
 
     each = max(a.workspace(*io(b, sq)) for b in range(1, 17) for sq in range(1, 6))
-    assert a.workspace_range(io(1, 1)[0], *io(16, 5)) >= each > a.workspace(*io(16, 5))
+    assert a.workspace_range(io(1, 1)[0], *io(16, 5)) >= each
+    if torch_cuda_reason() is not None:
+        # without a device the CUDA-core kernel's layout sizes the splits, and over this profile its
+        # largest shape is not its neediest; the tensor-core layout of an sm_90 device peaks there
+        assert each > a.workspace(*io(16, 5))
 
 
 def test_output_shapes(trt):

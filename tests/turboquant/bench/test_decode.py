@@ -107,6 +107,20 @@ def test_random_fill_repeats_packed_rows_of_the_layout(built):
     assert len(np.unique(caches[packed[0].name][..., -2:])) > 1  # packed random vectors, not zeros
 
 
+def test_tensors_over_one_kernels_limit(built, monkeypatch):
+    """Caches larger than one ORT fill or Expand launch takes (MAX_ELEMENTS, made small here): the
+    capacity check holds the same bytes in pieces of whole sequences, and the random fill goes
+    through the host with the same rows as the Expand path."""
+    t = cache_layout.inspect(built["torchscript"][1])
+    want = cache_fill.allocate(t.caches, 3, 40, "cpu")
+    small = cache_fill.RandomFill("cpu", seed=3).caches(t.caches, 3, cache_fill.UNIT + 10, numpy=True)
+    monkeypatch.setattr(cache_fill, "MAX_ELEMENTS", min(c.heads * 40 * c.width for c in t.caches))
+    assert cache_fill.allocate(t.caches, 3, 40, "cpu") == want == 3 * 40 * sum(c.row_bytes for c in t.caches)
+    big = cache_fill.RandomFill("cpu", seed=3).caches(t.caches, 3, cache_fill.UNIT + 10, numpy=True)
+    for c in t.caches:
+        np.testing.assert_array_equal(big[c.name], small[c.name])
+
+
 @pytest.mark.parametrize("budget", [10**5, 10**6, 3 * 10**6 + 7])
 @pytest.mark.parametrize("builder", decode_models.BUILDERS)
 def test_capacity_agrees_with_the_layout(built, tmp_path, builder, budget):
