@@ -52,6 +52,9 @@ def add_parsers(sub) -> None:
                    help="how the caches reach S tokens: a real prefill, or random K/V (packed through TQPack) without one")
     d.add_argument("--ttft-budget", type=_seconds, default=120.0, metavar="SECONDS",
                    help="--fill random: the prefill timed for ttft is given up after this long (0: none)")
+    d.add_argument("--no-ttft-warmup", dest="ttft_warmup", action="store_false",
+                   help="time the first prefill at each point (by default the same prompt runs once untimed first, "
+                   "so ttft leaves out the costs a process pays once)")
     d.add_argument("--ttft-max-tokens", type=_count, metavar="N",
                    help="--fill random: time a prefill for ttft only where batch x context is at most N (a prompt "
                    "taken in one call cannot be stopped by --ttft-budget)")
@@ -129,7 +132,7 @@ def _decode(args) -> int:
             return _fail("--device", f"cuda: {cuda_missing()}")
     opts = decode.Options(device=args.device, points=points, steps=args.steps,
                           prefill_chunk=args.prefill_chunk, runtime=args.runtime, fill=args.fill,
-                          ttft_budget=args.ttft_budget, ttft_max_tokens=args.ttft_max_tokens, capacity=args.capacity, threads=args.threads)
+                          ttft_budget=args.ttft_budget, ttft_max_tokens=args.ttft_max_tokens, ttft_warmup=args.ttft_warmup, capacity=args.capacity, threads=args.threads)
     def saved(records):  # after every record: a run cut short keeps what it measured
         if args.json:
             decode_report.write_json(records, args.json)

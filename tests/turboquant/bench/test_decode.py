@@ -11,7 +11,7 @@ import pytest
 
 from turboquant import examples, models
 from turboquant.bench import __main__ as bench
-from turboquant.bench import cache_fill, cache_layout, decode_models
+from turboquant.bench import cache_fill, cache_layout, decode, decode_models
 from turboquant.config import packed_size
 
 FIELDS = {"model", "device", "batch", "context", "ms_per_step", "tokens_per_s", "ttft_ms", "kv_bytes", "peak_bytes",
@@ -105,6 +105,28 @@ def test_random_fill_repeats_packed_rows_of_the_layout(built):
     packed = [c for c in t.caches if c.dtype is np.uint8]
     assert {c.key_format for c in packed} == {"mse4", "uint4"} and all(c.head_dim == TINY.head_dim for c in packed)
     assert len(np.unique(caches[packed[0].name][..., -2:])) > 1  # packed random vectors, not zeros
+
+
+class _CountingDecoder:
+    """A decode loop's interface that counts its calls: logits of zeros, no cache."""
+
+    def __init__(self):
+        self.calls = []
+
+    def empty_cache(self, b):
+        return None
+
+    def step(self, ids, cache, past):
+        self.calls.append((ids.shape[1], past))
+        return np.zeros((ids.shape[0], ids.shape[1], 4), np.float32), None
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_ttft_prefill_runs_the_prompt_once_untimed_first(warmup):
+    dec = _CountingDecoder()
+    secs, _, done = decode.prefill(dec, np.zeros((2, 40), np.int64), 16, warmup=warmup)
+    once = [(16, 0), (16, 16), (8, 32)]
+    assert secs >= 0 and done == 40 and dec.calls == once * (2 if warmup else 1)
 
 
 def test_tensors_over_one_kernels_limit(built, monkeypatch):
