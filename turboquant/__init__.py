@@ -14,12 +14,26 @@
 - turboquant.hf_export: a local Hugging Face causal LM to ONNX with its KV cache
 """
 
+import importlib.util as _util
 import pathlib as _pathlib
+import sys as _sys
 
 # The wheel installs the top-level export/ folder as turboquant/export. In a source checkout (for
-# instance `python -m turboquant.export` run from the repository root) map it the same way.
-if not (_pathlib.Path(__file__).parent / "export").is_dir() and (_pathlib.Path(__file__).parent.parent / "export" / "__init__.py").is_file():
-    __path__.append(str(_pathlib.Path(__file__).parent.parent))  # noqa: F821 - the package's own __path__
+# instance `python -m turboquant.export` run from the repository root) map that one name the same
+# way, and nothing else of the checkout (extending __path__ to the root made turboquant.turboquant
+# a second copy of the package).
+_SOURCE_EXPORT = _pathlib.Path(__file__).resolve().parent.parent / "export"
+if not (_pathlib.Path(__file__).parent / "export").is_dir() and (_SOURCE_EXPORT / "__init__.py").is_file():
+
+    class _SourceExportFinder:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name != "turboquant.export":
+                return None
+            return _util.spec_from_file_location(name, _SOURCE_EXPORT / "__init__.py",
+                                                 submodule_search_locations=[str(_SOURCE_EXPORT)])
+
+    _sys.meta_path.append(_SourceExportFinder())
 
 from ._libs import LibraryNotBuiltError, ort_library_path, trt_plugin_path
 from .config import FORMAT_VERSION, TQ_PRESETS, LayerInfo, TurboQuantConfig

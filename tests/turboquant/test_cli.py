@@ -98,3 +98,16 @@ def test_unknown_or_missing_command_exits_2_with_one_line(args):
     assert "Traceback" not in r.stderr
     if args:
         assert len(r.stderr.strip().splitlines()) == 1 and "choose from export, eval, bench" in r.stderr
+
+
+def test_a_source_checkout_maps_export_and_nothing_else(repo_root):
+    """Run from the repository root, `turboquant` is the source tree: turboquant.export is export/,
+    and no other folder of the checkout becomes part of the package."""
+    code = ("import importlib.util as u, turboquant.export as e, turboquant.export.rewrite; "
+            "print(e.__file__); print(u.find_spec('turboquant.turboquant'), u.find_spec('turboquant.tests'))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(repo_root)})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == str(repo_root / "export" / "__init__.py")
+    assert lines[1] == "None None"
