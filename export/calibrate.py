@@ -38,8 +38,10 @@ class Calibration:
     q_heads: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> query heads
 
 
-def calibration_metadata(calibration: Calibration, value_offsets: bool, key_scales: bool) -> dict[str, str]:
-    """What calibrated a rewritten model, for its metadata_props."""
+def calibration_metadata(calibration: Calibration | None, value_offsets: bool, key_scales: bool) -> dict[str, str]:
+    """What calibrated a rewritten model, for its metadata_props (None: not calibrated, said so)."""
+    if calibration is None:
+        return {"turboquant.offsets": "none", "turboquant.key_scales": "no", "turboquant.calibration": "none"}
     return {"turboquant.offsets": "keys and values" if value_offsets else "keys",
             "turboquant.key_scales": "yes" if key_scales and calibration.key_scales else "no",
             "turboquant.calibration": f"{calibration.source}, {calibration.tokens} tokens"}

@@ -68,7 +68,13 @@ class RewriteResult:
         ]
         if None not in before:
             ratio = sum(before) / sum(after)
-            lines.append(f"  KV cache per token (all layers, batch 1): {sum(before)} bytes before, {sum(after)} after, {ratio:.2f}x smaller")
+            lines.append(f"  KV cache per token (all layers, batch 1): {sum(before)} bytes before, {sum(after)} after, {ratio:.2f}x smaller"
+                         f" (in the model's own cache dtype, kept layers included)")
+            packed = [p for p in self.layers if p.compressed]
+            if packed:  # the presets table's measure: a compressed layer against fp16 K and V
+                fp16 = sum(4 * p.kv_heads * p.head_dim for p in packed)
+                lines.append(f"  compressed layers against fp16 K and V: {fp16} bytes per token, {sum(p.bytes_after for p in packed)}"
+                             f" after, {fp16 / sum(p.bytes_after for p in packed):.2f}x smaller")
         else:
             lines.append("  KV cache per token: unknown (the cache inputs have a symbolic head count)")
         lines += [f"  {n}" for n in self.notes]

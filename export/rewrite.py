@@ -79,10 +79,9 @@ def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layer
                                           "norm_correction": bool(cfg["norm_correction"]) if p.compressed else None,
                                           "form": p.form} for p in plans]),
     })
-    if calibration is not None:
-        from .calibrate import calibration_metadata
+    from .calibrate import calibration_metadata
 
-        model.metadata_props.update(calibration_metadata(calibration, value_offsets, key_scales))
+    model.metadata_props.update(calibration_metadata(calibration, value_offsets, key_scales))
     return RewriteResult(preset, plans, None)
 
 

@@ -143,7 +143,7 @@ def test_calibration_lowers_the_error_on_held_out_ids(src, rewritten):
 
 def test_options(src, rewritten, tmp_path):
     inits, muls, _, meta = _parts(rewritten("turboquant_4bit_nc", offsets=False).output)
-    assert not [n for n in inits if n.startswith("tq_")] and not muls and "turboquant.calibration" not in meta
+    assert not [n for n in inits if n.startswith("tq_")] and not muls and meta["turboquant.calibration"] == "none"
 
     inits, muls, _, meta = _parts(rewritten("turboquant_4bit_nc", key_scales=False).output)
     assert {"tq_key_offset_2", "tq_key_offset_3"} <= set(inits) and not muls and meta["turboquant.key_scales"] == "no"
@@ -152,7 +152,7 @@ def test_options(src, rewritten, tmp_path):
     assert inits["tq_value_offset_2"].shape == (HKV, D) and meta["turboquant.offsets"] == "keys and values"
 
     _, _, tq, meta = _parts(rewritten("turboquant_k8v4").output)  # fp8 keys: not calibrated unless asked
-    assert "turboquant.calibration" not in meta and not any(len(n.input) > 12 for n in tq.values())
+    assert meta["turboquant.calibration"] == "none" and not any(len(n.input) > 12 for n in tq.values())
 
     np.save(tmp_path / "ids.npy", np.random.default_rng(3).integers(0, CFG.vocab, 600))
     inits, muls, _, meta = _parts(rewritten("turboquant_k8v4", calibrate=tmp_path / "ids.npy").output)

@@ -80,7 +80,9 @@ def test_data_free_calibration_is_the_default_for_lloyd_max_keys(biased_model, t
     default = meta(export(src, "turboquant_4bit_nc", tmp_path / "a.onnx", boundary=1))
     assert default["turboquant.calibration"].startswith("data-free (random token ids, seed 0), 4096 tokens")
     assert default["turboquant.key_scales"] == "yes"
-    assert "turboquant.calibration" not in meta(export(src, "turboquant_4bit_nc", tmp_path / "b.onnx", boundary=1, offsets=False))
-    assert "turboquant.calibration" not in meta(export(src, "turboquant_k8v4", tmp_path / "c.onnx", boundary=1))  # fp8 keys
+    none = {"turboquant.offsets": "none", "turboquant.key_scales": "no", "turboquant.calibration": "none"}
+    for m in (meta(export(src, "turboquant_4bit_nc", tmp_path / "b.onnx", boundary=1, offsets=False)),
+              meta(export(src, "turboquant_k8v4", tmp_path / "c.onnx", boundary=1))):  # fp8 keys: not calibrated
+        assert {k: m.get(k) for k in none} == none  # said, not left out
     with pytest.raises(RewriteError, match="contradict"):
         export(src, "turboquant_4bit_nc", tmp_path / "x.onnx", calibrate=d / "calib.npy", offsets=False)

@@ -184,6 +184,8 @@ def test_8b_shape_formula(tmp_path):
     layers = 6
     before, after = layers * 4096, 4 * 4096 + (layers - 4) * 8 * 136
     assert f"KV cache per token (all layers, batch 1): {before} bytes before, {after} after" in result.summary()
+    # the presets table's measure, labelled apart: the compressed layers against fp16 K and V
+    assert "compressed layers against fp16 K and V: 8192 bytes per token, 2176 after, 3.76x smaller" in result.summary()
     assert 32 * 4096 / (4 * 4096 + 28 * 8 * 136) == pytest.approx(2.80, abs=0.005)  # the 8B model's: 2.80x
 
 
