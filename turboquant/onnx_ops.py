@@ -102,6 +102,9 @@ def _infer_attention(ctx):
 
 def _infer_gqa(ctx):
     q, past = _shape_of(ctx, 0), _shape_of(ctx, 3)
+    # the TensorRT form (plugin attributes) drops absent optional inputs, so its input 3 is not past_key
+    if q is not None and len(q) != 3 or past is not None and len(past) != 4:
+        return
     hq, hkv = _attr(ctx, "num_heads", 0), _attr(ctx, "kv_num_heads", 0)
     y = present = None
     if q is not None:

@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
+import turboquant.onnx_ops  # noqa: F401 - the schemas registered (shape inference of both forms), as in a user's process
 from turboquant import examples, models
 from turboquant import tensorrt as tq_trt
 from turboquant.config import packed_size
