@@ -225,6 +225,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
 
+  cp_async_wait<0>();  // with no key tile (rows that see no key) the Q tile's copy is still in flight
+
 #pragma unroll
   for (int mt = 0; mt < kMt; ++mt) {
 #pragma unroll
