@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="GroupQueryAttention (onnxruntime-genai) nodes using features TQGroupQueryAttention lacks "
                    "(sliding window, softcap, attention bias, head sink, ...): refuse the model (default) or leave "
                    "those layers as they are")
+    p.add_argument("--cache", choices=["concat", "in-place"], default="concat",
+                   help="concat (default): past and present caches as the exporter made them, its masks kept (any "
+                   "padding); in-place: preallocated buffers of max_length rows bound as both past and present and "
+                   "written in place, lengths from attention_mask instead of masks (right padding; run it with "
+                   "turboquant.shared_buffer.SharedBufferDecoder); exported decoders only")
     p.add_argument("--dry-run", action="store_true", help="analyse and report, write nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -54,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                         keep_layers=args.keep_layers, dry_run=args.dry_run, progress=False if args.no_progress else None,
                         calibrate=args.calibrate, tokenizer=args.tokenizer, offsets=not args.no_offsets,
                         value_offsets=args.value_offsets,
-                        key_scales=not args.no_key_scales, target=args.target, unsupported=args.unsupported)
+                        key_scales=not args.no_key_scales, target=args.target, unsupported=args.unsupported,
+                        cache=args.cache)
     except RewriteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -102,7 +102,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
            skip_layers=None, keep_layers=None, dry_run: bool = False, progress: bool | None = None,
            calibrate: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
            offsets: bool = True, value_offsets: bool = False, key_scales: bool = True,
-           target: str = "onnxruntime", unsupported: str = "refuse") -> RewriteResult:
+           target: str = "onnxruntime", unsupported: str = "refuse", cache: str = "concat") -> RewriteResult:
     """Rewrites the model at model_path and saves it (never over the input). See python -m turboquant.export.
 
     calibrate: token ids (.npy) or text (with tokenizer, a local tokenizer folder) on which the
@@ -112,11 +112,19 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     calibration off.
     target: "onnxruntime" (the default) or "tensorrt" (the nodes as TensorRT's ONNX parser maps them
     to turboquant's plugins; see export/tensorrt.py).
+    cache: "concat" (the default: the ONNX Attention-compatible form, past and present caches of
+    the past and the total length, the exporter's masks kept) or "in-place" (export/in_place.py:
+    preallocated buffers written in place, lengths instead of masks, right padding).
     Models built by onnxruntime-genai (com.microsoft GroupQueryAttention) take export/gqa.py's rewrite;
     unsupported ("refuse" or "leave") says what happens to nodes using features it lacks, and a
     source folder with genai_config.json gets a genai-ready output folder (export/genai.py)."""
     if target not in ("onnxruntime", "tensorrt"):
         raise RewriteError(f"target must be 'onnxruntime' or 'tensorrt', got {target!r}")
+    if cache not in ("concat", "in-place"):
+        raise RewriteError(f"cache must be 'concat' or 'in-place', got {cache!r}")
+    if cache == "in-place" and target == "tensorrt":
+        raise RewriteError("--cache in-place is for ONNX Runtime: its kept layers run com.microsoft.GroupQueryAttention, "
+                           "which TensorRT has no plugin for")
     src = pathlib.Path(model_path)
     out = pathlib.Path(output) if output else default_output(src, preset)
     if calibrate is not None and not offsets:
@@ -134,6 +142,9 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
                            dry_run=dry_run, calibrate=calibrate if calibrates else False, tokenizer=tokenizer,
                            value_offsets=value_offsets, key_scales=key_scales, progress=progress, target=target,
                            unsupported=unsupported)
+    if cache == "in-place" and _has_if(model):
+        raise RewriteError("--cache in-place takes a decoder without If branches; this one is merged (export it "
+                           "unmerged, or keep the default cache form)")
     calibration = None
     if calibrates:
         from .calibrate import collect, data_free_tokens, load_tokens
@@ -145,9 +156,13 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
             calibration = collect(src, ids, [p.index for p in plans if p.compressed], source,
                                   plan_args=plan_args if key_scales else None,
                                   progress=progress if progress is not None else sys.stderr.isatty())
-    result = rewrite_model(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
-                           progress=progress, calibration=calibration, value_offsets=value_offsets,
-                           key_scales=key_scales)
+    if cache == "in-place":
+        result = _rewrite_in_place(model, src, preset, calibration, boundary=boundary, skip_layers=skip_layers,
+                                   keep_layers=keep_layers, value_offsets=value_offsets, key_scales=key_scales)
+    else:
+        result = rewrite_model(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
+                               progress=progress, calibration=calibration, value_offsets=value_offsets,
+                               key_scales=key_scales)
     if target == "tensorrt":
         from .tensorrt import for_tensorrt
 
@@ -157,6 +172,23 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     _save(model, out)
     result.output = out
     return result
+
+
+def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibration, **plan_args) -> RewriteResult:
+    from .in_place import probe_query_heads, query_heads, rewrite_in_place
+
+    value_offsets, key_scales = plan_args.pop("value_offsets"), plan_args.pop("key_scales")
+    plans, layers = plan_layers(model, preset, **plan_args)
+    heads = dict(calibration.q_heads) if calibration is not None else {}
+    unknown = [p.index for p in plans if p.index not in heads and query_heads(locate(layers[p.index])) is None]
+    if unknown:
+        heads.update(probe_query_heads(src, dict(preset=preset, **plan_args), unknown))
+    return rewrite_in_place(model, preset, heads, calibration=calibration, value_offsets=value_offsets,
+                            key_scales=key_scales, **plan_args)
+
+
+def _has_if(model: ir.Model) -> bool:
+    return any(n.op_type == "If" for n in model.graph)
 
 
 def _mse_keys(preset: str) -> bool:

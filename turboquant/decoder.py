@@ -27,6 +27,8 @@ def _layer_kind(m: re.Match) -> tuple[int, str]:
 
 
 class DecoderSession:
+    shares_buffers = False  # past and present bound to one buffer (SharedBufferDecoder)
+
     def __init__(self, model: str | os.PathLike, providers: Sequence = ("CPUExecutionProvider",),
                  threads: int | None = None, options: ort.SessionOptions | None = None):
         names = [p if isinstance(p, str) else p[0] for p in providers]  # a provider may come with options
@@ -34,6 +36,10 @@ class DecoderSession:
             ort.preload_dlls()  # onnxruntime-gpu finds the CUDA libraries of an installed torch
         so = options or session_options(threads)
         self.session = ort.InferenceSession(os.fspath(model), so, providers=list(providers))
+        meta = self.session.get_modelmeta().custom_metadata_map
+        if meta.get("turboquant.cache") == "in-place" and not self.shares_buffers:
+            raise ValueError(f"{model}: its caches are buffers written in place (rewritten with --cache in-place); "
+                             "run it with turboquant.shared_buffer.SharedBufferDecoder")
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.cache_inputs: dict[tuple[int, str], ort.NodeArg] = {}
         for i in self.session.get_inputs():

@@ -1,7 +1,8 @@
 """Running a decoder the way onnxruntime-genai does with past_present_share_buffer: one buffer of
 max_length rows per cache tensor, bound as both the past input and the present output of every
-step, so the model (GroupQueryAttention, or turboquant's TQGroupQueryAttention) writes each step's
-tokens into it in place. Plain ONNX Runtime with IO binding, on the CPU or the CUDA provider.
+step, so the model (GroupQueryAttention, or turboquant's TQGroupQueryAttention: genai models, and
+exported decoders rewritten with --cache in-place) writes each step's tokens into it in place.
+Plain ONNX Runtime with IO binding, on the CPU or the CUDA provider.
 
     dec = SharedBufferDecoder("genai_folder/model.onnx", max_length=256)
     tokens = dec.generate(prompt_ids, max_new_tokens=32)
@@ -21,6 +22,8 @@ from .decoder import _NP, DecoderSession
 
 
 class SharedBufferDecoder(DecoderSession):
+    shares_buffers = True
+
     def __init__(self, model: str | os.PathLike, max_length: int, head_size: int | None = None,
                  providers: Sequence = ("CPUExecutionProvider",), threads: int | None = None,
                  options: ort.SessionOptions | None = None):
@@ -55,13 +58,20 @@ class SharedBufferDecoder(DecoderSession):
             cache[arg.name] = ort.OrtValue.ortvalue_from_numpy(buf, *self.device)
         return cache
 
-    def step(self, input_ids: np.ndarray, cache: dict, past_len: int) -> tuple[np.ndarray, dict]:
-        """New tokens input_ids [B, S] after past_len cached ones, written into the same buffers."""
+    def step(self, input_ids: np.ndarray, cache: dict, past_len: int, lengths=None) -> tuple[np.ndarray, dict]:
+        """New tokens input_ids [B, S] after past_len cached ones, written into the same buffers.
+
+        lengths [B] (right padding): each sequence's tokens after this step, at most past_len + S;
+        a first prompt's rows past its length are padding, and a later step's tokens go to rows
+        lengths - S of their sequence (GroupQueryAttention's convention, as onnxruntime-genai feeds it)."""
         b, s = input_ids.shape
         if past_len + s > self.max_length:
             raise ValueError(f"{past_len + s} tokens do not fit the buffers' max_length {self.max_length}")
+        feeds = self.feeds(input_ids, {}, past_len)
+        if lengths is not None:
+            feeds.update(self._padded(np.asarray(lengths, np.int64), b, s, past_len))
         io = self.session.io_binding()
-        for name, value in self.feeds(input_ids, {}, past_len).items():
+        for name, value in feeds.items():
             io.bind_cpu_input(name, np.ascontiguousarray(value))
         io.bind_output(self.logits_name, "cpu")  # first: get_outputs() follows the binding order
         for key, arg in self.cache_inputs.items():
@@ -72,6 +82,18 @@ class SharedBufferDecoder(DecoderSession):
                 io.bind_output(name, self.device[0])
         self.session.run_with_iobinding(io)
         return io.get_outputs()[0].numpy(), cache
+
+    def _padded(self, lengths: np.ndarray, b: int, s: int, past_len: int) -> dict:
+        total = past_len + s
+        if lengths.shape != (b,) or (lengths > total).any() or (lengths < (1 if past_len == 0 else s)).any():
+            raise ValueError(f"lengths must be {b} counts in [{1 if past_len == 0 else s}, {total}], got {lengths.tolist()}")
+        feeds = {}
+        if "attention_mask" in self.input_names:
+            feeds["attention_mask"] = (np.arange(total)[None] < lengths[:, None]).astype(np.int64)
+        if "position_ids" in self.input_names:
+            start = np.zeros(b, np.int64) if past_len == 0 else lengths - s
+            feeds["position_ids"] = start[:, None] + np.arange(s, dtype=np.int64)[None]
+        return feeds
 
     def buffers(self, cache: dict) -> dict[str, np.ndarray]:
         """Host copies of the cache buffers."""

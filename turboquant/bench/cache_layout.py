@@ -140,10 +140,10 @@ def _head_dim(fmt: str | None, width: int, hint: int | None) -> int | None:
         return None
     if hint:
         return hint
-    for d in range(16, 1025, 8):
+    for d in range(16, 257, 8):  # the head sizes the formats take
         if packed_size(fmt, d) == width:
             return d
-    return None
+    return None  # a row padded past its vector (a key row as wide as its layer's value row)
 
 
 def check_same_model(first: ModelInfo, other: ModelInfo, arg: str) -> None:

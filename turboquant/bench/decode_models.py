@@ -41,9 +41,10 @@ def default_boundary(cfg: TinyConfig) -> int:
 
 
 def build(shape: str, builder: str, precision: str, device: str, out: pathlib.Path, rewrite: str | None = None,
-          boundary: int | None = None, calibrate: bool = True, log=print) -> dict[str, pathlib.Path]:
+          boundary: int | None = None, calibrate: bool = True, cache: str = "concat", log=print) -> dict[str, pathlib.Path]:
     """Makes the model (and its rewrite with preset `rewrite`) under out; returns the paths made.
-    calibrate=False: the rewrite without key offsets and scales (export's offsets=False)."""
+    calibrate=False: the rewrite without key offsets and scales (export's offsets=False); cache:
+    the rewrite's cache form (export's cache)."""
     import torch
 
     from .. import examples
@@ -71,7 +72,7 @@ def build(shape: str, builder: str, precision: str, device: str, out: pathlib.Pa
 
         t1 = time.perf_counter()
         result = export(paths["original"], rewrite, out / "tq" / "model.onnx", progress=False, offsets=calibrate,
-                        boundary=default_boundary(cfg) if boundary is None else boundary)
+                        boundary=default_boundary(cfg) if boundary is None else boundary, cache=cache)
         log(result.summary())
         paths["rewritten"] = result.output
         log(f"rewrite written to {result.output} ({time.perf_counter() - t1:.0f} s)")

@@ -94,6 +94,29 @@ def test_random_fill_for_original_and_rewritten(built, tmp_path, builder):
     assert all("above --ttft-max-tokens 55" in r["ttft_how"] for r in recs if r["context"] == 60)
 
 
+@pytest.fixture(scope="module")
+def in_place(built, tmp_path_factory):
+    """The tiny TorchScript export rewritten with --cache in-place."""
+    from turboquant.export import export
+
+    orig = built["torchscript"][0]
+    return export(orig, "turboquant_4bit_nc", tmp_path_factory.mktemp("ip") / "model.onnx", boundary=1, cache="in-place",
+                  progress=False).output
+
+
+@pytest.mark.parametrize("fill", ["prefill", "random"])
+def test_in_place_rewrite_of_an_export(built, in_place, tmp_path, fill):
+    """An exported decoder rewritten in place runs in SharedBufferDecoder beside its original's
+    DecoderSession; its cache is the kept layers' float rows and the packed layer's rows of the wider format."""
+    orig = built["torchscript"][0]
+    extra = ["--prefill-chunk", 16] if fill == "prefill" else ["--ttft-budget", 0]
+    recs = _decode(tmp_path, orig, in_place, "--context", 40, "--steps", 2, "--fill", fill, *extra)
+    h, d = TINY.kv_heads, TINY.head_dim
+    assert recs[1]["error"] is None and recs[1]["loop"].startswith("SharedBufferDecoder")
+    assert recs[0]["loop"].startswith("DecoderSession")
+    assert recs[1]["kv_bytes"] == 40 * (2 * 2 * h * d * 4 + 2 * h * max(packed_size("mse4", d), packed_size("uint4", d)))
+
+
 def test_random_fill_repeats_packed_rows_of_the_layout(built):
     t = cache_layout.inspect(built["torchscript"][1])
     fill = cache_fill.RandomFill("cpu")

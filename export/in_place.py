@@ -1,0 +1,312 @@
+"""The in-place cache form of an exported decoder (torch.onnx, optimum): every layer's attention
+becomes one GroupQueryAttention-style node over a preallocated cache buffer that the model's loop
+binds as both its past input and its present output, so that a step writes only its new rows.
+
+Compressed layers get turboquant.TQGroupQueryAttention over packed uint8 rows (the width of the
+larger of their formats, as in export/gqa.py); boundary and kept layers get ONNX Runtime's own
+com.microsoft.GroupQueryAttention over float rows of the model's dtype (bfloat16 models: raw16
+TQGroupQueryAttention, which ORT's op does not take). Neither recomputes rotary: the exporter's
+rotary stays outside the op (do_rotary 0).
+
+Masks as lengths: the exporter's attention mask (attention_mask combined with causal) is replaced
+by each sequence's length, sum(attention_mask[b]), and the op's causal alignment. That is
+GroupQueryAttention's contract: sequences are right-padded (a first prompt's padding at its end,
+each later token written at row sum(mask) - 1, whatever the mask holds before it). Left padding
+cannot be told from a right-padded row by lengths alone; models for left-padded batches keep the
+default (concat) form, which keeps the mask.
+
+Shape computations that read a cache's sequence length (exporters' past_len, Shape(past)[2]) are
+given it from the lengths instead: attention_mask's length less input_ids'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+import turboquant
+from turboquant.config import FORMAT_VERSION, TQ_PRESETS, packed_size
+
+from .cache_io import CacheLayer
+from .errors import RewriteError
+from .forms import AttentionSite, locate
+from .gqa import BOUNDARY_FORMAT, _describe_widths, row_width
+from .plan import LayerPlan, RewriteResult, plan_layers
+from .surgery import _REPEAT_CHAIN, _initializer, _replace_graph_output, _scaled
+
+FORM = "in-place"
+MAX_LENGTH = "max_length"  # the buffers' symbolic row count, chosen by the loop that allocates them
+
+
+@dataclasses.dataclass
+class Lengths:
+    seqlens_k: ir.Value  # int32 [B]: each sequence's length - 1
+    total: ir.Value  # int32 scalar: attention_mask's length
+    total_1d: ir.Value  # int64 [1]: the same, for shape computations
+    input_ids: ir.Value
+    _past: ir.Value | None = None
+
+    def past_1d(self, graph: ir.Graph) -> ir.Value:
+        """int64 [1]: total less the new tokens, made where first asked for (after the pass that
+        would remove it unused; the final topological sort puts it in order)."""
+        if self._past is None:
+            b = _Builder(graph, graph[0], "tq_lengths_")
+            new_1d = b("Shape", [self.input_ids], "new_1d", ir.DataType.INT64, [1], start=1, end=2)
+            self._past = b("Sub", [self.total_1d, new_1d], "past_1d", ir.DataType.INT64, [1])
+        return self._past
+
+
+class _Builder:
+    """Appends nodes in order before `anchor` (or at the graph's start), naming their outputs."""
+
+    def __init__(self, graph: ir.Graph, anchor: ir.Node, prefix: str):
+        self.graph, self.anchor, self.prefix = graph, anchor, prefix
+
+    def __call__(self, op: str, inputs: list, name: str, dtype=None, shape=None, domain: str = "", num_outputs: int = 1,
+                 **attrs) -> ir.Value | tuple:
+        n = ir.node(op, inputs, attrs, domain=domain, num_outputs=num_outputs, name=f"{self.prefix}{name}")
+        self.graph.insert_before(self.anchor, n)
+        for k, o in enumerate(n.outputs):
+            o.name = f"{self.prefix}{name}" + (f"_{k}" if num_outputs > 1 else "")
+        if dtype is not None:
+            n.outputs[0].dtype = dtype
+        if shape is not None:
+            n.outputs[0].shape = ir.Shape(shape)
+        return n.outputs[0] if num_outputs == 1 else tuple(n.outputs)
+
+    def const(self, name: str, array) -> ir.Value:
+        return self("Constant", [], name, value=ir.tensor(np.asarray(array), name=f"{self.prefix}{name}"))
+
+
+def _input(graph: ir.Graph, name: str) -> ir.Value | None:
+    return next((v for v in graph.inputs if v.name == name), None)
+
+
+def lengths(graph: ir.Graph) -> Lengths:
+    """seqlens_k and total_sequence_length from attention_mask [B, total], at the start of the graph."""
+    mask, ids = _input(graph, "attention_mask"), _input(graph, "input_ids")
+    if mask is None or ids is None:
+        missing = [n for n, v in (("attention_mask", mask), ("input_ids", ids)) if v is None]
+        raise RewriteError(f"the in-place cache form takes each sequence's length from attention_mask and the new "
+                           f"tokens from input_ids; this model has no {' or '.join(missing)} input")
+    b = _Builder(graph, graph[0], "tq_lengths_")
+    m64 = b("Cast", [mask], "mask", ir.DataType.INT64, to=ir.DataType.INT64)
+    sums = b("ReduceSum", [m64, b.const("axis", np.array([1], np.int64))], "sum", ir.DataType.INT64, keepdims=0)
+    seqlens = b("Cast", [b("Sub", [sums, b.const("one", np.array(1, np.int64))], "sum_minus_one")], "seqlens_k",
+                ir.DataType.INT32, to=ir.DataType.INT32)
+    total_1d = b("Shape", [mask], "total_1d", ir.DataType.INT64, [1], start=1, end=2)
+    total = b("Cast", [b("Squeeze", [total_1d], "total_scalar")], "total_sequence_length", ir.DataType.INT32, [],
+              to=ir.DataType.INT32)
+    return Lengths(seqlens, total, total_1d, ids)
+
+
+def _rank(x: ir.Value, site: AttentionSite) -> int:
+    """Q/K/V's rank: their shape's, else 3 for ONNX Attention with head-count attributes, 4 otherwise."""
+    if x.shape is not None:
+        return len(x.shape)
+    return 3 if site.form.startswith("attention") and site.q_num_heads else 4
+
+
+def _to_bsd(b: _Builder, x: ir.Value, site: AttentionSite, name: str) -> ir.Value:
+    """[B, H, S, D] -> [B, S, H * D] (3-D inputs are that already)."""
+    if _rank(x, site) == 3:
+        return x
+    t = b("Transpose", [x], f"{name}_bshd", x.dtype, perm=[0, 2, 1, 3])
+    return b("Reshape", [t, b.const(f"{name}_shape", np.array([0, 0, -1], np.int64))], f"{name}_bsd", x.dtype)
+
+
+def query_heads(site: AttentionSite) -> int | None:
+    """Hq where the graph says it: the attribute, or Q's static head axis."""
+    if site.q_num_heads:
+        return int(site.q_num_heads)
+    q = site.q
+    if q.shape is not None and len(q.shape) == 4 and isinstance(q.shape[1], int):
+        return q.shape[1]
+    return None
+
+
+def packs(plan: LayerPlan, layer: CacheLayer) -> bool:
+    """Whether the layer takes TQGroupQueryAttention's uint8 rows (compressed, or a bfloat16 model's
+    kept layer as raw16) rather than ORT's GroupQueryAttention over float rows."""
+    return plan.compressed or layer.past_key.dtype == ir.DataType.BFLOAT16
+
+
+def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: LayerPlan, lens: Lengths, q_heads: int,
+                   norm_correction: bool, key_offset=None, value_offset=None, key_scale=None) -> ir.Node:
+    """Replaces one layer's attention by the in-place op (module docstring); returns the new node.
+    The old attention and its cache concats are left for RemoveUnusedNodesPass, their shape
+    readers for reroute_shapes."""
+    graph = site.anchor.graph
+    i = layer.index
+    b = _Builder(graph, site.anchor, f"tq_in_place_{i}_")
+    hkv, d = plan.kv_heads, plan.head_dim
+    q, k, v = (_to_bsd(b, x, site, n) for x, n in ((site.q, "query"), (site.k_new, "key"), (site.v_new, "value")))
+    if key_scale is not None:  # export/calibrate.py: Q times the scale, K divided by it, scores unchanged
+        dtype = layer.past_key.dtype.numpy()
+        q = _scaled(graph, site.anchor, q, np.repeat(key_scale, q_heads // hkv, axis=0).reshape(-1).astype(dtype),
+                    f"tq_query_scaled_{i}")
+        k = _scaled(graph, site.anchor, k, (1.0 / key_scale).reshape(-1).astype(dtype), f"tq_key_scaled_{i}")
+        if key_offset is not None:
+            key_offset = (key_offset / key_scale).astype(np.float32)
+    attrs = {"num_heads": int(q_heads), "kv_num_heads": int(hkv), "do_rotary": 0}
+    if site.scale:
+        attrs["scale"] = float(site.scale)
+    inputs = [q, k, v, layer.past_key, layer.past_value, lens.seqlens_k, lens.total]
+    packed = packs(plan, layer)
+    if packed:
+        attrs.update(key_format=plan.key_format, value_format=plan.value_format, norm_correction=int(norm_correction))
+        if key_offset is not None or value_offset is not None:
+            zeros = np.zeros((hkv, d), np.float32)
+            inputs += [None] * 5 + [_initializer(model, f"tq_key_offset_{i}", key_offset if key_offset is not None else zeros)]
+            if value_offset is not None:
+                inputs.append(_initializer(model, f"tq_value_offset_{i}", value_offset))
+        node = ir.node("TQGroupQueryAttention", inputs, attrs, domain=turboquant.DOMAIN, num_outputs=3, name=f"tq_in_place_{i}")
+    else:
+        node = ir.node("GroupQueryAttention", inputs, attrs, domain="com.microsoft", num_outputs=3, name=f"tq_in_place_{i}")
+    graph.insert_before(site.anchor, node)
+    y = node.outputs[0]
+    y.name, y.dtype = f"tq_in_place_{i}_y", layer.past_key.dtype
+    if _rank(site.q, site) == 4:  # the original Y is [B, Hq, S, Dv]
+        y4 = b("Reshape", [y, b.const("y_shape", np.array([0, 0, q_heads, d], np.int64))], "y_bshd", y.dtype)
+        y = b("Transpose", [y4], "y_bhsd", y.dtype, perm=[0, 2, 1, 3])
+    if site.y_cast_to is not None:
+        y = b("Cast", [y], "y_cast", ir.DataType(site.y_cast_to), to=ir.DataType(site.y_cast_to))
+    if site.y.dtype is not None:
+        y.dtype, y.shape = site.y.dtype, site.y.shape
+    if site.y.is_graph_output():
+        _replace_graph_output(graph, site.y, y)
+    site.y.replace_all_uses_with(y)
+    width = row_width(plan.key_format, plan.value_format, d) if packed else d
+    plan.row_bytes = width if packed else None
+    for old, new, name in ((site.present_key, node.outputs[1], "present_key"), (site.present_value, node.outputs[2], "present_value")):
+        if old.is_graph_output():
+            _replace_graph_output(graph, old, new)
+        else:
+            new.name = f"tq_in_place_{i}_{name}"
+    for val in (layer.past_key, layer.past_value, node.outputs[1], node.outputs[2]):
+        batch = val.shape[0] if val.shape is not None and len(val.shape) == 4 else "batch"
+        val.dtype = ir.DataType.UINT8 if packed else layer.past_key.dtype
+        val.shape = ir.Shape([batch, hkv, MAX_LENGTH, width])
+    return node
+
+
+def reroute_shapes(old: ir.Value, buffer: ir.Value, rows_1d: ir.Value, head_dim: int, q: ir.Value | None, layer: int,
+                   skip: ir.Node | None = None) -> None:
+    """Shape(old) read after the attention is gone (old: a float cache of rows_1d rows, possibly
+    repeated over the query heads, or the past input itself) becomes the same numbers from the
+    buffer: batch and heads from its shape (the query heads from 4-D Q's where repeated), the rows from
+    rows_1d, the head size a constant. Any other reader left is refused."""
+    frontier = [(old, False)]
+    while frontier:
+        v, repeated = frontier.pop()
+        for user in list(v.consumers()):
+            if user is skip:
+                continue
+            if user.op_type in _REPEAT_CHAIN:
+                frontier.append((user.outputs[0], repeated or user.op_type == "Reshape"))
+                continue
+            if user.op_type != "Shape":
+                raise RewriteError(f"layer {layer}: {user.name!r} ({user.op_type}) reads the cache {v.name!r}, which the "
+                                   "in-place form replaces by a buffer of max_length rows")
+            heads_src = q if repeated else buffer
+            if repeated and q is None:
+                raise RewriteError(f"layer {layer}: {user.name!r} reads the shape of {v.name!r} repeated over the "
+                                   "query heads, whose count turboquant cannot re-derive")
+            b = _Builder(user.graph, user, f"{user.name}_tq_")
+            shape = b("Concat", [b("Shape", [buffer], "batch", ir.DataType.INT64, [1], start=0, end=1),
+                                 b("Shape", [heads_src], "heads", ir.DataType.INT64, [1], start=1, end=2),
+                                 rows_1d, b.const("head_dim", np.array([head_dim], np.int64))],
+                      "shape", ir.DataType.INT64, [4], axis=0)
+            start, end = user.attributes.get("start"), user.attributes.get("end")
+            if start is not None or end is not None:
+                shape = b("Slice", [shape, b.const("start", np.array([start.value if start else 0], np.int64)),
+                                    b.const("end", np.array([end.value if end else 4], np.int64))], "slice", ir.DataType.INT64)
+            user.outputs[0].replace_all_uses_with(shape)
+
+
+def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, boundary: int = 2, skip_layers=None,
+                     keep_layers=None, calibration=None, value_offsets: bool = False, key_scales: bool = True) -> RewriteResult:
+    """Rewrites an exported decoder into the in-place form (module docstring); returns what was done.
+    q_heads: each layer's query heads where the graph does not say them (export.in_place_heads).
+    calibration as in export.rewrite.rewrite_model."""
+    plans, layers = plan_layers(model, preset, boundary, skip_layers, keep_layers)
+    cfg = TQ_PRESETS[preset]
+    sites = {p.index: locate(layers[p.index]) for p in plans}
+    nested = [i for i, s in sites.items() if s.anchor.graph is not model.graph]
+    if nested:
+        raise RewriteError(f"layers {nested} attend inside a subgraph (a merged decoder's If): the in-place cache form "
+                           "takes a decoder without branches (export it unmerged, or use the default cache form)")
+    if not any(p.compressed for p in plans):
+        raise RewriteError("no layer left to compress: every cache layer is a boundary or kept layer")
+    lens = lengths(model.graph)
+    done = []
+    for plan in plans:
+        i, site, layer = plan.index, sites[plan.index], layers[plan.index]
+        heads = query_heads(site) or q_heads.get(i)
+        if not heads or plan.kv_heads is None:
+            raise RewriteError(f"layer {i}: cannot tell its query and KV head counts for the in-place form")
+        use = plan.compressed and calibration is not None
+        kscale = calibration.key_scales.get(i) if use and key_scales and plan.key_format.startswith("mse") else None
+        if not plan.compressed and layer.past_key.dtype == ir.DataType.BFLOAT16:
+            plan.key_format = plan.value_format = BOUNDARY_FORMAT
+        node = apply_in_place(model, site, layer, plan, lens, heads, cfg["norm_correction"],
+                              calibration.keys.get(i) if use else None,
+                              calibration.values.get(i) if use and value_offsets else None, kscale)
+        plan.form = f"{site.form}, {FORM}"
+        done.append((site, node, layer, plan))
+    common_passes.RemoveUnusedNodesPass()(model)
+    for site, node, layer, plan in done:  # shape readers left of the old caches (TorchScript's reshapes)
+        q4 = site.q if _rank(site.q, site) == 4 else None
+        for old, buffer in ((site.present_key, node.outputs[1]), (site.present_value, node.outputs[2])):
+            reroute_shapes(old, buffer, lens.total_1d, plan.head_dim, q4, layer.index)
+    common_passes.RemoveUnusedNodesPass()(model)
+    for site, node, layer, plan in done:  # then of the past inputs (exporters' past_len: Shape(past)[2])
+        for past in (layer.past_key, layer.past_value):
+            reroute_shapes(past, past, lens.past_1d(model.graph), plan.head_dim, None, layer.index, skip=node)
+    common_passes.RemoveUnusedNodesPass()(model)
+    common_passes.TopologicalSortPass()(model)
+    model.opset_imports[turboquant.DOMAIN] = turboquant.OPSET_VERSION
+    model.opset_imports.setdefault("com.microsoft", 1)
+    model.metadata_props.update({
+        "turboquant.preset": preset,
+        "turboquant.format_version": str(FORMAT_VERSION),
+        "turboquant.version": turboquant.__version__,
+        "turboquant.cache": FORM,
+        "turboquant.cache_row_bytes": json.dumps({str(p.index): p.row_bytes for p in plans if p.row_bytes}),
+        "turboquant.layers": json.dumps([{"layer": p.index, "compressed": p.compressed,
+                                          "key_format": p.key_format if packs(p, layers[p.index]) else None,
+                                          "value_format": p.value_format if packs(p, layers[p.index]) else None,
+                                          "norm_correction": bool(cfg["norm_correction"]) if p.compressed else None,
+                                          "form": p.form} for p in plans]),
+    })
+    from .calibrate import calibration_metadata
+
+    model.metadata_props.update(calibration_metadata(calibration, value_offsets, key_scales))
+    packed = [p for p in plans if p.row_bytes]
+    notes = [f"caches updated in place: buffers of {MAX_LENGTH} rows bound as past and present; sequence lengths from "
+             "attention_mask's sums (right padding), the exporter's masks removed",
+             "cache rows (bytes per token and KV head, for K and for V): " + _describe_widths(packed)
+             + ("; the others keep float rows of their head size (ONNX Runtime's GroupQueryAttention)"
+                if len(packed) < len(plans) else "")]
+    return RewriteResult(preset, plans, None, notes)
+
+
+def probe_query_heads(model_path, plan_args: dict, layers: list[int]) -> dict[int, int]:
+    """Each layer's query heads, read off Q's shape in one 2-token run of the original model, for
+    graphs (TorchScript exports) whose values carry no shapes."""
+    import pathlib
+    import tempfile
+
+    from turboquant.decoder import DecoderSession
+
+    from .calibrate import _query_probe
+
+    with tempfile.TemporaryDirectory(prefix="turboquant-heads-") as tmp:
+        path, queries = _query_probe(model_path, plan_args, layers, pathlib.Path(tmp))
+        sess = DecoderSession(path)
+        outs = sess.run_all(np.zeros((1, 2), np.int64), sess.empty_cache(1), 0)
+        return {i: (heads or outs[name].shape[1]) for i, (name, heads) in queries.items()}
