@@ -46,11 +46,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="GroupQueryAttention (onnxruntime-genai) nodes using features TQGroupQueryAttention lacks "
                    "(sliding window, softcap, attention bias, head sink, ...): refuse the model (default) or leave "
                    "those layers as they are")
-    p.add_argument("--cache", choices=["concat", "in-place"], default="concat",
-                   help="concat (default): past and present caches as the exporter made them, its masks kept (any "
-                   "padding); in-place: preallocated buffers of max_length rows bound as both past and present and "
-                   "written in place, lengths from attention_mask instead of masks (right padding; run it with "
-                   "turboquant.shared_buffer.SharedBufferDecoder); exported decoders only")
+    p.add_argument("--cache", choices=["auto", "in-place", "concat"], default="auto",
+                   help="in-place: preallocated buffers of max_length rows bound as both past and present and written "
+                   "in place, lengths from attention_mask instead of masks (right padding; run by turboquant's "
+                   "SharedBufferDecoder); concat: past and present caches as the exporter made them, its masks kept "
+                   "(any padding; for loops that feed presents back, Triton, TensorRT); auto (default): in-place where "
+                   "the model allows it. onnxruntime-genai models are in place already")
     p.add_argument("--dry-run", action="store_true", help="analyse and report, write nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)

@@ -102,7 +102,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
            skip_layers=None, keep_layers=None, dry_run: bool = False, progress: bool | None = None,
            calibrate: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
            offsets: bool = True, value_offsets: bool = False, key_scales: bool = True,
-           target: str = "onnxruntime", unsupported: str = "refuse", cache: str = "concat") -> RewriteResult:
+           target: str = "onnxruntime", unsupported: str = "refuse", cache: str = "auto") -> RewriteResult:
     """Rewrites the model at model_path and saves it (never over the input). See python -m turboquant.export.
 
     calibrate: token ids (.npy) or text (with tokenizer, a local tokenizer folder) on which the
@@ -112,19 +112,18 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     calibration off.
     target: "onnxruntime" (the default) or "tensorrt" (the nodes as TensorRT's ONNX parser maps them
     to turboquant's plugins; see export/tensorrt.py).
-    cache: "concat" (the default: the ONNX Attention-compatible form, past and present caches of
-    the past and the total length, the exporter's masks kept) or "in-place" (export/in_place.py:
-    preallocated buffers written in place, lengths instead of masks, right padding).
+    cache: "in-place" (export/in_place.py: preallocated buffers written in place, lengths instead
+    of masks, right padding; run by turboquant.shared_buffer.SharedBufferDecoder), "concat" (the
+    ONNX Attention-compatible form: past and present caches of the past and the total length, the
+    exporter's masks kept, any padding; for loops that feed presents back, Triton, TensorRT) or
+    "auto" (the default: in-place where the model allows it, else concat, the summary saying why).
     Models built by onnxruntime-genai (com.microsoft GroupQueryAttention) take export/gqa.py's rewrite;
     unsupported ("refuse" or "leave") says what happens to nodes using features it lacks, and a
     source folder with genai_config.json gets a genai-ready output folder (export/genai.py)."""
     if target not in ("onnxruntime", "tensorrt"):
         raise RewriteError(f"target must be 'onnxruntime' or 'tensorrt', got {target!r}")
-    if cache not in ("concat", "in-place"):
-        raise RewriteError(f"cache must be 'concat' or 'in-place', got {cache!r}")
-    if cache == "in-place" and target == "tensorrt":
-        raise RewriteError("--cache in-place is for ONNX Runtime: its kept layers run com.microsoft.GroupQueryAttention, "
-                           "which TensorRT has no plugin for")
+    if cache not in ("auto", "concat", "in-place"):
+        raise RewriteError(f"cache must be 'auto', 'concat' or 'in-place', got {cache!r}")
     src = pathlib.Path(model_path)
     out = pathlib.Path(output) if output else default_output(src, preset)
     if calibrate is not None and not offsets:
@@ -138,13 +137,15 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         _check_writable(_data_file(out), "the output's external data file")
     calibrates = offsets and (calibrate is not None or _mse_keys(preset))
     if uses_gqa(model):
+        if cache == "concat":
+            raise RewriteError("--cache concat does not apply to onnxruntime-genai models (GroupQueryAttention): their "
+                               "caches are written in place, and stay so")
         return _export_gqa(model, src, out, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
                            dry_run=dry_run, calibrate=calibrate if calibrates else False, tokenizer=tokenizer,
                            value_offsets=value_offsets, key_scales=key_scales, progress=progress, target=target,
                            unsupported=unsupported)
-    if cache == "in-place" and _has_if(model):
-        raise RewriteError("--cache in-place takes a decoder without If branches; this one is merged (export it "
-                           "unmerged, or keep the default cache form)")
+    auto = cache == "auto"
+    cache, why_concat = _cache_form(model, cache, target)
     calibration = None
     if calibrates:
         from .calibrate import collect, data_free_tokens, load_tokens
@@ -157,12 +158,19 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
                                   plan_args=plan_args if key_scales else None,
                                   progress=progress if progress is not None else sys.stderr.isatty())
     if cache == "in-place":
-        result = _rewrite_in_place(model, src, preset, calibration, boundary=boundary, skip_layers=skip_layers,
-                                   keep_layers=keep_layers, value_offsets=value_offsets, key_scales=key_scales)
-    else:
+        try:
+            result = _rewrite_in_place(model, src, preset, calibration, boundary=boundary, skip_layers=skip_layers,
+                                       keep_layers=keep_layers, value_offsets=value_offsets, key_scales=key_scales)
+        except RewriteError as e:
+            if not auto:
+                raise
+            model, cache, why_concat = _load(src), "concat", f"the in-place form failed ({e})"
+    if cache == "concat":
         result = rewrite_model(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
                                progress=progress, calibration=calibration, value_offsets=value_offsets,
                                key_scales=key_scales)
+    if why_concat:
+        result.notes.append(f"cache form concat (past and present as the exporter made them): {why_concat}")
     if target == "tensorrt":
         from .tensorrt import for_tensorrt
 
@@ -187,8 +195,23 @@ def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibrati
                             key_scales=key_scales, **plan_args)
 
 
-def _has_if(model: ir.Model) -> bool:
-    return any(n.op_type == "If" for n in model.graph)
+def _cache_form(model: ir.Model, cache: str, target: str) -> tuple[str, str | None]:
+    """The cache form to write and, where auto falls back to concat, why."""
+    graph_inputs = {v.name for v in model.graph.inputs}
+    reasons = []
+    if target == "tensorrt":
+        reasons.append("--target tensorrt (the kept layers of the in-place form run com.microsoft.GroupQueryAttention, "
+                       "which TensorRT has no plugin for)")
+    if any(n.op_type == "If" for n in model.graph):
+        reasons.append("a merged decoder (an If on use_cache_branch); export it unmerged for the in-place form")
+    missing = [n for n in ("attention_mask", "input_ids") if n not in graph_inputs]
+    if missing:
+        reasons.append(f"no {' or '.join(missing)} input, from which the in-place form takes the lengths")
+    if cache == "in-place" and reasons:
+        raise RewriteError(f"--cache in-place is not possible for this model: {'; '.join(reasons)}")
+    if cache == "auto":
+        return ("concat", "; ".join(reasons)) if reasons else ("in-place", None)
+    return cache, None
 
 
 def _mse_keys(preset: str) -> bool:

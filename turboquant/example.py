@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from . import examples
-    from .decoder import DecoderSession
+    from .decoder import DecoderSession, open_decoder
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -45,14 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[3/3] greedy generation of {args.tokens} tokens in ONNX Runtime (CPU)", flush=True)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab, (1, 12))
     original = DecoderSession(src).generate(prompt, args.tokens)[0]
-    rewritten = DecoderSession(dst).generate(prompt, args.tokens)[0]
+    length = prompt.shape[1] + args.tokens
+    rewritten = open_decoder(dst, length).generate(prompt, args.tokens)[0]
     agree = int((original == rewritten).sum())
     print(f"  original:  {' '.join(map(str, original))}")
     print(f"  rewritten: {' '.join(map(str, rewritten))}")
     print(f"  {agree}/{args.tokens} tokens the same (greedy decoding diverges after the first difference)")
     ids = np.concatenate([prompt[0], original])[None]
     a = DecoderSession(src).teacher_forced(ids, prompt.shape[1])
-    b = DecoderSession(dst).teacher_forced(ids, prompt.shape[1])
+    b = open_decoder(dst, length).teacher_forced(ids, prompt.shape[1])
     top1 = float((a.argmax(-1) == b.argmax(-1)).mean())
     print(f"  teacher-forced on the original's tokens: top-1 agreement {top1:.0%}, mean KL {mean_kl(a, b):.4f}")
     return 0
