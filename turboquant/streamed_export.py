@@ -79,6 +79,8 @@ def _export_graph(model, tmp: pathlib.Path, exporter: str, dtype: str):
             graph = ir.load(path)
             weights = dict(io.module.named_parameters()) | dict(io.module.named_buffers())
             attach_weights(graph, weights, io.names_in)
+            fold_weight_transposes(graph)
+            _fold_small_constants(graph)
             return graph
         if exporter == "dynamo":
             program = torch.onnx.export(io.module, io.args, input_names=io.names_in, output_names=io.names_out,
@@ -88,6 +90,16 @@ def _export_graph(model, tmp: pathlib.Path, exporter: str, dtype: str):
             program.optimize()
             return program.model
     raise ValueError(f"exporter must be 'torchscript' or 'dynamo', got {exporter!r}")
+
+
+def _fold_small_constants(graph) -> None:
+    """What TorchScript's constant folding did besides the transposes (the attention scale, shape
+    arithmetic), so that the rewrite finds the attention pattern it knows; tensors above
+    onnxscript's small size limit, the weights, are left alone."""
+    from onnxscript import optimizer
+
+    optimizer.fold_constants(graph, onnx_shape_inference=False)
+    optimizer.remove_unused_nodes(graph)
 
 
 def attach_weights(graph, weights: dict, names_in: list[str]) -> None:
