@@ -35,7 +35,6 @@ def export_to_files(model, out: str | os.PathLike, exporter: str = "torchscript"
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tq-export-", dir=out.parent))
     try:
         graph = _export_graph(model, tmp, exporter, dtype)
-        fold_weight_transposes(graph)
         graph.ir_version = min(graph.ir_version, IR_VERSION)
         import onnx_ir as ir
 
