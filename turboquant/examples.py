@@ -116,6 +116,30 @@ def export_model(model, path: str | os.PathLike, exporter: str = "torchscript", 
     import torch
 
     path = pathlib.Path(path)
+    io = cache_io(model, dtype)
+    with warnings.catch_warnings(), torch.no_grad():  # tracer warnings about Python control flow in HF code: expected
+        warnings.simplefilter("ignore")
+        _run_exporter(exporter, io.module, io.args, path, io.names_in, io.names_out, io.past)
+    _set_ir_version(path)
+    return path
+
+
+@dataclasses.dataclass
+class CacheIO:
+    """What torch.onnx traces: the wrapped model, example arguments (3 new tokens after 4 cached) and
+    the ONNX names of its inputs and outputs."""
+
+    module: object
+    args: tuple
+    names_in: list[str]
+    names_out: list[str]
+    past: list  # the example past key/value tensors (args[3:])
+
+
+def cache_io(model, dtype: str = "float32") -> CacheIO:
+    """The model converted to dtype (in place, one parameter at a time) and wrapped for export."""
+    import torch
+
     torch_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
     model = model.to(torch_dtype).eval()
     c = model.config
@@ -131,33 +155,39 @@ def export_model(model, path: str | os.PathLike, exporter: str = "torchscript", 
     flat = [torch.randn(b, kv, p, head_dim, dtype=torch_dtype, device=device) for _ in range(2 * layers)]
     names_in = ["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
     names_out = ["logits"] + [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
-    wrapper = _CacheIO(model, layers).module
-    args = (ids, am, pos, *flat)
-    with warnings.catch_warnings(), torch.no_grad():  # tracer warnings about Python control flow in HF code: expected
-        warnings.simplefilter("ignore")
-        _run_exporter(exporter, wrapper, args, path, names_in, names_out, flat)
-    _set_ir_version(path)
-    return path
+    return CacheIO(_CacheIO(model, layers).module, (ids, am, pos, *flat), names_in, names_out, flat)
 
 
 def _run_exporter(exporter, wrapper, args, path, names_in, names_out, flat) -> None:
     import torch
 
     if exporter == "torchscript":
-        dyn = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
-               "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
-        dyn.update({n: {0: "batch", 2: "past"} for n in names_in[3:]})
-        dyn.update({n: {0: "batch", 2: "total"} for n in names_out[1:]})
-        torch.onnx.export(wrapper, args, str(path), input_names=names_in, output_names=names_out, dynamic_axes=dyn,
-                          opset_version=17, dynamo=False)
+        torch.onnx.export(wrapper, args, str(path), input_names=names_in, output_names=names_out,
+                          dynamic_axes=torchscript_axes(names_in, names_out), opset_version=17, dynamo=False)
     elif exporter == "dynamo":
-        d = torch.export.Dim.DYNAMIC
-        shapes = ({0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d}, tuple({0: d, 2: d} for _ in flat))
-        program = torch.onnx.export(wrapper, args, input_names=names_in, output_names=names_out, dynamic_shapes=shapes,
-                                    opset_version=23, dynamo=True, optimize=True, verbose=False)
+        program = torch.onnx.export(wrapper, args, input_names=names_in, output_names=names_out,
+                                    dynamic_shapes=dynamo_shapes(flat), opset_version=23, dynamo=True, optimize=True,
+                                    verbose=False)
         program.save(str(path))
     else:
         raise ValueError(f"exporter must be 'torchscript' or 'dynamo', got {exporter!r}")
+
+
+def torchscript_axes(names_in: list[str], names_out: list[str]) -> dict:
+    """The TorchScript exporter's dynamic axes: batch, new tokens, cached and total lengths."""
+    dyn = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
+           "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+    dyn.update({n: {0: "batch", 2: "past"} for n in names_in[3:]})
+    dyn.update({n: {0: "batch", 2: "total"} for n in names_out[1:]})
+    return dyn
+
+
+def dynamo_shapes(past: list) -> tuple:
+    """The dynamo exporter's dynamic shapes for (input_ids, attention_mask, position_ids, *past)."""
+    import torch
+
+    d = torch.export.Dim.DYNAMIC
+    return ({0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d}, tuple({0: d, 2: d} for _ in past))
 
 
 def _set_ir_version(path: pathlib.Path, ir_version: int = 10) -> None:

@@ -1,23 +1,27 @@
 """python -m turboquant.hf_export: export a local Hugging Face causal LM to ONNX with its KV cache.
 
-What a user does before turboquant: torch.onnx (TorchScript exporter by default, or dynamo) over the
-model with past_key_values.N.key/value inputs and present.N.key/value outputs. The tokenizer is saved
+What a user does before turboquant: torch.onnx (the dynamo exporter by default, or TorchScript) over the
+model with past_key_values.N.key/value inputs and present.N.key/value outputs. Writes the graph and
+one external-data file beside it (model.onnx, model.onnx.data), holding about one copy of the weights
+in memory while it does; --dtype fp16 gives an fp16 model with fp16 caches. The tokenizer is saved
 beside the model, so the folder serves as --tokenizer for turboquant.eval and --calibrate. Reads a
 model folder (config.json and weights) or a GGUF file inside one (--gguf), offline.
 
     python -m turboquant.hf_export path/to/model-folder -o smollm2/model.onnx
-    python -m turboquant.hf_export path/to/folder --gguf model.Q4_1.gguf -o smollm2/model.onnx
+    python -m turboquant.hf_export path/to/folder --gguf model.Q4_1.gguf -o smollm2/model.onnx --dtype fp16
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 
 from .arguments import check_output_file
 
 GGUF_MAGIC = b"GGUF"
+DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", help="local folder of a Hugging Face causal LM (or holding the --gguf file)")
     p.add_argument("-o", "--output", required=True, help="the .onnx file to write (its folder gets the tokenizer)")
     p.add_argument("--gguf", help="a GGUF file name inside the folder; transformers dequantizes it to float32")
-    p.add_argument("--exporter", default="torchscript", choices=["torchscript", "dynamo"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    p.add_argument("--exporter", default="dynamo", choices=["dynamo", "torchscript"],
+                   help="torch.onnx exporter (default dynamo; TorchScript's tracing briefly holds a second copy of the weights)")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES),
+                   help="weights, activations and KV cache of the exported model (default fp32)")
     args = p.parse_args(argv)
 
     try:
@@ -36,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .examples import export_model
+    from .streamed_export import data_file, export_to_files
 
     kw = {"gguf_file": args.gguf} if args.gguf else {}
     try:
@@ -52,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     c = model.config
     print(f"exporting {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads} query heads, "
           f"{getattr(c, 'num_key_value_heads', None) or c.num_attention_heads} kv heads to {out}", flush=True)
-    export_model(model, out, args.exporter, args.dtype)
+    try:
+        export_to_files(model, out, args.exporter, DTYPES[args.dtype])
+    except OSError as e:  # a full disk, or an output that appeared meanwhile: nothing half-written is left
+        print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} and {data_file(out).name}")
     return 0
 
 
@@ -74,6 +85,9 @@ def _check(args) -> tuple[pathlib.Path, pathlib.Path]:
     elif not (src / "config.json").is_file():
         raise ValueError(f"{src} has no config.json: not a Hugging Face model folder (for a GGUF file, give --gguf NAME)")
     check_output_file(out, "the output")
+    for f in (out, out.with_name(f"{out.name}.data")):
+        if os.path.lexists(f):
+            raise ValueError(f"{f} exists; give a new output name (turboquant never overwrites files)")
     return src, out
 
 

