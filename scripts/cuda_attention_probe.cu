@@ -1,7 +1,7 @@
 // Developer probe: times ops/cuda's TQAttention launcher alone (no ONNX Runtime), for profiling with
 // ncu on the GPU machine, and checks its output against the CPU kernels. Random packed caches (valid
 // scales), one new token, fp16 Q/K/V.
-//   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu \
+//   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/split_plan.cpp \
 //        ops/cuda/attention.cu ops/cuda/pack.cu ops/cpu/attention.cpp ops/cpu/pack.cpp -o /tmp/probe
 //   /tmp/probe B S key_format value_format [iters] [pad] [width] [inplace] [rotary] [shift]
 //   pad: rows of capacity past S in the past caches; width: bytes per cache row (0: the packed

@@ -33,7 +33,9 @@
 #include <utility>
 
 #include "device_attributes.h"
+#include "ptx.cuh"
 #include "split_common.cuh"
+#include "split_geometry.h"
 #include "turboquant/float_io.h"
 #include "turboquant/rotary.h"
 #include "turboquant/vector_codec.h"
@@ -45,41 +47,20 @@ extern "C" __shared__ __align__(16) unsigned char turboquant_tc_smem[];
 namespace turboquant::cuda::detail {
 namespace {
 
-constexpr int kTok = 32;       // tokens per warp tile (two m16 row tiles)
+using namespace tc_geometry;
 // Tiles per warp brought into L2 at a block's start (split kernel below). H200, B=8 S=32768 step
 // alone 84.8 -> 84.1 us, B=32 S=8192 93.6 -> 90.7 (2 rounds: 84.2, 91.4; 4: 85.6, 94.7).
 #ifndef TQ_PREFETCH_ROUNDS
 #define TQ_PREFETCH_ROUNDS 1  // (developer A/B builds set others: scripts/build_probe.sh)
 #endif
 constexpr int kPrefetchRounds = TQ_PREFETCH_ROUNDS;
-constexpr int kRowsMax = 8;    // query rows per block: the N of the products
 constexpr int kCopies = 32;    // copies of the byte table, one per lane
 constexpr float kCodeUnit = 16777216.0f;  // 2^24: value codes enter the products as fp16 subnormals
 
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
+// 4-register m16n8k16 fp16 product (ptx.cuh)
 __device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// The transpose of the 8x8 fp16 matrix whose row g, columns 2t..2t+1 lane 4g+t holds.
-__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {  // 2^x; 2^-inf = 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
+  mma16816_f16(c, a0, a1, a2, a3, b0, b1);
 }
 
 // Hopper's bulk copies (cp.async.bulk): one instruction moves a tile into shared memory and
@@ -87,9 +68,6 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; 2^-inf = 0
 // and loop control). Before sm_90 the tiles keep per-lane cp.async.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define TQ_BULK_COPY 1
-__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
 // Barriers and buffers by their 32-bit shared-window addresses, worked out once per warp.
 __device__ __forceinline__ void mbar_init(uint32_t bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
@@ -219,64 +197,6 @@ constexpr bool codes_fit(int bits) {
 static_assert(codes_fit(3) && codes_fit(4), "a value code outside its subnormal window");
 __host__ __device__ constexpr uint32_t window(int byte) {  // bytes byte, byte+1 of x | of y
   return byte | ((byte + 1) << 4) | ((4 + byte) << 8) | ((5 + byte) << 12);
-}
-
-__host__ __device__ constexpr int round16(int n) { return (n + 15) / 16 * 16; }
-// A tile's rows land at its buffer's byte (source address mod 16), plus 4 bytes that a funnel shift
-// may read past the last row.
-__host__ __device__ inline int key_tile_bytes(int kb) { return round16(kTok * kb + 16 + 4); }
-__host__ __device__ inline int value_tile_bytes(int vb) { return round16(kTok * vb + 16 + 4); }
-__host__ __device__ inline int warp_stage_bytes(int kb, int vb) { return 2 * (key_tile_bytes(kb) + value_tile_bytes(vb)); }
-
-// The byte table of centroid pairs: one copy per lane of a row per pair value (256 pairs of MSE
-// 4-bit codes, 64 of 3-bit ones). Up to head size 128, MSE 4-bit rows are 256 bytes (the first
-// 128 used) and the table starts at a 64 KiB boundary of the block's shared-memory window, so that
-// a lookup's address is one byte permute of (table | lane * 4) and the code byte, taken by the load
-// as it is; otherwise rows are 128 bytes and the address a shift and a masked or.
-__host__ __device__ constexpr bool permuted_table(int key_bits, int kd) { return key_bits == 4 && kd <= 128; }
-__host__ __device__ constexpr int table_row_bytes(int key_bits, int kd) { return permuted_table(key_bits, kd) ? 256 : 128; }
-__host__ __device__ constexpr int table_bytes(int key_bits, int kd) {
-  return key_bits == 8 ? 0 : (key_bits == 4 ? 256 : 64) * table_row_bytes(key_bits, kd);
-}
-__host__ __device__ constexpr int fragment_bytes(int kd) { return kd / 16 * 32 * 16; }
-__host__ __device__ constexpr int query_bytes(int kd) { return kRowsMax * kd * 4; }
-constexpr int kWindow = 65536;
-constexpr int kDynStartMax = 4096;  // where the dynamic part starts in the window at most: 1 KiB reserved + static arrays
-
-// Byte offsets within the block's dynamic shared memory, which starts `start` bytes into a 64 KiB
-// window: the query fragments and rows, the warps' double buffers (the first low_warps below a
-// permuted table, the others above it), the warps' states at the end (over the buffers), the table.
-struct SmemLayout {
-  int table, fragments, queries, low_warps, low_stages, high_stages, states, bytes;
-};
-__host__ __device__ inline SmemLayout smem_layout(int key_bits, int kd, int kb, int vb, int warps, int start) {
-  SmemLayout s{};
-  const int stage = warp_stage_bytes(kb, vb);
-  const int states = warps * kRowsMax * (3 + kd) * 4;
-  if (permuted_table(key_bits, kd)) {
-    s.fragments = 0;
-    s.queries = fragment_bytes(kd);
-    s.low_stages = s.queries + query_bytes(kd);
-    s.table = kWindow - start;
-    const int room = kWindow - kDynStartMax - s.low_stages;  // below the table, wherever it starts
-    s.low_warps = room / stage < warps ? room / stage : warps;
-    s.high_stages = s.table + table_bytes(key_bits, kd);
-    s.states = s.high_stages;
-    const int high = (warps - s.low_warps) * stage;
-    s.bytes = s.high_stages + (high > states ? high : states);
-  } else {
-    s.table = 0;
-    s.fragments = table_bytes(key_bits, kd);
-    s.queries = s.fragments + fragment_bytes(kd);
-    s.low_stages = s.high_stages = s.states = s.queries + query_bytes(kd);
-    s.low_warps = warps;
-    s.bytes = s.low_stages + (warps * stage > states ? warps * stage : states);
-  }
-  return s;
-}
-// What the launch asks for: the layout of the earliest start (its table lies highest).
-__host__ __device__ inline int dynamic_bytes(int key_bits, int kd, int kb, int vb, int warps) {
-  return smem_layout(key_bits, kd, kb, vb, warps, 0).bytes;
 }
 
 // kKeyBits: 4 or 3 (MSE keys) or 8 (fp8 keys); kValBits: 4 or 3 (uint values); kD: the key
@@ -841,114 +761,60 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   TQ_BLOCK(1);
 }
 
+// The key product's length: the padded head size for MSE keys, the head size for fp8.
 int tc_kd(const AttentionParams& p) { return p.key_format == Format::kFp8 ? p.head_dim : padded_dim(p.head_dim); }
-int tc_key_bits(const AttentionParams& p) { return p.key_format == Format::kFp8 ? 8 : format_bits(p.key_format); }
-
-// Shared memory of a block of `warps` warps: the dynamic part and, at most, the static one.
-int tc_block_bytes(const AttentionParams& p, int warps) {
-  return dynamic_bytes(tc_key_bits(p), tc_kd(p), static_cast<int>(p.key_row()), static_cast<int>(p.value_row()), warps) +
-         1024;
-}
-
-// The most shared memory a block of this device may opt in to (227 KiB on sm_90, 163 on sm_80,
-// 99 on sm_86/89).
-int device_block_smem() { return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
-
-// The wide blocks' warps. H200, B=8 S=32768 step alone: 16 84.9 us, 12 85.4, 14 94.0, 10 97.8
-// (12 streams faster back to back, 76.7 against 80.4, but its steps alone end no earlier).
-#ifndef TQ_TC_WARPS
-#define TQ_TC_WARPS 16  // (developer A/B builds set others: scripts/build_probe.sh)
-#endif
-constexpr int kWideWarps = TQ_TC_WARPS;
-
-// One block per SM: 16 warps where their buffers fit, else 8 (head size 256, whose registers allow
-// no more, and caches with rows much wider than the packed vectors); 0: neither fits this device.
-int tc_warps(const AttentionParams& p) {
-  const int limit = device_block_smem();
-  if (tc_kd(p) <= 128 && tc_block_bytes(p, kWideWarps) <= limit) return kWideWarps;
-  return tc_block_bytes(p, 8) <= limit ? 8 : 0;
-}
 
 template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps>
-cudaError_t launch(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
+cudaError_t launch(const AttentionParams& p, const RotaryParams& rot, const SplitPlan& plan, const void* q,
                    const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream) {
-  const int smem = tc_block_bytes(p, kWarps) - 1024;
-  // Beyond 48 KiB per block (static + dynamic) a kernel has to opt in, once per device for the
-  // largest size asked so far.
+  // Beyond 48 KiB per block (static + dynamic) a kernel has to opt in: per device, for the largest
+  // size asked there so far
   auto kernel = tc_split_kernel<kKeyBits, kValBits, kD, kKeyWords4, kWarps>;
-  static std::atomic<int> opted[kMaxDevices];
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
+  static SharedMemoryOptIn opt_in;
+  const cudaError_t e = opt_in.raise(reinterpret_cast<const void*>(kernel), plan.smem);
   if (e != cudaSuccess) return e;
-  if (dev >= kMaxDevices || opted[dev].load() < smem) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    if (dev < kMaxDevices) opted[dev].store(smem);
-  }
+  const Layout& l = plan.layout;
   const dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
   AttentionParams kp = p;  // the row sizes worked out here, once (see the kernel's kb, vb)
   kp.key_row_bytes = p.key_row();
   kp.value_row_bytes = p.value_row();
-  return launch_dependent(kernel, grid, dim3(kWarps * 32), smem, stream, kp, rot, l, q, past_key, past_value, partial);
+  return launch_dependent(kernel, grid, dim3(kWarps * 32), plan.smem, stream, kp, rot, l, q, past_key, past_value,
+                          partial);
 }
 
 template <int kKeyBits, int kValBits, bool kKeyWords4 = false>
-cudaError_t launch_d(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
+cudaError_t launch_d(const AttentionParams& p, const RotaryParams& rot, const SplitPlan& plan, const void* q,
                      const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream) {
-  const bool wide = tc_warps(p) == kWideWarps;
+  constexpr int kWide = kWideWarps;
+  const bool wide = plan.warps == kWide;
   switch (tc_kd(p)) {
     case 64:
-      return wide ? launch<kKeyBits, kValBits, 64, kKeyWords4, kWideWarps>(p, rot, l, q, past_key, past_value, partial, stream)
-                  : launch<kKeyBits, kValBits, 64, kKeyWords4, 8>(p, rot, l, q, past_key, past_value, partial, stream);
+      return wide ? launch<kKeyBits, kValBits, 64, kKeyWords4, kWide>(p, rot, plan, q, past_key, past_value, partial, stream)
+                  : launch<kKeyBits, kValBits, 64, kKeyWords4, 8>(p, rot, plan, q, past_key, past_value, partial, stream);
     case 128:
-      return wide ? launch<kKeyBits, kValBits, 128, kKeyWords4, kWideWarps>(p, rot, l, q, past_key, past_value, partial, stream)
-                  : launch<kKeyBits, kValBits, 128, kKeyWords4, 8>(p, rot, l, q, past_key, past_value, partial, stream);
-    default: return launch<kKeyBits, kValBits, 256, kKeyWords4, 8>(p, rot, l, q, past_key, past_value, partial, stream);
+      return wide ? launch<kKeyBits, kValBits, 128, kKeyWords4, kWide>(p, rot, plan, q, past_key, past_value, partial, stream)
+                  : launch<kKeyBits, kValBits, 128, kKeyWords4, 8>(p, rot, plan, q, past_key, past_value, partial, stream);
+    default: return launch<kKeyBits, kValBits, 256, kKeyWords4, 8>(p, rot, plan, q, past_key, past_value, partial, stream);
   }
 }
 
 }  // namespace
 
-int tc_split_unit(const AttentionParams& p) { return tc_warps(p) * kTok; }
-
-bool tc_split_supported(const AttentionParams& p) {
-  // the presets' pairs: MSE 4-bit, fp8 or MSE 3-bit keys with uint4 values, MSE 3-bit with uint3
-  const Format kf = p.key_format, vf = p.value_format;
-  const bool pair = vf == Format::kUint4 ? (kf == Format::kMse4 || kf == Format::kFp8 || kf == Format::kMse3)
-                                         : (vf == Format::kUint3 && kf == Format::kMse3);
-  if (!pair) return false;
-  if (p.mask_type != MaskType::kNone) return false;
-  if (p.is_causal && p.new_len < p.q_len) return false;  // a query could then miss some past tokens
-  const int kd = tc_kd(p);
-  if (kd != 64 && kd != 128 && kd != 256) return false;
-  if (p.v_head_dim != kd) return false;
-  if (kf == Format::kFp8 && p.key_row() != kd) return false;  // swizzled 16-byte chunks
-  if (p.value_row() % 4 != 0) return false;                   // aligned value words
-  if (p.key_row() % 2 != 0) return false;                     // 2-byte copies of unaligned rows
-  // The weights p * value scale enter the value product in fp16 (relative 2^-11): within the
-  // tolerance of fp16/bf16 outputs, not of float32 ones, which keep the CUDA-core kernel.
-  if (p.dtype == DType::kFloat32) return false;
-  // One block fills an SM's shared memory (the MSE 4-bit table alone is 64 KiB). Rows much wider
-  // than the packed vectors (an onnxruntime-genai cache with raw16 layers), or devices with less
-  // shared memory than sm_90, keep the other kernels.
-  return tc_warps(p) > 0;
-}
-
-cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
-                            const uint8_t* past_key,
-                            const uint8_t* past_value, float* partial, cudaStream_t stream) {
+cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, const SplitPlan& plan, const void* q,
+                            const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream) {
+  if (plan.kernel != SplitKernel::kTensorCoreBulk) return cudaErrorInvalidValue;
   if (p.key_format == Format::kFp8) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value);
-    if ((a & 15) != 0) return cudaErrorMisalignedAddress;  // the caller routes these to the other kernels
-    return launch_d<8, 4>(p, rot, l, q, past_key, past_value, partial, stream);
+    if ((a & 15) != 0) return cudaErrorMisalignedAddress;  // plan_split routes these to the other kernels
+    return launch_d<8, 4>(p, rot, plan, q, past_key, past_value, partial, stream);
   }
   if (p.key_format == Format::kMse4) {
     const bool words = p.key_row() % 4 == 0 && (reinterpret_cast<uintptr_t>(past_key) & 3) == 0;
-    return words ? launch_d<4, 4, true>(p, rot, l, q, past_key, past_value, partial, stream)
-                 : launch_d<4, 4>(p, rot, l, q, past_key, past_value, partial, stream);
+    return words ? launch_d<4, 4, true>(p, rot, plan, q, past_key, past_value, partial, stream)
+                 : launch_d<4, 4>(p, rot, plan, q, past_key, past_value, partial, stream);
   }
-  return p.value_format == Format::kUint4 ? launch_d<3, 4>(p, rot, l, q, past_key, past_value, partial, stream)
-                                          : launch_d<3, 3>(p, rot, l, q, past_key, past_value, partial, stream);
+  return p.value_format == Format::kUint4 ? launch_d<3, 4>(p, rot, plan, q, past_key, past_value, partial, stream)
+                                          : launch_d<3, 3>(p, rot, plan, q, past_key, past_value, partial, stream);
 }
 
 }  // namespace turboquant::cuda::detail
