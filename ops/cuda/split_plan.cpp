@@ -84,7 +84,7 @@ SplitLayout row_layout(const AttentionParams& p) {
 }
 
 // The splits: `target` blocks' worth of (b, head, row block) work, each split a multiple of `unit`
-// tokens and at least one unit.
+// tokens, at least one unit, and none empty.
 void split_past(const AttentionParams& p, int64_t target, int64_t unit, SplitLayout* l) {
   const int64_t base = p.batch * p.kv_heads * l->row_blocks;
   int64_t splits = base > 0 ? (target + base - 1) / base : 1;
@@ -94,6 +94,8 @@ void split_past(const AttentionParams& p, int64_t target, int64_t unit, SplitLay
   l->splits = static_cast<int>(splits < 1 ? 1 : splits);
   l->split_len = (p.past_len + l->splits - 1) / l->splits;
   l->split_len = (l->split_len + unit - 1) / unit * unit;
+  // rounded up to whole units, fewer splits may cover the past: no block is launched for none of it
+  l->splits = static_cast<int>((p.past_len + l->split_len - 1) / l->split_len);
 }
 
 }  // namespace
