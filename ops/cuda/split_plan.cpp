@@ -11,9 +11,14 @@ using detail::mma_geometry::kStaticBytes;
 
 using detail::tc_geometry::kWideWarps;
 
-// The bulk kernel's key product length: the padded head size for MSE keys, the head size for fp8.
-int tc_kd(const AttentionParams& p) { return p.key_format == Format::kFp8 ? p.head_dim : padded_dim(p.head_dim); }
-int tc_key_bits(const AttentionParams& p) { return p.key_format == Format::kFp8 ? 8 : format_bits(p.key_format); }
+// The bulk kernel's key product length: the padded head size for MSE keys, the head size for fp8
+// and raw16.
+int tc_kd(const AttentionParams& p) {
+  return p.key_format == Format::kFp8 || p.key_format == Format::kRaw16 ? p.head_dim : padded_dim(p.head_dim);
+}
+int tc_key_bits(const AttentionParams& p) {
+  return p.key_format == Format::kRaw16 ? 16 : p.key_format == Format::kFp8 ? 8 : format_bits(p.key_format);
+}
 
 // Shared memory of a bulk block of `warps` warps: the dynamic part and, at most, the static one.
 int tc_block_bytes(const AttentionParams& p, int warps) {
@@ -29,25 +34,41 @@ int tc_warps(const AttentionParams& p, const DeviceProps& dev) {
   return tc_block_bytes(p, 8) <= dev.smem_optin ? 8 : 0;
 }
 
+// raw16 rows (2 x head size bytes: onnxruntime-genai's uncompressed boundary layers) on the bulk
+// kernel: head sizes 64 and 128, rows of whole 16-byte chunks in 16-byte aligned caches (copied in
+// swizzled chunks, as fp8 keys are), with as many warps as their double buffers leave room for in
+// 227 KiB: a warp's two 32-token tiles of K and V are 16 KiB at head size 64 (8 warps), 32 KiB at
+// 128 (4 warps, each taking two of the block's 8 query rows).
+int raw16_warps(const AttentionParams& p, bool aligned16, const DeviceProps& dev) {
+  if (p.head_dim != 64 && p.head_dim != 128) return 0;
+  if (p.key_row() % 16 != 0 || p.value_row() % 16 != 0 || !aligned16) return 0;
+  const int warps = p.head_dim == 64 ? 8 : 4;
+  return tc_block_bytes(p, warps) <= dev.smem_optin ? warps : 0;
+}
+
 // The warps of the bulk kernel for this call, or 0 where it does not take it.
 int tc_bulk_warps(const AttentionParams& p, bool aligned16, const DeviceProps& dev) {
-  // the presets' pairs: MSE 4-bit, fp8 or MSE 3-bit keys with uint4 values, MSE 3-bit with uint3
+  // the presets' pairs: MSE 4-bit, fp8 or MSE 3-bit keys with uint4 values, MSE 3-bit with uint3;
+  // and raw16 with raw16
   const Format kf = p.key_format, vf = p.value_format;
+  const bool raw16 = kf == Format::kRaw16 && vf == Format::kRaw16;
   const bool pair = vf == Format::kUint4 ? (kf == Format::kMse4 || kf == Format::kFp8 || kf == Format::kMse3)
                                          : (vf == Format::kUint3 && kf == Format::kMse3);
-  if (!pair) return 0;
+  if (!pair && !raw16) return 0;
   if (dev.cc_major < 8) return 0;  // mma.sync with bf16, cp.async
   if (p.mask_type != MaskType::kNone) return 0;
   if (p.is_causal && p.new_len < p.q_len) return 0;  // a query could then miss some past tokens
+  // The weights p * value scale enter the value product in fp16 (relative 2^-11): within the
+  // tolerance of fp16/bf16 outputs, not of float32 ones, which keep the CUDA-core kernel.
+  if (p.dtype == DType::kFloat32) return 0;
+  if (p.v_head_dim != p.head_dim && raw16) return 0;
+  if (raw16) return raw16_warps(p, aligned16, dev);
   const int kd = tc_kd(p);
   if (kd != 64 && kd != 128 && kd != 256) return 0;
   if (p.v_head_dim != kd) return 0;
   if (kf == Format::kFp8 && (p.key_row() != kd || !aligned16)) return 0;  // swizzled 16-byte chunks
   if (p.value_row() % 4 != 0) return 0;                                  // aligned value words
   if (p.key_row() % 2 != 0) return 0;                                    // 2-byte copies of unaligned rows
-  // The weights p * value scale enter the value product in fp16 (relative 2^-11): within the
-  // tolerance of fp16/bf16 outputs, not of float32 ones, which keep the CUDA-core kernel.
-  if (p.dtype == DType::kFloat32) return 0;
   // One block fills an SM's shared memory (the MSE 4-bit table alone is 64 KiB). Rows much wider
   // than the packed vectors, or devices with less shared memory than sm_90, keep the other kernels.
   return tc_warps(p, dev);

@@ -65,10 +65,35 @@ def test_float32_keeps_the_cuda_core_kernel():
         assert plan_split(**{**PRESET, "dtype": "float32"}, key_format=kf, value_format=vf).kernel == "cuda_core"
 
 
-def test_raw16_runs_the_cuda_core_kernel():
+def test_raw16_runs_the_tensor_core_bulk_kernel():
+    """raw16 rows (genai's boundary layers) at head sizes 64 and 128, fp16 and bf16 queries: the bulk
+    kernel with as many warps as their double buffers fit (8 at 64, 4 at 128), one wave of blocks."""
     for dtype in ("float16", "bfloat16"):
         plan = plan_split(**{**PRESET, "dtype": dtype}, key_format="raw16", value_format="raw16")
-        assert plan.kernel == "cuda_core", (dtype, plan)
+        assert (plan.kernel, plan.warps) == ("tc_bulk", 4), (dtype, plan)
+        assert (plan.splits, plan.split_len) == (2, 16384)
+        # query fragments and rows (8 KiB), 4 warps' two tiles of 32 rows of 256 + 256 bytes (+ 20 bytes
+        # of slack each, rounded to 16)
+        assert plan.smem == 8192 + 4 * 2 * 2 * 8224
+    small = plan_split(**{**PRESET, "head_dim": 64}, key_format="raw16", value_format="raw16")
+    assert (small.kernel, small.warps, small.smem) == ("tc_bulk", 8, 4096 + 8 * 2 * 2 * 4128)
+
+
+@pytest.mark.parametrize("change", [
+    {"mask": "bool"}, {"dtype": "float32"}, {"head_dim": 256}, {"head_dim": 80}, {"aligned16": False},
+    {"key_row_bytes": 262, "value_row_bytes": 262},  # a shared buffer's rows, not whole 16-byte chunks
+    {"q_len": 4, "new_len": 1, "is_causal": True},
+])
+def test_raw16_elsewhere_keeps_the_cuda_core_kernel(change):
+    plan = plan_split(**{**PRESET, **change}, key_format="raw16", value_format="raw16")
+    assert plan.kernel == "cuda_core", (change, plan)
+
+
+def test_raw16_in_wider_rows_of_whole_chunks_runs_the_bulk_kernel():
+    """A shared buffer's rows wider than 2 x head size, in whole 16-byte chunks, are read at their
+    own pitch."""
+    plan = plan_split(**PRESET, key_format="raw16", value_format="raw16", key_row_bytes=272, value_row_bytes=272)
+    assert plan.kernel == "tc_bulk"
 
 
 def test_head_sizes_the_bulk_kernel_does_not_take_run_the_mma_kernel():
@@ -143,5 +168,5 @@ def test_every_plan_covers_the_past_in_whole_units(batch, kv_heads, group, q_len
     assert 0 <= plan.smem <= limit
     if dtype == "float32":
         assert plan.kernel == "cuda_core"
-    if kf == "fp8" and not aligned:
+    if kf in ("fp8", "raw16") and not aligned:
         assert plan.kernel == "cuda_core"

@@ -180,7 +180,11 @@ def test_first_prompt(ort_session, device, sq, d, dtype, layout, causal, kf, vf,
     ({"d": 80}, "tc_mma"),
     ({"vf": "uint3"}, "tc_mma"),
     ({"sq": 3, "sp": 300}, "tc_bulk"),
-    ({"kf": "raw16", "vf": "raw16"}, "cuda_core"),
+    ({"kf": "raw16", "vf": "raw16"}, "tc_bulk"),
+    ({"kf": "raw16", "vf": "raw16", "d": 64, "dtype": TensorProto.BFLOAT16}, "tc_bulk"),
+    ({"kf": "raw16", "vf": "raw16", "dtype": TensorProto.FLOAT}, "cuda_core"),
+    ({"kf": "raw16", "vf": "raw16", "d": 256}, "cuda_core"),
+    ({"kf": "raw16", "vf": "raw16", "mask": "bool"}, "cuda_core"),
     ({"sp": 0}, "none"),
 ])
 def test_the_planned_split_kernel_runs(ort_session, cuda_ready, split_kernel_ran, change, want):
@@ -192,6 +196,27 @@ def test_the_planned_split_kernel_runs(ort_session, cuda_ready, split_kernel_ran
                 values="normal", seed=11), **change}
     check_case(ort_session, c, device="cuda")
     split_kernel_ran(want, **planned_call(c))
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("b, hkv, group, sq, sp, offsets", [
+    (1, 1, 1, 1, 1, False), (2, 2, 4, 1, 33, False), (3, 2, 8, 1, 257, True), (2, 8, 4, 1, 1000, False),
+    (1, 1, 5, 1, 4133, False), (2, 2, 4, 3, 300, False), (2, 1, 32, 1, 95, True),
+])
+def test_raw16_caches(ort_session, device, split_kernel_ran, dtype, d, b, hkv, group, sq, sp, offsets):
+    """raw16 keys and values (onnxruntime-genai's uncompressed boundary layers) at the head sizes the
+    GPU's tensor-core bulk kernel takes them (64 and 128), fp16 and bf16: pasts of one token, of
+    fewer and more than a warp's 32-token tile and than a block's round of tiles (8 warps at 64, 4 at
+    128), not multiples of either; several sequences; GQA groups of 1 to 32 query heads (5: padding
+    query rows in a block), several query rows, offsets. The output equals the reference's, and on
+    the GPU the bulk kernel ran."""
+    c = dict(b=b, hkv=hkv, group=group, sq=sq, sp=sp, d=d, kf="raw16", vf="raw16", dtype=dtype, layout="bsd",
+             mask=None, mask_shape="full", causal=True, scale=None, offsets=offsets, nc=True, values="normal",
+             seed=sp + d)
+    check_case(ort_session, c, device=device)
+    if device == "cuda":
+        split_kernel_ran("tc_bulk", **planned_call(c))
 
 
 CASE = dict(b=2, hkv=2, group=2, sq=2, sp=3, d=64, kf="mse4", vf="uint4", dtype=TensorProto.FLOAT, layout="bhsd",

@@ -263,6 +263,27 @@ def test_decode_step_of_the_presets_shape(ort_session, device, b, formats, rotar
     check_outputs(c, y, pk, pv, reference(c, feeds))
 
 
+@pytest.mark.parametrize("b, d, group, lengths, rotary, pad, want", [
+    (1, 128, 4, [2], 0, 0, "tc_bulk"), (4, 128, 4, [33, 129, 7, 300], 128, 0, "tc_bulk"),
+    (3, 64, 8, [1000, 257, 31], 64, 0, "tc_bulk"), (2, 64, 1, [95, 4], 32, 0, "tc_bulk"),
+    (2, 128, 4, [40, 17], 0, 6, "cuda_core"),
+])
+def test_raw16_decode_step(ort_session, device, split_kernel_ran, b, d, group, lengths, rotary, pad, want):
+    """A decode step on raw16 rows of 2 x head size bytes in a shared buffer, as onnxruntime-genai
+    runs its boundary layers: on the GPU the tensor-core bulk kernel (rotary fused there), several
+    sequences of other lengths (not multiples of the 32-token tiles), GQA groups; rows padded to
+    other widths (not whole 16-byte chunks) on the CUDA-core kernel. New rows and outputs equal the
+    reference's."""
+    c = dict(b=b, s=1, first=False, capacity=max(lengths) + 3, lengths=lengths, d=d, hkv=2, group=group,
+             formats=("raw16", "raw16"), pad=pad, packed=False, rotary=rotary, interleaved=False,
+             position_ids=False, dtype=TensorProto.FLOAT16, nc=True, offsets=b == 3, seed=sum(lengths))
+    model, feeds = make(c)
+    y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
+    if device == "cuda":
+        split_kernel_ran(want, **planned_call(c, feeds))
+    check_outputs(c, y, pk, pv, reference(c, feeds))
+
+
 @pytest.mark.parametrize("b, s, d, formats, rotary, packed", [
     (2, 300, 128, ("mse4", "uint4"), 128, False), (1, 257, 64, ("mse3", "uint3"), 0, True),
     (3, 130, 128, ("fp8", "uint4"), 64, False), (1, 1000, 128, ("raw16", "raw16"), 0, False),
