@@ -187,7 +187,7 @@ def test_first_prompt(ort_session, device, sq, d, dtype, layout, causal, kf, vf,
     ({"kf": "raw16", "vf": "raw16", "mask": "bool"}, "cuda_core"),
     ({"sp": 0}, "none"),
 ])
-def test_the_planned_split_kernel_runs(ort_session, cuda_ready, split_kernel_ran, change, want):
+def test_the_planned_split_kernel_runs_on_cuda(ort_session, cuda_ready, split_kernel_ran, change, want):
     """One decode call per row on the GPU (B = 2, 8 KV heads of 4 query heads of 128, a past of
     1000 tokens): its output equals the reference's and the split kernel that ran is the planner's
     choice (on an H200: `want`)."""
