@@ -34,9 +34,11 @@ for v in base $variants; do
   name=${v%%:*}
   [[ $v == *:* ]] && IFS=, read -r -a vflags <<< "${v#*:}"
   mkdir -p "$tmp/$name"
-  for f in ops/cuda/attention.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/gqa.cu scripts/cuda_attention_probe.cu; do
+  for f in ops/cuda/attention.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/gqa.cu ops/cuda/prefill.cu scripts/cuda_attention_probe.cu; do
     "$nvcc" "${flags[@]}" "${vflags[@]}" -c "$f" -o "$tmp/$name/$(basename "$f" .cu).o" &
   done
+  # the planner sizes the kernels' launches: built with the same flags (TQ_TC_WARPS)
+  "$nvcc" "${flags[@]}" "${vflags[@]}" -x c++ -c ops/cuda/split_plan.cpp -o "$tmp/$name/split_plan.o" &
 done
 for v in $pack_variants; do
   [[ $v == *:* ]] || { echo "a pack variant is NAME:FLAGS, not $v" >&2; exit 2; }

@@ -1,8 +1,9 @@
 // Developer probe: times ops/cuda's TQAttention launcher alone (no ONNX Runtime), for profiling with
 // ncu on the GPU machine, and checks its output against the CPU kernels. Random packed caches (valid
-// scales), one new token, fp16 Q/K/V.
-//   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu \
-//        ops/cuda/attention.cu ops/cuda/pack.cu ops/cpu/attention.cpp ops/cpu/pack.cpp -o /tmp/probe
+// scales), one new token, fp16 Q/K/V; any format pair (raw16 raw16: genai's boundary layers). Prints
+// the split kernel that ran and the planner's layout.
+//   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/split_plan.cpp \
+//        ops/cuda/attention.cu ops/cuda/prefill.cu ops/cuda/pack.cu ops/cpu/attention.cpp ops/cpu/pack.cpp -o /tmp/probe
 //   /tmp/probe B S key_format value_format [iters] [pad] [width] [inplace] [rotary] [shift]
 //   pad: rows of capacity past S in the past caches; width: bytes per cache row (0: the packed
 //   sizes); inplace 1: past and present share buffers of S + pad + 1 rows, as TQGroupQueryAttention
@@ -136,6 +137,11 @@ int main(int argc, char** argv) {
     printf("the launcher refused these caches: %s\n", cudaGetErrorString(e));
     return 0;
   }
+  // the planner's choice for this call, and the kernel that ran
+  const cuda::SplitPlan plan = cuda::attention_plan(p, pk, pv, sms);
+  printf("split kernel %s (planned %s): %d splits of %lld tokens, %d warps, %d bytes of dynamic shared memory\n",
+         cuda::split_kernel_name(cuda::last_split_kernel()), cuda::split_kernel_name(plan.kernel), plan.layout.splits,
+         static_cast<long long>(plan.layout.split_len), plan.warps, plan.smem);
   for (int i = 0; i < 2; ++i) step();
   cudaEvent_t a, b;
   cudaEventCreate(&a), cudaEventCreate(&b);

@@ -66,8 +66,9 @@ if [ "$step" = check-probes ]; then  # compute-sanitizer on the kernel probe and
   for tool in memcheck racecheck; do
     for a in "2 37 mse4 uint4 1 0" "2 999 mse4 uint4 1 1" "1 300 fp8 uint4 1 1" "2 999 mse3 uint3 1 1" "1 513 mse3 uint4 1 5" \
              "2 999 mse4 uint4 1 0 68 1" "2 999 mse3 uint4 1 1 0 1" "3 1000 fp8 uint4 1 0 0 1" \
-             "2 999 mse4 uint4 1 0 68 1 1" "3 1000 fp8 uint4 1 0 0 1 1"; do
-      echo "probe $tool $a: $(timeout 60 $CS --tool $tool --error-exitcode 9 /tmp/probe $a 2>&1 | grep -E 'max |differing|ERROR SUMMARY|RACECHECK SUMMARY' | tr '\n' ' ')"
+             "2 999 mse4 uint4 1 0 68 1 1" "3 1000 fp8 uint4 1 0 0 1 1" \
+             "2 999 raw16 raw16 1 1" "3 1000 raw16 raw16 1 0 0 1 1" "1 300 raw16 raw16 1 0 272 1"; do
+      echo "probe $tool $a: $(timeout 60 $CS --tool $tool --error-exitcode 9 /tmp/probe $a 2>&1 | grep -E 'split kernel|max |differing|ERROR SUMMARY|RACECHECK SUMMARY' | tr '\n' ' ')"
     done
   done | tee "$OUT/probe_sanitizers.log"
   # TQPack's kernels on a small run of the pack probe (its byte checks, then 8192 vectors timed)

@@ -16,6 +16,7 @@
 // (split_common.cuh): each may start while the launch before it runs, and waits for it before
 // reading what it wrote.
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <type_traits>
@@ -38,7 +39,6 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kMaxCols = kMaxHeadDim / kThreads;  // value columns per thread in the merge kernel
-constexpr int kMaxDynamicShared = 2 * kMaxStageBytes;  // two tiles in flight (raised above the 48 KiB default)
 
 __device__ float mask_value(const AttentionParams& p, const void* mask, int64_t b, int64_t hq, int64_t pos, int64_t j,
                             bool* allowed) {
@@ -617,14 +617,10 @@ template <int kRows>
 cudaError_t launch_split(dim3 grid, int smem, cudaStream_t stream, const AttentionParams& p, const Layout& l,
                          const void* q, const void* mask, const uint8_t* past_key, const uint8_t* past_value,
                          float* part) {
-  // Two staged tiles can exceed the 48 KiB default of dynamic shared memory: raise it once per
-  // kernel (a per-function attribute; cheap, and idempotent if two threads race on it).
-  static bool raised = false;
-  if (!raised) {
-    const cudaError_t e = cudaFuncSetAttribute(split_kernel<kRows>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicShared);
-    if (e != cudaSuccess) return e;
-    raised = true;
-  }
+  // Two staged tiles can exceed the 48 KiB default of shared memory: opted in per device
+  static SharedMemoryOptIn opt_in;
+  const cudaError_t e = opt_in.raise(reinterpret_cast<const void*>(split_kernel<kRows>), smem);
+  if (e != cudaSuccess) return e;
   split_kernel<kRows><<<grid, kThreads, smem, stream>>>(p, l, q, mask, past_key, past_value, part);
   return cudaGetLastError();
 }
@@ -763,22 +759,30 @@ cudaError_t finish(const AttentionParams& p, const RotaryParams& rot, const Layo
 
 }  // namespace
 
-size_t attention_workspace_bytes(const AttentionParams& p, int num_sms) {
-  if (p.past_len == 0 || p.q_len == 0) return 0;
-  const Layout l = make_layout(p, num_sms);
-  return static_cast<size_t>(p.batch * p.kv_heads * l.rows * l.splits * partial_stride(p.v_head_dim)) * sizeof(float);
+namespace {
+bool aligned16(const uint8_t* past_key, const uint8_t* past_value) {
+  return ((reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value)) & 15) == 0;
 }
 
-namespace {
-// Whether the tensor-core split kernel (attention_tc.cu) takes these parameters and caches.
-bool uses_tc_split(const AttentionParams& p, const uint8_t* past_key, const uint8_t* past_value) {
-  const bool aligned = ((reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value)) & 15) == 0;
-  return tc_split_supported(p) && (aligned || p.key_format != Format::kFp8);
-}
+std::atomic<int> last_kernel{static_cast<int>(SplitKernel::kNone)};
 }  // namespace
 
+// Enough for either alignment of the caches: the kernel, and with it the splits, can depend on it,
+// and callers (TensorRT's getWorkspaceSize) size the workspace before they know the addresses.
+size_t attention_workspace_bytes(const AttentionParams& p, int num_sms) {
+  const DeviceProps dev = current_device_props(num_sms);
+  return std::max(plan_split(p, true, dev).workspace, plan_split(p, false, dev).workspace);
+}
+
+SplitPlan attention_plan(const AttentionParams& p, const uint8_t* past_key, const uint8_t* past_value, int num_sms) {
+  return plan_split(p, aligned16(past_key, past_value), current_device_props(num_sms));
+}
+
+SplitKernel last_split_kernel() { return static_cast<SplitKernel>(last_kernel.load()); }
+
 bool fuses_rotary(const AttentionParams& p, const uint8_t* past_key, const uint8_t* past_value) {
-  return p.q_len == 1 && p.new_len == 1 && (p.past_len == 0 || uses_tc_split(p, past_key, past_value));
+  return p.q_len == 1 && p.new_len == 1 &&
+         (p.past_len == 0 || attention_plan(p, past_key, past_value).kernel == SplitKernel::kTensorCoreBulk);
 }
 
 cudaError_t attention(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
@@ -787,28 +791,30 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
                       const RotaryParams* rotary) {
   if (!caches_aligned(past_key, past_value, present_key, present_value)) return cudaErrorMisalignedAddress;
   const RotaryParams rot = rotary ? *rotary : RotaryParams{};
-  if (rot.rotary_dim > 0 && !fuses_rotary(p, past_key, past_value)) return cudaErrorInvalidValue;
+  // the one plan of this call: its kernel, splits (of the query rows: none when q_len is 0) and
+  // shared memory; the workspace was sized by the same planner
+  const SplitPlan plan = attention_plan(p, past_key, past_value, num_sms);
+  const bool fused = p.q_len == 1 && p.new_len == 1 && (p.past_len == 0 || plan.kernel == SplitKernel::kTensorCoreBulk);
+  if (rot.rotary_dim > 0 && !fused) return cudaErrorInvalidValue;
   cudaError_t e = copy_past(p, past_key, present_key, past_value, present_value, num_sms, stream);
   if (e != cudaSuccess) return e;
   if (p.batch == 0) return cudaSuccess;
-  const Layout l = make_layout(p, num_sms);  // of the query rows: none when q_len is 0
-  const bool split = p.q_len > 0 && p.past_len > 0;
+  const Layout& l = plan.layout;
+  const bool split = plan.kernel != SplitKernel::kNone;
+  last_kernel.store(static_cast<int>(plan.kernel));
   if (split) {
-    dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
     float* part = static_cast<float*>(workspace);
-    const int smem = l.buffers * l.stage_bytes;
-    // the tensor-core kernels where they apply (attention_tc.cu for the presets' shapes, then
-    // attention_mma.cu), else the CUDA-core kernel; make_layout sized the splits for the first
-    if (uses_tc_split(p, past_key, past_value)) {
-      e = launch_tc_split(p, rot, l, q, past_key, past_value, part, stream);
-    } else if (mma_split_supported(p)) {
-      e = launch_mma_split(p, l, q, past_key, past_value, part, stream);
-    } else {
-      switch (l.rows_per_block) {
-        case 1: e = launch_split<1>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
-        case 2: e = launch_split<2>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
-        case 4: e = launch_split<4>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
-        default: e = launch_split<8>(grid, smem, stream, p, l, q, mask, past_key, past_value, part); break;
+    switch (plan.kernel) {
+      case SplitKernel::kTensorCoreBulk: e = launch_tc_split(p, rot, plan, q, past_key, past_value, part, stream); break;
+      case SplitKernel::kTensorCoreMma: e = launch_mma_split(p, plan, q, past_key, past_value, part, stream); break;
+      default: {
+        const dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
+        switch (l.rows_per_block) {
+          case 1: e = launch_split<1>(grid, plan.smem, stream, p, l, q, mask, past_key, past_value, part); break;
+          case 2: e = launch_split<2>(grid, plan.smem, stream, p, l, q, mask, past_key, past_value, part); break;
+          case 4: e = launch_split<4>(grid, plan.smem, stream, p, l, q, mask, past_key, past_value, part); break;
+          default: e = launch_split<8>(grid, plan.smem, stream, p, l, q, mask, past_key, past_value, part); break;
+        }
       }
     }
     if (e != cudaSuccess) return e;

@@ -25,37 +25,30 @@
 #include <cfloat>
 #include <cmath>
 
+#include "ptx.cuh"
 #include "split_common.cuh"
+#include "split_geometry.h"
 #include "turboquant/float_io.h"
 #include "turboquant/vector_codec.h"
 
 namespace turboquant::cuda::detail {
 namespace {
 
-constexpr int kWarps = 4;
+constexpr int kWarps = mma_geometry::kWarps;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTok = 16;                       // tokens per warp tile
-constexpr int kMaxRows = 8;                    // query rows per block (the A operand's real rows)
+constexpr int kTok = mma_geometry::kTok;          // tokens per warp tile
+constexpr int kMaxRows = mma_geometry::kMaxRows;  // query rows per block (the A operand's real rows)
+using mma_geometry::merge_bytes;
+using mma_geometry::packed_tile_bytes;
+using mma_geometry::warp_stage_bytes;
 constexpr int kMaxSteps = kMaxHeadDim / 16;    // k-steps of the score product (Dp <= 256)
 
-__device__ inline uint32_t pack_half2(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
 __device__ inline void mma16816(float* c, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  // rows 8-15 of A (registers a1, a3) are zero
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+  mma16816_f16(c, a0, 0u, a2, 0u, b0, b1);  // rows 8-15 of A (registers a1, a3) are zero
 }
 
 __device__ inline void ldmatrix_x4_trans(uint32_t* r, const void* row_address) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row_address));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+  detail::ldmatrix_x4_trans(r, smem_u32(row_address));
 }
 
 __device__ inline float load_half(const uint8_t* p) {
@@ -71,14 +64,7 @@ struct Smem {
   int64_t row_pos[kMaxRows], row_hq[kMaxRows];
 };
 
-// Dynamic shared memory: per warp, the tile's packed keys and values and the dequantized value
-// codes [kTok][dv + 8] (padded rows: ldmatrix reads 8 rows without bank conflicts); after the loop
-// the same space holds the warps' states for the final merge.
-__host__ __device__ inline int packed_tile_bytes(int kb, int vb) { return (kTok * (kb + vb) + 15) / 16 * 16; }
-__host__ __device__ inline int warp_stage_bytes(int kb, int vb, int dv) {
-  return 2 * packed_tile_bytes(kb, vb) + kTok * (dv + 8) * 2;  // two packed tiles: the next one is in flight
-}
-__host__ __device__ inline int merge_bytes(int dv) { return kWarps * kMaxRows * (3 + dv) * 4; }
+static_assert(sizeof(Smem) == mma_geometry::kStaticBytes, "the planner's count of the static shared memory");
 
 // kDt: the 8-column tiles of the value accumulators the instantiation holds (dv <= 8 * kDt)
 template <int kBits, int vBits, int kDt>
@@ -330,57 +316,35 @@ __global__ void __launch_bounds__(kThreads, kDt <= 16 ? 4 : 2) mma_split_kernel(
                     l.splits * partial_stride(dv));
 }
 
-// Dynamic shared memory of a launch.
-int dynamic_bytes(const AttentionParams& p) {
-  const int kb = static_cast<int>(p.key_row()), vb = static_cast<int>(p.value_row());
-  int smem = kWarps * warp_stage_bytes(kb, vb, p.v_head_dim);
-  smem = max(smem, merge_bytes(p.v_head_dim));
-  return max(smem, kMaxRows * padded_dim(p.head_dim) * 4);
-}
-
 template <int kBits, int vBits, int kDt>
-cudaError_t launch(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
+cudaError_t launch(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
                    const uint8_t* past_value, float* partial, cudaStream_t stream) {
-  const int smem = dynamic_bytes(p);
+  const int smem = plan.smem;  // within the default 48 KiB with the static part (plan_split)
+  const Layout& l = plan.layout;
   dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
   mma_split_kernel<kBits, vBits, kDt><<<grid, kThreads, smem, stream>>>(p, l, q, past_key, past_value, partial);
   return cudaGetLastError();
 }
 
 template <int kBits, int vBits>
-cudaError_t launch_dv(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
+cudaError_t launch_dv(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
                       const uint8_t* past_value, float* partial, cudaStream_t stream) {
-  if (p.v_head_dim <= 64) return launch<kBits, vBits, 8>(p, l, q, past_key, past_value, partial, stream);
-  if (p.v_head_dim <= 128) return launch<kBits, vBits, 16>(p, l, q, past_key, past_value, partial, stream);
-  return launch<kBits, vBits, 32>(p, l, q, past_key, past_value, partial, stream);
+  if (p.v_head_dim <= 64) return launch<kBits, vBits, 8>(p, plan, q, past_key, past_value, partial, stream);
+  if (p.v_head_dim <= 128) return launch<kBits, vBits, 16>(p, plan, q, past_key, past_value, partial, stream);
+  return launch<kBits, vBits, 32>(p, plan, q, past_key, past_value, partial, stream);
 }
 
 }  // namespace
 
-bool mma_split_supported(const AttentionParams& p) {
-  if (!is_mse(p.key_format) || !is_uint(p.value_format)) return false;
-  if (p.mask_type != MaskType::kNone) return false;
-  if (p.is_causal && p.new_len < p.q_len) return false;  // a query could then miss some past tokens
-  if (p.v_head_dim % 16 != 0) return false;
-  // Within the default 48 KiB of shared memory per block (static + dynamic): the presets' layouts
-  // up to head size 128. Wider rows (genai caches as wide as raw16, head size 256) would need the
-  // opt-in attribute, which no GPU run has yet verified for this kernel (its first condition failed
-  // to launch on the H200), so they keep the CUDA-core kernel.
-  if (dynamic_bytes(p) + static_cast<int>(sizeof(Smem)) > 48 * 1024) return false;
-  // The weights p * value scale enter the value product in fp16 (relative 2^-11): within the
-  // tolerance of fp16/bf16 outputs, not of float32 ones, which keep the CUDA-core kernel.
-  return p.dtype != DType::kFloat32;
-}
-
-cudaError_t launch_mma_split(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
+cudaError_t launch_mma_split(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
                              const uint8_t* past_value, float* partial, cudaStream_t stream) {
   const int kbits = format_bits(p.key_format), vbits = format_bits(p.value_format);
   if (kbits == 4) {
-    return vbits == 4 ? launch_dv<4, 4>(p, l, q, past_key, past_value, partial, stream)
-                      : launch_dv<4, 3>(p, l, q, past_key, past_value, partial, stream);
+    return vbits == 4 ? launch_dv<4, 4>(p, plan, q, past_key, past_value, partial, stream)
+                      : launch_dv<4, 3>(p, plan, q, past_key, past_value, partial, stream);
   }
-  return vbits == 4 ? launch_dv<3, 4>(p, l, q, past_key, past_value, partial, stream)
-                    : launch_dv<3, 3>(p, l, q, past_key, past_value, partial, stream);
+  return vbits == 4 ? launch_dv<3, 4>(p, plan, q, past_key, past_value, partial, stream)
+                    : launch_dv<3, 3>(p, plan, q, past_key, past_value, partial, stream);
 }
 
 }  // namespace turboquant::cuda::detail

@@ -33,7 +33,9 @@
 #include <utility>
 
 #include "device_attributes.h"
+#include "ptx.cuh"
 #include "split_common.cuh"
+#include "split_geometry.h"
 #include "turboquant/float_io.h"
 #include "turboquant/rotary.h"
 #include "turboquant/vector_codec.h"
@@ -45,41 +47,20 @@ extern "C" __shared__ __align__(16) unsigned char turboquant_tc_smem[];
 namespace turboquant::cuda::detail {
 namespace {
 
-constexpr int kTok = 32;       // tokens per warp tile (two m16 row tiles)
+using namespace tc_geometry;
 // Tiles per warp brought into L2 at a block's start (split kernel below). H200, B=8 S=32768 step
 // alone 84.8 -> 84.1 us, B=32 S=8192 93.6 -> 90.7 (2 rounds: 84.2, 91.4; 4: 85.6, 94.7).
 #ifndef TQ_PREFETCH_ROUNDS
 #define TQ_PREFETCH_ROUNDS 1  // (developer A/B builds set others: scripts/build_probe.sh)
 #endif
 constexpr int kPrefetchRounds = TQ_PREFETCH_ROUNDS;
-constexpr int kRowsMax = 8;    // query rows per block: the N of the products
 constexpr int kCopies = 32;    // copies of the byte table, one per lane
 constexpr float kCodeUnit = 16777216.0f;  // 2^24: value codes enter the products as fp16 subnormals
 
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
+// 4-register m16n8k16 fp16 product (ptx.cuh)
 __device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// The transpose of the 8x8 fp16 matrix whose row g, columns 2t..2t+1 lane 4g+t holds.
-__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {  // 2^x; 2^-inf = 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
+  mma16816_f16(c, a0, a1, a2, a3, b0, b1);
 }
 
 // Hopper's bulk copies (cp.async.bulk): one instruction moves a tile into shared memory and
@@ -87,9 +68,6 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; 2^-inf = 0
 // and loop control). Before sm_90 the tiles keep per-lane cp.async.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define TQ_BULK_COPY 1
-__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
 // Barriers and buffers by their 32-bit shared-window addresses, worked out once per warp.
 __device__ __forceinline__ void mbar_init(uint32_t bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
@@ -221,66 +199,9 @@ __host__ __device__ constexpr uint32_t window(int byte) {  // bytes byte, byte+1
   return byte | ((byte + 1) << 4) | ((4 + byte) << 8) | ((5 + byte) << 12);
 }
 
-__host__ __device__ constexpr int round16(int n) { return (n + 15) / 16 * 16; }
-// A tile's rows land at its buffer's byte (source address mod 16), plus 4 bytes that a funnel shift
-// may read past the last row.
-__host__ __device__ inline int key_tile_bytes(int kb) { return round16(kTok * kb + 16 + 4); }
-__host__ __device__ inline int value_tile_bytes(int vb) { return round16(kTok * vb + 16 + 4); }
-__host__ __device__ inline int warp_stage_bytes(int kb, int vb) { return 2 * (key_tile_bytes(kb) + value_tile_bytes(vb)); }
-
-// The byte table of centroid pairs: one copy per lane of a row per pair value (256 pairs of MSE
-// 4-bit codes, 64 of 3-bit ones). Up to head size 128, MSE 4-bit rows are 256 bytes (the first
-// 128 used) and the table starts at a 64 KiB boundary of the block's shared-memory window, so that
-// a lookup's address is one byte permute of (table | lane * 4) and the code byte, taken by the load
-// as it is; otherwise rows are 128 bytes and the address a shift and a masked or.
-__host__ __device__ constexpr bool permuted_table(int key_bits, int kd) { return key_bits == 4 && kd <= 128; }
-__host__ __device__ constexpr int table_row_bytes(int key_bits, int kd) { return permuted_table(key_bits, kd) ? 256 : 128; }
-__host__ __device__ constexpr int table_bytes(int key_bits, int kd) {
-  return key_bits == 8 ? 0 : (key_bits == 4 ? 256 : 64) * table_row_bytes(key_bits, kd);
-}
-__host__ __device__ constexpr int fragment_bytes(int kd) { return kd / 16 * 32 * 16; }
-__host__ __device__ constexpr int query_bytes(int kd) { return kRowsMax * kd * 4; }
-constexpr int kWindow = 65536;
-constexpr int kDynStartMax = 4096;  // where the dynamic part starts in the window at most: 1 KiB reserved + static arrays
-
-// Byte offsets within the block's dynamic shared memory, which starts `start` bytes into a 64 KiB
-// window: the query fragments and rows, the warps' double buffers (the first low_warps below a
-// permuted table, the others above it), the warps' states at the end (over the buffers), the table.
-struct SmemLayout {
-  int table, fragments, queries, low_warps, low_stages, high_stages, states, bytes;
-};
-__host__ __device__ inline SmemLayout smem_layout(int key_bits, int kd, int kb, int vb, int warps, int start) {
-  SmemLayout s{};
-  const int stage = warp_stage_bytes(kb, vb);
-  const int states = warps * kRowsMax * (3 + kd) * 4;
-  if (permuted_table(key_bits, kd)) {
-    s.fragments = 0;
-    s.queries = fragment_bytes(kd);
-    s.low_stages = s.queries + query_bytes(kd);
-    s.table = kWindow - start;
-    const int room = kWindow - kDynStartMax - s.low_stages;  // below the table, wherever it starts
-    s.low_warps = room / stage < warps ? room / stage : warps;
-    s.high_stages = s.table + table_bytes(key_bits, kd);
-    s.states = s.high_stages;
-    const int high = (warps - s.low_warps) * stage;
-    s.bytes = s.high_stages + (high > states ? high : states);
-  } else {
-    s.table = 0;
-    s.fragments = table_bytes(key_bits, kd);
-    s.queries = s.fragments + fragment_bytes(kd);
-    s.low_stages = s.high_stages = s.states = s.queries + query_bytes(kd);
-    s.low_warps = warps;
-    s.bytes = s.low_stages + (warps * stage > states ? warps * stage : states);
-  }
-  return s;
-}
-// What the launch asks for: the layout of the earliest start (its table lies highest).
-__host__ __device__ inline int dynamic_bytes(int key_bits, int kd, int kb, int vb, int warps) {
-  return smem_layout(key_bits, kd, kb, vb, warps, 0).bytes;
-}
-
-// kKeyBits: 4 or 3 (MSE keys) or 8 (fp8 keys); kValBits: 4 or 3 (uint values); kD: the key
-// product's length (MSE: the padded head size; fp8: the head size) and the value head size.
+// kKeyBits: 4 or 3 (MSE keys), 8 (fp8 keys) or 16 (raw16 keys, with kValBits 16: raw16 values);
+// kValBits: 4 or 3 (uint values); kD: the key product's length (MSE: the padded head size; fp8 and
+// raw16: the head size) and the value head size.
 // kKeyWords4: every key row starts 4-byte aligned in shared memory (rows of a multiple of 4 bytes,
 // as onnxruntime-genai's shared buffers have), so code groups are read without funnel shifts.
 template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps>
@@ -289,6 +210,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
                     const uint8_t* past_value, float* partial) {
   constexpr int kThreads = kWarps * 32;
   constexpr bool kFp8 = kKeyBits == 8;
+  // raw16 rows (fp16 bits, 2 kD bytes): both caches copied as swizzled 16-byte chunks (as fp8 keys
+  // are) to rows of 2 kD bytes, whatever the caches' row bytes; the products' A operands read by
+  // ldmatrix (keys) and ldmatrix.trans (values), plain fp16 dot products and weighted sums
+  constexpr bool kRaw = kKeyBits == 16;
+  static_assert(kRaw == (kValBits == 16), "raw16 keys go with raw16 values");
+  constexpr int kRawRow = 2 * kD, kRawChunks = kRawRow / 16;  // raw16 rows in a buffer, their 16-byte chunks
   constexpr int kSteps = kD / 16;                     // k-steps of the score product
   constexpr int kKeyWords = kFp8 ? kSteps : kD / 32;  // code groups (4 or 3 bytes) of a key row per lane
   constexpr int kValWords = kD / 64;                  // code groups (4 or 3 bytes) of a value row per lane
@@ -350,8 +277,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // 4-byte aligned: if the value cache is not, its tiles are copied exactly to the buffer's start.
   const uint8_t* key_end = past_key + p.batch * p.kv_heads * p.past_rows_or_len() * kb;
   const uint8_t* val_end = past_value + p.batch * p.kv_heads * p.past_rows_or_len() * vb;
-  const int kdelta = kFp8 ? 0 : static_cast<int>(reinterpret_cast<uintptr_t>(keys) & 15);
-  const int vdelta_raw = static_cast<int>(reinterpret_cast<uintptr_t>(vals) & 15);
+  const int kdelta = kFp8 || kRaw ? 0 : static_cast<int>(reinterpret_cast<uintptr_t>(keys) & 15);
+  const int vdelta_raw = kRaw ? 0 : static_cast<int>(reinterpret_cast<uintptr_t>(vals) & 15);
   const int vdelta = vdelta_raw % 4 == 0 ? vdelta_raw : 0;
   const int kspan = round16(kdelta + kTok * kb), vspan = round16(vdelta + kTok * vb);
 #ifdef TQ_BULK_COPY
@@ -378,8 +305,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     return static_cast<int>(min(room < 0 ? int64_t{-1} : room / row, static_cast<int64_t>(len) - kTok));
   };
   int k_lo = 0, v_lo = 0;
-  const int k_hi = kFp8 ? -1 : span_tiles(kfrom0, past_key, key_end, kb, kspan, &k_lo);
-  const int v_hi = vdelta == vdelta_raw ? span_tiles(vfrom0, past_value, val_end, vb, vspan, &v_lo) : -1;
+  const int k_hi = kFp8 || kRaw ? -1 : span_tiles(kfrom0, past_key, key_end, kb, kspan, &k_lo);
+  const int v_hi = !kRaw && vdelta == vdelta_raw ? span_tiles(vfrom0, past_value, val_end, vb, vspan, &v_lo) : -1;
   TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 13);
   auto key_spans = [&](int r0) { return r0 >= k_lo && r0 <= k_hi; };
   auto value_spans = [&](int r0) { return r0 >= v_lo && r0 <= v_hi; };
@@ -410,6 +337,26 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int fast_lo = max(k_lo, v_lo), fast_hi = min(k_hi, v_hi);
   auto fetch = [&](int r0, int buf) {  // start copying the tile of rows r0.. into buffer buf
     uint8_t* dst = stage + buf * tile;
+    if constexpr (kRaw) {
+      // chunk c of token u at chunk c ^ fp8_swizzle(u) of its row: the 8 rows one ldmatrix phase
+      // reads (tile_token of 8 consecutive rows) then fill 8 different chunk columns, conflict-free.
+      // Rows past the sequence's end are zero-filled (stale fp16 bits could be inf or NaN, which a
+      // zero weight would not cancel in the value product)
+      const int n = min(kTok, len - r0);
+      const uint8_t* ksrc = keys + static_cast<int64_t>(r0) * kb;
+      const uint8_t* vsrc = vals + static_cast<int64_t>(r0) * vb;
+      const uint32_t at = smem_u32(dst);
+#pragma unroll 4
+      for (int i = lane; i < kTok * kRawChunks; i += 32) {
+        const int u = i / kRawChunks, c = i % kRawChunks;
+        const uint32_t to = u * kRawRow + 16 * (c ^ fp8_swizzle(u, kRawChunks));
+        const bool on = u < n;
+        cp_async16(at + to, on ? ksrc + u * kb + 16 * c : ksrc, on ? 16 : 0);
+        cp_async16(at + ktile + to, on ? vsrc + u * vb + 16 * c : vsrc, on ? 16 : 0);
+      }
+      __pipeline_commit();
+      return;
+    }
     const bool fast = r0 >= fast_lo && r0 <= fast_hi;
 #ifdef TQ_BULK_COPY
     const uint32_t bar = bar_at + 8 * buf, dst_at = stage_at + buf * tile;
@@ -441,7 +388,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   };
   // Waits for the copies into buffer buf (its use-th fill) and makes them visible to the warp.
 #ifdef TQ_BULK_COPY
-  constexpr bool kCpAsync = kFp8;  // cp.async groups pending from tile to tile: fp8 keys' (MSE: bulk copies only)
+  constexpr bool kCpAsync = kFp8 || kRaw;  // cp.async groups pending from tile to tile: fp8 keys', raw16 rows' (MSE: bulk copies only)
 #else
   constexpr bool kCpAsync = true;
 #endif
@@ -454,13 +401,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       }
     }
 #ifdef TQ_BULK_COPY
-    mbar_wait(bar_at + 8 * buf, use & 1);
+    if (!kRaw) mbar_wait(bar_at + 8 * buf, use & 1);  // (raw16 tiles: cp.async alone)
 #endif
     __syncwarp();
   };
   const int stride = kWarps * kTok;
 
-  if (!kFp8) {
+  if constexpr (!kRaw) if (!kFp8) {
     // The centroids as fp16, converted once, then copy `lane` of pairs warp, warp + kWarps, ...: 8
     // to 32 stores a thread, unrolled, from broadcast reads (each entry converted its own two
     // centroids from float64 before: the set-up up to here took 2.6-2.9 us, now 2.3-2.4, on the
@@ -490,9 +437,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // elements lane + 32 j, rotated in the warp: the butterflies at distances 1 .. 16 by shuffles, then
   // 32 .. in registers, the order and operations of load_query_rows (7 block-wide steps with a
   // barrier each); its largest magnitude; the row into qv.
-  static_assert(kWarps >= kRowsMax, "a warp per query row");
+  // (blocks of fewer warps than rows, raw16's at head size 128, take rows warp + kWarps, ... after)
+  static_assert(kWarps >= kRowsMax || kRowsMax % kWarps == 0, "query rows shared evenly by the warps");
   constexpr int kPer = kD / 32;
-  const int64_t row = row0 + warp, pos = row / l.group, hq = hkv * l.group + row % l.group;
   float x[kPer];
   // The query loads go first, then the first tiles' copies (every block's, ~9 MB at B=8, which
   // fill DRAM's queues for ~2 us): with the key-bank fix below, B=8 S=32768 82.4 -> 78.5 us per
@@ -501,31 +448,31 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // round trips to memory in 3.3 us (Nsight Compute: long-scoreboard stalls after each load). The
   // first tile is now scored 2 us earlier; a B=8 step alone is only 0.3 us shorter (the DRAM stream
   // bounds it), B=32 S=8192 1.4 us.
-  if (warp < kRowsMax) {
+  auto load_row = [&](int qr) {  // query row qr of the block into x
+    const int64_t row = row0 + qr, pos = row / l.group, hq = hkv * l.group + row % l.group;
     const int64_t at = b * p.q.b + hq * p.q.h + pos * p.q.s;
     if (p.dtype == DType::kFloat32) {
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
         const int i = lane + 32 * j;
-        x[j] = warp < rows && i < p.head_dim ? static_cast<const float*>(q)[at + i] : 0.0f;
+        x[j] = qr < rows && i < p.head_dim ? static_cast<const float*>(q)[at + i] : 0.0f;
       }
     } else {
       uint16_t raw[kPer];
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
         const int i = lane + 32 * j;
-        raw[j] = warp < rows && i < p.head_dim ? static_cast<const uint16_t*>(q)[at + i] : uint16_t{0};
+        raw[j] = qr < rows && i < p.head_dim ? static_cast<const uint16_t*>(q)[at + i] : uint16_t{0};
       }
       const bool f16 = p.dtype == DType::kFloat16;
 #pragma unroll
       for (int j = 0; j < kPer; ++j) x[j] = f16 ? f16_to_f32(raw[j]) : bf16_to_f32(raw[j]);
     }
-  }
-  if (warp * kTok < len) fetch(warp * kTok, 0);  // the first tile, while the queries are set up
-  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 15);
-  if (warp < kRowsMax) {
-    if (rot.rotary_dim > 0 && warp < rows) {  // the op's rotary embedding, fused (fuses_rotary)
-      float* at = qv + warp * kD;
+  };
+  auto finish_row = [&](int qr) {  // rotary (fused), rotation (MSE), its largest magnitude, into qv
+    const int64_t row = row0 + qr, pos = row / l.group;
+    if (rot.rotary_dim > 0 && qr < rows) {  // the op's rotary embedding, fused (fuses_rotary)
+      float* at = qv + qr * kD;
 #pragma unroll
       for (int j = 0; j < kPer; ++j) at[lane + 32 * j] = x[j];
       __syncwarp();
@@ -535,7 +482,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       for (int j = 0; j < kPer; ++j) x[j] = at[lane + 32 * j];
       __syncwarp();
     }
-    if (!kFp8) {
+    if (!kFp8 && !kRaw) {
 #pragma unroll
       for (int h = 1; h < 32; h <<= 1) {
 #pragma unroll
@@ -560,22 +507,33 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       m = fmaxf(m, fabsf(x[j]));
-      qv[warp * kD + lane + 32 * j] = x[j];
+      qv[qr * kD + lane + 32 * j] = x[j];
     }
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) row_factor[warp] = m;
+    if (lane == 0) row_factor[qr] = m;
+  };
+  if (warp < kRowsMax) load_row(warp);
+  if (warp * kTok < len) fetch(warp * kTok, 0);  // the first tile, while the queries are set up
+  TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 15);
+  if (warp < kRowsMax) finish_row(warp);
+  if constexpr (kWarps < kRowsMax) {
+    for (int qr = warp + kWarps; qr < kRowsMax; qr += kWarps) {
+      load_row(qr);
+      finish_row(qr);
+    }
   }
   __syncthreads();
   TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 17);
   for (int k = tid; k < kSteps * 32; k += kThreads) {
     // lane ln's B fragment at k-step s: row ln/4, the 4 dims its A fragment's codes stand for
     const int s = k / 32, ln = k % 32, r = ln / 4, tt = ln % 4;
-    const int d0 = kFp8 ? 4 * (tt + 4 * s) : 8 * (tt + 4 * (s / 2)) + 4 * (s % 2);
+    // (raw16: the A fragments are ldmatrix's, dims 16s + 2tt, +1 and 16s + 2tt + 8, +9)
+    const int d0 = kRaw ? 16 * s + 2 * tt : kFp8 ? 4 * (tt + 4 * s) : 8 * (tt + 4 * (s / 2)) + 4 * (s % 2);
     const float m = row_factor[r], inv = m > 0.0f ? 1.0f / m : 0.0f;
     float hi[4], lo[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float x = qv[r * kD + d0 + j] * inv;
+      const float x = qv[r * kD + d0 + (kRaw ? (j & 1) + 8 * (j >> 1) : j)] * inv;
       hi[j] = __half2float(__float2half_rn(x));
       lo[j] = x - hi[j];
     }
@@ -584,7 +542,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   }
   __syncthreads();
   TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 3);
-  const float fold = kFp8 ? p.scale * fp8_unit() : p.scale / static_cast<float>(kD);
+  const float fold = kRaw ? p.scale : kFp8 ? p.scale * fp8_unit() : p.scale / static_cast<float>(kD);
   const float fac[2] = {row_factor[2 * t] * fold, row_factor[2 * t + 1] * fold};  // this lane's columns
 
   // Scores are kept in base 2 (log2 e folded into the factors) for ex2.approx.
@@ -631,6 +589,22 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     val_off[nu][1] = ktile + vdelta + tile_token(2 * t + 8, nu) * vb + (kValBits * g & ~3);
   }
 
+  // raw16: this lane's ldmatrix row (matrix lane / 8, row lane % 8) in each row tile nu. Keys (S = K
+  // Q^T, A = 16 tokens x 16 dims, not transposed): matrix i holds tokens tile_token(row + 8 (i & 1),
+  // nu), dims 16s + 8 (i >> 1) ..; values (O^T = V^T P^T, A = 16 value columns x 16 tokens,
+  // transposed): matrix i holds tokens tile_token(row + 8 (i >> 1), nu), columns 16 mt + 8 (i & 1) ..
+  int raw_key_at[2] = {0, 0}, raw_key_swz[2] = {0, 0}, raw_val_at[2] = {0, 0}, raw_val_swz[2] = {0, 0};
+  const int raw_key_half = (lane >> 4) & 1, raw_val_half = (lane >> 3) & 1;  // the chunk within 16 elements
+  if constexpr (kRaw) {
+    const int i = lane >> 3, r = lane & 7;
+#pragma unroll
+    for (int nu = 0; nu < 2; ++nu) {
+      const int uk = tile_token(r + 8 * (i & 1), nu), uv = tile_token(r + 8 * (i >> 1), nu);
+      raw_key_at[nu] = uk * kRawRow, raw_key_swz[nu] = fp8_swizzle(uk, kRawChunks);
+      raw_val_at[nu] = ktile + uv * kRawRow, raw_val_swz[nu] = fp8_swizzle(uv, kRawChunks);
+    }
+  }
+
   int it = 0;
   for (int r0 = warp * kTok; r0 < len; r0 += stride, ++it) {
     const int n_tok = min(kTok, len - r0);
@@ -646,7 +620,20 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     for (int nu = 0; nu < 2; ++nu)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[nu][j] = 0.0f;
-    if (kFp8) {
+    if constexpr (kRaw) {
+      const uint32_t buf_at = smem_u32(buf);
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const uint4 bq = qf[s * 32 + lane];
+#pragma unroll
+        for (int nu = 0; nu < 2; ++nu) {
+          uint32_t a[4];
+          ldmatrix_x4(a, buf_at + raw_key_at[nu] + 16 * ((2 * s + raw_key_half) ^ raw_key_swz[nu]));
+          mma16816(acc[nu], a[0], a[1], a[2], a[3], bq.x, bq.y);
+          mma16816(acc[nu], a[0], a[1], a[2], a[3], bq.z, bq.w);
+        }
+      }
+    } else if (kFp8) {
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
         const uint4 bq = qf[s * 32 + lane];
@@ -715,6 +702,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const bool ok = !decltype(partial)::value || tile_token(g + 8 * e, nu) < n_tok;
+          if constexpr (kRaw) {  // no key scale, no value scale or zero point
+            vs[nu][e] = ok ? 1.0f : 0.0f;
+            vz[nu][e] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 2; ++c) sc[nu][2 * e + c] = ok ? acc[nu][2 * e + c] * l2fac[c] : -INFINITY;
+            continue;
+          }
           const float ks = kFp8 ? 1.0f : __half2float(*reinterpret_cast<const __half*>(buf + norm_off[nu][e]));
           const __half2 sz = *reinterpret_cast<const __half2*>(buf + sz_off[nu][e]);
           vs[nu][e] = ok ? __low2float(sz) : 0.0f;
@@ -773,6 +767,16 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     for (int nu = 0; nu < 2; ++nu) {
       const uint32_t b0 = transpose8x8(pack_half2(pr[nu][0] * vs[nu][0], pr[nu][1] * vs[nu][0]));
       const uint32_t b1 = transpose8x8(pack_half2(pr[nu][2] * vs[nu][1], pr[nu][3] * vs[nu][1]));
+      if constexpr (kRaw) {
+        const uint32_t buf_at = smem_u32(buf);
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, buf_at + raw_val_at[nu] + 16 * ((2 * mt + raw_val_half) ^ raw_val_swz[nu]));
+          mma16816(o[mt], a[0], a[1], a[2], a[3], b0, b1);
+        }
+        continue;
+      }
       const uint32_t* ra = reinterpret_cast<const uint32_t*>(buf + val_off[nu][0]);
       const uint32_t* rc = reinterpret_cast<const uint32_t*>(buf + val_off[nu][1]);
 #pragma unroll
@@ -823,14 +827,22 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       mine[1] = l_run[c];
       mine[2] = z_run[c];
     }
-    // m-tile 4w + j: row g is value column 8 (g + 8w) + 2j, row g + 8 the next column
+    if constexpr (kRaw) {  // m-tile mt: row g is value column 16 mt + g, row g + 8 column 16 mt + g + 8
 #pragma unroll
-    for (int w = 0; w < kValWords; ++w)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        mine[3 + 8 * (g + 8 * w) + 2 * j] = o[4 * w + j][c] * (kCodeUnit / code_weight(kValBits, 2 * j));
-        mine[3 + 8 * (g + 8 * w) + 2 * j + 1] = o[4 * w + j][2 + c] * (kCodeUnit / code_weight(kValBits, 2 * j + 1));
+      for (int mt = 0; mt < kMt; ++mt) {
+        mine[3 + 16 * mt + g] = o[mt][c];
+        mine[3 + 16 * mt + g + 8] = o[mt][2 + c];
       }
+    } else {
+      // m-tile 4w + j: row g is value column 8 (g + 8w) + 2j, row g + 8 the next column
+#pragma unroll
+      for (int w = 0; w < kValWords; ++w)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          mine[3 + 8 * (g + 8 * w) + 2 * j] = o[4 * w + j][c] * (kCodeUnit / code_weight(kValBits, 2 * j));
+          mine[3 + 8 * (g + 8 * w) + 2 * j + 1] = o[4 * w + j][2 + c] * (kCodeUnit / code_weight(kValBits, 2 * j + 1));
+        }
+    }
   }
   __syncthreads();
   TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 5);
@@ -841,114 +853,69 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   TQ_BLOCK(1);
 }
 
-int tc_kd(const AttentionParams& p) { return p.key_format == Format::kFp8 ? p.head_dim : padded_dim(p.head_dim); }
-int tc_key_bits(const AttentionParams& p) { return p.key_format == Format::kFp8 ? 8 : format_bits(p.key_format); }
-
-// Shared memory of a block of `warps` warps: the dynamic part and, at most, the static one.
-int tc_block_bytes(const AttentionParams& p, int warps) {
-  return dynamic_bytes(tc_key_bits(p), tc_kd(p), static_cast<int>(p.key_row()), static_cast<int>(p.value_row()), warps) +
-         1024;
-}
-
-// The most shared memory a block of this device may opt in to (227 KiB on sm_90, 163 on sm_80,
-// 99 on sm_86/89).
-int device_block_smem() { return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
-
-// The wide blocks' warps. H200, B=8 S=32768 step alone: 16 84.9 us, 12 85.4, 14 94.0, 10 97.8
-// (12 streams faster back to back, 76.7 against 80.4, but its steps alone end no earlier).
-#ifndef TQ_TC_WARPS
-#define TQ_TC_WARPS 16  // (developer A/B builds set others: scripts/build_probe.sh)
-#endif
-constexpr int kWideWarps = TQ_TC_WARPS;
-
-// One block per SM: 16 warps where their buffers fit, else 8 (head size 256, whose registers allow
-// no more, and caches with rows much wider than the packed vectors); 0: neither fits this device.
-int tc_warps(const AttentionParams& p) {
-  const int limit = device_block_smem();
-  if (tc_kd(p) <= 128 && tc_block_bytes(p, kWideWarps) <= limit) return kWideWarps;
-  return tc_block_bytes(p, 8) <= limit ? 8 : 0;
+// The key product's length: the padded head size for MSE keys, the head size for fp8 and raw16.
+int tc_kd(const AttentionParams& p) {
+  return p.key_format == Format::kFp8 || p.key_format == Format::kRaw16 ? p.head_dim : padded_dim(p.head_dim);
 }
 
 template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps>
-cudaError_t launch(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
+cudaError_t launch(const AttentionParams& p, const RotaryParams& rot, const SplitPlan& plan, const void* q,
                    const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream) {
-  const int smem = tc_block_bytes(p, kWarps) - 1024;
-  // Beyond 48 KiB per block (static + dynamic) a kernel has to opt in, once per device for the
-  // largest size asked so far.
+  // Beyond 48 KiB per block (static + dynamic) a kernel has to opt in: per device, for the largest
+  // size asked there so far
   auto kernel = tc_split_kernel<kKeyBits, kValBits, kD, kKeyWords4, kWarps>;
-  static std::atomic<int> opted[kMaxDevices];
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
+  static SharedMemoryOptIn opt_in;
+  const cudaError_t e = opt_in.raise(reinterpret_cast<const void*>(kernel), plan.smem);
   if (e != cudaSuccess) return e;
-  if (dev >= kMaxDevices || opted[dev].load() < smem) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    if (dev < kMaxDevices) opted[dev].store(smem);
-  }
+  const Layout& l = plan.layout;
   const dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
   AttentionParams kp = p;  // the row sizes worked out here, once (see the kernel's kb, vb)
   kp.key_row_bytes = p.key_row();
   kp.value_row_bytes = p.value_row();
-  return launch_dependent(kernel, grid, dim3(kWarps * 32), smem, stream, kp, rot, l, q, past_key, past_value, partial);
+  return launch_dependent(kernel, grid, dim3(kWarps * 32), plan.smem, stream, kp, rot, l, q, past_key, past_value,
+                          partial);
 }
 
 template <int kKeyBits, int kValBits, bool kKeyWords4 = false>
-cudaError_t launch_d(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
+cudaError_t launch_d(const AttentionParams& p, const RotaryParams& rot, const SplitPlan& plan, const void* q,
                      const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream) {
-  const bool wide = tc_warps(p) == kWideWarps;
+  constexpr int kWide = kWideWarps;
+  const bool wide = plan.warps == kWide;
   switch (tc_kd(p)) {
     case 64:
-      return wide ? launch<kKeyBits, kValBits, 64, kKeyWords4, kWideWarps>(p, rot, l, q, past_key, past_value, partial, stream)
-                  : launch<kKeyBits, kValBits, 64, kKeyWords4, 8>(p, rot, l, q, past_key, past_value, partial, stream);
+      return wide ? launch<kKeyBits, kValBits, 64, kKeyWords4, kWide>(p, rot, plan, q, past_key, past_value, partial, stream)
+                  : launch<kKeyBits, kValBits, 64, kKeyWords4, 8>(p, rot, plan, q, past_key, past_value, partial, stream);
     case 128:
-      return wide ? launch<kKeyBits, kValBits, 128, kKeyWords4, kWideWarps>(p, rot, l, q, past_key, past_value, partial, stream)
-                  : launch<kKeyBits, kValBits, 128, kKeyWords4, 8>(p, rot, l, q, past_key, past_value, partial, stream);
-    default: return launch<kKeyBits, kValBits, 256, kKeyWords4, 8>(p, rot, l, q, past_key, past_value, partial, stream);
+      return wide ? launch<kKeyBits, kValBits, 128, kKeyWords4, kWide>(p, rot, plan, q, past_key, past_value, partial, stream)
+                  : launch<kKeyBits, kValBits, 128, kKeyWords4, 8>(p, rot, plan, q, past_key, past_value, partial, stream);
+    default: return launch<kKeyBits, kValBits, 256, kKeyWords4, 8>(p, rot, plan, q, past_key, past_value, partial, stream);
   }
 }
 
 }  // namespace
 
-int tc_split_unit(const AttentionParams& p) { return tc_warps(p) * kTok; }
-
-bool tc_split_supported(const AttentionParams& p) {
-  // the presets' pairs: MSE 4-bit, fp8 or MSE 3-bit keys with uint4 values, MSE 3-bit with uint3
-  const Format kf = p.key_format, vf = p.value_format;
-  const bool pair = vf == Format::kUint4 ? (kf == Format::kMse4 || kf == Format::kFp8 || kf == Format::kMse3)
-                                         : (vf == Format::kUint3 && kf == Format::kMse3);
-  if (!pair) return false;
-  if (p.mask_type != MaskType::kNone) return false;
-  if (p.is_causal && p.new_len < p.q_len) return false;  // a query could then miss some past tokens
-  const int kd = tc_kd(p);
-  if (kd != 64 && kd != 128 && kd != 256) return false;
-  if (p.v_head_dim != kd) return false;
-  if (kf == Format::kFp8 && p.key_row() != kd) return false;  // swizzled 16-byte chunks
-  if (p.value_row() % 4 != 0) return false;                   // aligned value words
-  if (p.key_row() % 2 != 0) return false;                     // 2-byte copies of unaligned rows
-  // The weights p * value scale enter the value product in fp16 (relative 2^-11): within the
-  // tolerance of fp16/bf16 outputs, not of float32 ones, which keep the CUDA-core kernel.
-  if (p.dtype == DType::kFloat32) return false;
-  // One block fills an SM's shared memory (the MSE 4-bit table alone is 64 KiB). Rows much wider
-  // than the packed vectors (an onnxruntime-genai cache with raw16 layers), or devices with less
-  // shared memory than sm_90, keep the other kernels.
-  return tc_warps(p) > 0;
-}
-
-cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
-                            const uint8_t* past_key,
-                            const uint8_t* past_value, float* partial, cudaStream_t stream) {
+cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, const SplitPlan& plan, const void* q,
+                            const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream) {
+  if (plan.kernel != SplitKernel::kTensorCoreBulk) return cudaErrorInvalidValue;
+  if (p.key_format == Format::kRaw16) {  // raw16 pairs: 8 warps at head size 64, 4 at 128 (their buffers' size)
+    const uintptr_t a = reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value);
+    if ((a & 15) != 0 || p.key_row() % 16 != 0 || p.value_row() % 16 != 0) return cudaErrorMisalignedAddress;
+    if (tc_kd(p) == 64 && plan.warps == 8) return launch<16, 16, 64, false, 8>(p, rot, plan, q, past_key, past_value, partial, stream);
+    if (tc_kd(p) == 128 && plan.warps == 4) return launch<16, 16, 128, false, 4>(p, rot, plan, q, past_key, past_value, partial, stream);
+    return cudaErrorInvalidValue;
+  }
   if (p.key_format == Format::kFp8) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value);
-    if ((a & 15) != 0) return cudaErrorMisalignedAddress;  // the caller routes these to the other kernels
-    return launch_d<8, 4>(p, rot, l, q, past_key, past_value, partial, stream);
+    if ((a & 15) != 0) return cudaErrorMisalignedAddress;  // plan_split routes these to the other kernels
+    return launch_d<8, 4>(p, rot, plan, q, past_key, past_value, partial, stream);
   }
   if (p.key_format == Format::kMse4) {
     const bool words = p.key_row() % 4 == 0 && (reinterpret_cast<uintptr_t>(past_key) & 3) == 0;
-    return words ? launch_d<4, 4, true>(p, rot, l, q, past_key, past_value, partial, stream)
-                 : launch_d<4, 4>(p, rot, l, q, past_key, past_value, partial, stream);
+    return words ? launch_d<4, 4, true>(p, rot, plan, q, past_key, past_value, partial, stream)
+                 : launch_d<4, 4>(p, rot, plan, q, past_key, past_value, partial, stream);
   }
-  return p.value_format == Format::kUint4 ? launch_d<3, 4>(p, rot, l, q, past_key, past_value, partial, stream)
-                                          : launch_d<3, 3>(p, rot, l, q, past_key, past_value, partial, stream);
+  return p.value_format == Format::kUint4 ? launch_d<3, 4>(p, rot, plan, q, past_key, past_value, partial, stream)
+                                          : launch_d<3, 3>(p, rot, plan, q, past_key, past_value, partial, stream);
 }
 
 }  // namespace turboquant::cuda::detail

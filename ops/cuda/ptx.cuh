@@ -1,4 +1,5 @@
-// PTX wrappers for the tensor-core kernels: shared-memory addresses, cp.async, ldmatrix, mma.sync.
+// PTX wrappers for the tensor-core kernels (attention_tc.cu, attention_mma.cu, prefill.cu), in one
+// place: shared-memory addresses, cp.async, ldmatrix, movmatrix, mma.sync, conversions.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,7 +35,22 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
                : "r"(addr));
 }
 
-// c (16x8, fp32) += a (16x16) b (16x8), a row-major and b column-major fragments.
+// The transpose of the 8x8 b16 matrix whose row g, columns 2t..2t+1 lane 4g+t holds.
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// c (16x8, fp32) += a (16x16) b (16x8), a row-major and b column-major fragments: a0 (rows 0-7,
+// columns 0-7), a1 (rows 8-15, columns 0-7), a2 (rows 0-7, columns 8-15), a3 (rows 8-15, columns 8-15).
+__device__ __forceinline__ void mma16816_f16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                             uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 __device__ __forceinline__ void mma16816_f16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"

@@ -9,76 +9,30 @@
 #include <cstdint>
 
 #include "device_attributes.h"
+#include "turboquant/split_plan.h"
 #include "turboquant/float_io.h"
 #include "turboquant/params.h"
 
 namespace turboquant::cuda::detail {
 
-constexpr int kTile = 128;                 // tokens per tile of the CUDA-core kernel; splits are multiples
-constexpr int kMaxStageBytes = 32 * 1024;  // one tile's packed K and V, at most
-
-// The tensor-core split kernel for the presets' format pairs (attention_tc.cu): whether it takes
-// these parameters (on this device). Its blocks fill an SM each.
-bool tc_split_supported(const AttentionParams& p);
-// The tokens its blocks' warps take in one round (a tile each): a split of fewer leaves warps idle.
-int tc_split_unit(const AttentionParams& p);
-
-struct Layout {
-  int rows_per_block;  // 1, 2, 4 or 8: the query rows a split block scores together
-  int stage_bytes;  // shared memory staging a tile's packed K and V (0: read them from global memory)
-  int buffers;  // 2: the next tile is fetched (cp.async) while this one is computed
-  int group;  // Hq / Hkv
-  int64_t rows;  // rows per (b, hkv) = q_len * group
-  int row_blocks;
-  int splits;
-  int64_t split_len;
-};
-
-inline Layout make_layout(const AttentionParams& p, int num_sms) {
-  Layout l;
-  l.group = static_cast<int>(p.q_heads / p.kv_heads);
-  l.rows = p.q_len * l.group;
-  l.rows_per_block = l.rows >= 8 ? 8 : l.rows >= 4 ? 4 : l.rows >= 2 ? 2 : 1;
-  l.rows_per_block = l.rows > 4 && l.rows < 8 ? 8 : l.rows > 2 && l.rows < 4 ? 4 : l.rows_per_block;
-  l.row_blocks = static_cast<int>((l.rows + l.rows_per_block - 1) / l.rows_per_block);
-  const int64_t base = p.batch * p.kv_heads * l.row_blocks;
-  int64_t splits, unit;
-  if (tc_split_supported(p)) {
-    // the tensor-core kernel (attention_tc.cu): 16 (or 8) warps of 32-token tiles per block and one
-    // wave of blocks, one per SM, each walking a long slice of at least a tile per warp (at B=1,
-    // S=4096, 256-token splits left half of the warps idle and twice the partial results to merge)
-    unit = tc_split_unit(p);
-    splits = base > 0 ? num_sms / base : 1;
-  } else {
-    unit = kTile;
-    splits = base > 0 ? (8LL * num_sms + base - 1) / base : 1;
-  }
-  const int64_t max_splits = (p.past_len + unit - 1) / unit;
-  splits = splits < 1 ? 1 : splits;
-  splits = splits > max_splits ? max_splits : splits;
-  l.splits = static_cast<int>(splits < 1 ? 1 : splits);
-  l.split_len = (p.past_len + l.splits - 1) / l.splits;
-  l.split_len = (l.split_len + unit - 1) / unit * unit;
-  const int64_t stage = static_cast<int64_t>(kTile) * (p.key_row() + p.value_row());
-  l.stage_bytes = stage <= kMaxStageBytes ? static_cast<int>((stage + 15) / 16 * 16) : 0;
-  l.buffers = l.stage_bytes > 0 && l.split_len > kTile ? 2 : 1;  // double-buffer when a block takes several tiles
-  return l;
-}
+constexpr int kTile = kCudaCoreTile;  // tokens per tile of the CUDA-core kernel; splits are multiples
+constexpr int kMaxStageBytes = kCudaCoreStageMax;  // one tile's packed K and V, at most
+using Layout = SplitLayout;
 
 // Partial results: [B*Hkv][rows][splits] x (max, sum, acc[Dv]).
 __host__ __device__ inline int64_t partial_stride(int dv) { return 2 + dv; }
 
-// Launches the tensor-core split kernel (attention_tc.cu) where tc_split_supported; fp8 keys also
-// need 16-byte aligned caches (cudaErrorMisalignedAddress otherwise). rot: the rotary embedding
-// the kernel applies to Q as it loads it (rot.rotary_dim 0: none; see fuses_rotary).
-cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
+// Launches the tensor-core bulk split kernel (attention_tc.cu) where plan_split chose it (plan.kernel
+// kTensorCoreBulk: its warps, shared memory and layout). rot: the rotary embedding the kernel
+// applies to Q as it loads it (rot.rotary_dim 0: none; see fuses_rotary).
+cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, const SplitPlan& plan, const void* q,
                             const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream);
 
 // The earlier tensor-core split kernel (attention_mma.cu), for MSE keys and uint values that
 // attention_tc.cu does not take (head sizes 80 and 96, MSE 4-bit keys with uint3 values): no mask,
-// every past token visible to every query row. It writes the same partials as split_kernel.
-bool mma_split_supported(const AttentionParams& p);
-cudaError_t launch_mma_split(const AttentionParams& p, const Layout& l, const void* q, const uint8_t* past_key,
+// every past token visible to every query row (plan.kernel kTensorCoreMma). It writes the same
+// partials as split_kernel.
+cudaError_t launch_mma_split(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
                              const uint8_t* past_value, float* partial, cudaStream_t stream);
 
 #ifdef __CUDACC__

@@ -13,6 +13,8 @@ namespace turboquant::ort {
 
 bool cuda_compiled() { return true; }
 
+const char* cuda_last_split_kernel() { return cuda::split_kernel_name(cuda::last_split_kernel()); }
+
 namespace {
 
 void check(const char* op, cudaError_t e) {

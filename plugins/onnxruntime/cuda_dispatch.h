@@ -9,6 +9,9 @@ namespace turboquant::ort {
 
 bool cuda_compiled();
 
+// The name of the split kernel the process's latest CUDA attention call ran ("none" without CUDA).
+const char* cuda_last_split_kernel();
+
 void cuda_pack(OrtKernelContext* context, Format fmt, int d, bool norm_correction, DType dt, const void* x, int64_t n,
                const Offset& offset, uint8_t* out);
 void cuda_unpack(OrtKernelContext* context, Format fmt, int d, const uint8_t* in, int64_t n, const Offset& offset,

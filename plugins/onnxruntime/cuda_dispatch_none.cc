@@ -6,6 +6,8 @@ namespace turboquant::ort {
 
 bool cuda_compiled() { return false; }
 
+const char* cuda_last_split_kernel() { return "none"; }
+
 namespace {
 [[noreturn]] void no_cuda(const char* op) { fail(op, "this build of libturboquant_ort has no CUDA kernels"); }
 }  // namespace

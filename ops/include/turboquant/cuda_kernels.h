@@ -9,6 +9,7 @@
 
 #include "turboquant/format.h"
 #include "turboquant/params.h"
+#include "turboquant/split_plan.h"
 
 namespace turboquant::cuda {
 
@@ -40,8 +41,16 @@ inline bool caches_aligned(const uint8_t* past_key, const uint8_t* past_value, c
   return a % kCacheAlignment == 0;
 }
 
-// Scratch the attention needs (split-KV partial results), in bytes; 0 means none.
+// Scratch the attention needs (split-KV partial results), in bytes; 0 means none. Enough for caches
+// at any address (the split kernel can depend on their alignment).
 size_t attention_workspace_bytes(const AttentionParams& p, int num_sms);
+
+// The split-KV plan attention() follows for these parameters and caches on the current device
+// (plan_split with its properties; num_sms 0: the device's multiprocessors).
+SplitPlan attention_plan(const AttentionParams& p, const uint8_t* past_key, const uint8_t* past_value, int num_sms = 0);
+// The split kernel of the process's latest attention() call (kNone: it had no past or no queries),
+// for tests that check which kernel ran.
+SplitKernel last_split_kernel();
 
 // TQAttention: present = past ++ pack(new); Y over the packed past (split-KV, merged with
 // log-sum-exp) and the exact new tokens. workspace: attention_workspace_bytes(p, num_sms) bytes.

@@ -127,6 +127,17 @@ def check_case(ort_session, c, threads=2, device="cpu"):
     np.testing.assert_allclose(y32, w32, rtol=TOL[c["dtype"]], atol=TOL[c["dtype"]] * span)
 
 
+DTYPE_NAMES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
+
+
+def planned_call(c):
+    """A case as turboquant.kernel_plan.plan_split's keywords (what the op hands the planner)."""
+    mask = {None: None, "bool": "bool", "float": "float32", "float16": "float16"}[c["mask"]]
+    return dict(batch=c["b"], q_heads=c["hkv"] * c["group"], kv_heads=c["hkv"], q_len=c["sq"], past_len=c["sp"],
+                head_dim=c["d"], key_format=c["kf"], value_format=c["vf"], dtype=DTYPE_NAMES[c["dtype"]], mask=mask,
+                is_causal=c["causal"])
+
+
 @settings(max_examples=min(250, MAX_EXAMPLES), deadline=None)
 @given(c=cases())
 def test_matches_reference(ort_session, device, c):
@@ -157,6 +168,55 @@ def test_first_prompt(ort_session, device, sq, d, dtype, layout, causal, kf, vf,
     c = dict(b=2, hkv=2, group=4, sq=sq, sp=0, d=d, kf=kf, vf=vf, dtype=dtype, layout=layout, mask=mask,
              mask_shape=mask_shape, causal=causal, scale=None, offsets=False, nc=True, values="normal", seed=sq)
     check_case(ort_session, c, device=device)
+
+
+@pytest.mark.parametrize("change, want", [
+    ({}, "tc_bulk"),
+    ({"kf": "fp8"}, "tc_bulk"),
+    ({"kf": "mse3", "vf": "uint3", "dtype": TensorProto.BFLOAT16}, "tc_bulk"),
+    ({"mask": "bool"}, "cuda_core"),
+    ({"mask": "float16", "mask_shape": "b1qk"}, "cuda_core"),
+    ({"dtype": TensorProto.FLOAT}, "cuda_core"),
+    ({"d": 80}, "tc_mma"),
+    ({"vf": "uint3"}, "tc_mma"),
+    ({"sq": 3, "sp": 300}, "tc_bulk"),
+    ({"kf": "raw16", "vf": "raw16"}, "tc_bulk"),
+    ({"kf": "raw16", "vf": "raw16", "d": 64, "dtype": TensorProto.BFLOAT16}, "tc_bulk"),
+    ({"kf": "raw16", "vf": "raw16", "dtype": TensorProto.FLOAT}, "cuda_core"),
+    ({"kf": "raw16", "vf": "raw16", "d": 256}, "cuda_core"),
+    ({"kf": "raw16", "vf": "raw16", "mask": "bool"}, "cuda_core"),
+    ({"sp": 0}, "none"),
+])
+def test_the_planned_split_kernel_runs_on_cuda(ort_session, cuda_ready, split_kernel_ran, change, want):
+    """One decode call per row on the GPU (B = 2, 8 KV heads of 4 query heads of 128, a past of
+    1000 tokens): its output equals the reference's and the split kernel that ran is the planner's
+    choice (on an H200: `want`)."""
+    c = {**dict(b=2, hkv=8, group=4, sq=1, sp=1000, d=128, kf="mse4", vf="uint4", dtype=TensorProto.FLOAT16,
+                layout="bsd", mask=None, mask_shape="full", causal=True, scale=None, offsets=False, nc=True,
+                values="normal", seed=11), **change}
+    check_case(ort_session, c, device="cuda")
+    split_kernel_ran(want, **planned_call(c))
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("b, hkv, group, sq, sp, offsets", [
+    (1, 1, 1, 1, 1, False), (2, 2, 4, 1, 33, False), (3, 2, 8, 1, 257, True), (2, 8, 4, 1, 1000, False),
+    (1, 1, 5, 1, 4133, False), (2, 2, 4, 3, 300, False), (2, 1, 32, 1, 95, True),
+])
+def test_raw16_caches(ort_session, device, split_kernel_ran, dtype, d, b, hkv, group, sq, sp, offsets):
+    """raw16 keys and values (onnxruntime-genai's uncompressed boundary layers) at the head sizes the
+    GPU's tensor-core bulk kernel takes them (64 and 128), fp16 and bf16: pasts of one token, of
+    fewer and more than a warp's 32-token tile and than a block's round of tiles (8 warps at 64, 4 at
+    128), not multiples of either; several sequences; GQA groups of 1 to 32 query heads (5: padding
+    query rows in a block), several query rows, offsets. The output equals the reference's, and on
+    the GPU the bulk kernel ran."""
+    c = dict(b=b, hkv=hkv, group=group, sq=sq, sp=sp, d=d, kf="raw16", vf="raw16", dtype=dtype, layout="bsd",
+             mask=None, mask_shape="full", causal=True, scale=None, offsets=offsets, nc=True, values="normal",
+             seed=sp + d)
+    check_case(ort_session, c, device=device)
+    if device == "cuda":
+        split_kernel_ran("tc_bulk", **planned_call(c))
 
 
 CASE = dict(b=2, hkv=2, group=2, sq=2, sp=3, d=64, kf="mse4", vf="uint4", dtype=TensorProto.FLOAT, layout="bhsd",

@@ -122,6 +122,19 @@ def check_outputs(c, y, pk, pv, want):
     np.testing.assert_allclose(y32, w32, rtol=TOL[c["dtype"]], atol=TOL[c["dtype"]] * span)
 
 
+DTYPE_NAMES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
+
+
+def planned_call(c, feeds):
+    """The case as turboquant.kernel_plan.plan_split's keywords (what the op hands the planner)."""
+    kf, vf = c["formats"]
+    width = feeds["past_key"].shape[-1]
+    past = 0 if c["first"] else int(feeds["total_sequence_length"]) - c["s"]
+    return dict(batch=c["b"], q_heads=c["hkv"] * c["group"], kv_heads=c["hkv"], q_len=c["s"], past_len=past,
+                head_dim=c["d"], key_format=kf, value_format=vf, dtype=DTYPE_NAMES[c["dtype"]], is_causal=True,
+                key_row_bytes=width, value_row_bytes=width)
+
+
 def run_shared(session, feeds, device):
     """One run with present bound to past's own buffers (genai's past_present_share_buffer)."""
     io = session.io_binding()
@@ -234,17 +247,40 @@ def test_genai_style_decode_loop(ort_session, device):
 @pytest.mark.parametrize("b, formats, rotary", [
     (1, ("mse4", "uint4"), 128), (64, ("mse4", "uint4"), 128), (1, ("mse3", "uint3"), 0), (64, ("fp8", "uint4"), 0),
 ])
-def test_decode_step_of_the_presets_shape(ort_session, device, b, formats, rotary):
+def test_decode_step_of_the_presets_shape(ort_session, device, b, formats, rotary, split_kernel_ran):
     """A decode step of the presets' shape (head size 128, fp16, 8 KV heads of 4 query heads, the
-    GPU's tensor-core split kernel): one sequence, and 64 whose 512 (b, head) pairs take several
-    waves of blocks (the hypothesis cases have at most 6); the new rows and outputs equal the
-    reference's."""
+    GPU's tensor-core split kernel, which the CUDA run checks ran): one sequence, and 64 whose 512
+    (b, head) pairs take several waves of blocks (the hypothesis cases have at most 6); the new rows
+    and outputs equal the reference's."""
     rng = np.random.default_rng(b)
     c = dict(b=b, s=1, first=False, capacity=40, lengths=[int(n) for n in rng.integers(2, 41, b)], d=128, hkv=8,
              group=4, formats=formats, pad=0, packed=False, rotary=rotary, interleaved=False, position_ids=False,
              dtype=TensorProto.FLOAT16, nc=True, offsets=False, seed=b)
     model, feeds = make(c)
     y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
+    if device == "cuda":
+        split_kernel_ran("tc_bulk", **planned_call(c, feeds))
+    check_outputs(c, y, pk, pv, reference(c, feeds))
+
+
+@pytest.mark.parametrize("b, d, group, lengths, rotary, pad, want", [
+    (1, 128, 4, [2], 0, 0, "tc_bulk"), (4, 128, 4, [33, 129, 7, 300], 128, 0, "tc_bulk"),
+    (3, 64, 8, [1000, 257, 31], 64, 0, "tc_bulk"), (2, 64, 1, [95, 4], 32, 0, "tc_bulk"),
+    (2, 128, 4, [40, 17], 0, 6, "cuda_core"),
+])
+def test_raw16_decode_step(ort_session, device, split_kernel_ran, b, d, group, lengths, rotary, pad, want):
+    """A decode step on raw16 rows of 2 x head size bytes in a shared buffer, as onnxruntime-genai
+    runs its boundary layers: on the GPU the tensor-core bulk kernel (rotary fused there), several
+    sequences of other lengths (not multiples of the 32-token tiles), GQA groups; rows padded to
+    other widths (not whole 16-byte chunks) on the CUDA-core kernel. New rows and outputs equal the
+    reference's."""
+    c = dict(b=b, s=1, first=False, capacity=max(lengths) + 3, lengths=lengths, d=d, hkv=2, group=group,
+             formats=("raw16", "raw16"), pad=pad, packed=False, rotary=rotary, interleaved=False,
+             position_ids=False, dtype=TensorProto.FLOAT16, nc=True, offsets=b == 3, seed=sum(lengths))
+    model, feeds = make(c)
+    y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
+    if device == "cuda":
+        split_kernel_ran(want, **planned_call(c, feeds))
     check_outputs(c, y, pk, pv, reference(c, feeds))
 
 

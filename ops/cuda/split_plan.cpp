@@ -1,0 +1,160 @@
+// The split-KV planner (split_plan.h): which kernel takes a call, then its layout, shared memory
+// and workspace, from the same geometry the kernels use (split_geometry.h).
+#include "turboquant/split_plan.h"
+
+#include "split_geometry.h"
+
+namespace turboquant::cuda {
+namespace {
+
+using detail::mma_geometry::kStaticBytes;
+
+using detail::tc_geometry::kWideWarps;
+
+// The bulk kernel's key product length: the padded head size for MSE keys, the head size for fp8
+// and raw16.
+int tc_kd(const AttentionParams& p) {
+  return p.key_format == Format::kFp8 || p.key_format == Format::kRaw16 ? p.head_dim : padded_dim(p.head_dim);
+}
+int tc_key_bits(const AttentionParams& p) {
+  return p.key_format == Format::kRaw16 ? 16 : p.key_format == Format::kFp8 ? 8 : format_bits(p.key_format);
+}
+
+// Shared memory of a bulk block of `warps` warps: the dynamic part and, at most, the static one.
+int tc_block_bytes(const AttentionParams& p, int warps) {
+  return detail::tc_geometry::dynamic_bytes(tc_key_bits(p), tc_kd(p), static_cast<int>(p.key_row()),
+                                            static_cast<int>(p.value_row()), warps) +
+         detail::tc_geometry::kStaticBytesMax;
+}
+
+// One block per SM: 16 warps where their buffers fit, else 8 (head size 256, whose registers allow
+// no more, and caches with rows much wider than the packed vectors); 0: neither fits this device.
+int tc_warps(const AttentionParams& p, const DeviceProps& dev) {
+  if (tc_kd(p) <= 128 && tc_block_bytes(p, kWideWarps) <= dev.smem_optin) return kWideWarps;
+  return tc_block_bytes(p, 8) <= dev.smem_optin ? 8 : 0;
+}
+
+// raw16 rows (2 x head size bytes: onnxruntime-genai's uncompressed boundary layers) on the bulk
+// kernel: head sizes 64 and 128, rows of whole 16-byte chunks in 16-byte aligned caches (copied in
+// swizzled chunks, as fp8 keys are), with as many warps as their double buffers leave room for in
+// 227 KiB: a warp's two 32-token tiles of K and V are 16 KiB at head size 64 (8 warps), 32 KiB at
+// 128 (4 warps, each taking two of the block's 8 query rows).
+int raw16_warps(const AttentionParams& p, bool aligned16, const DeviceProps& dev) {
+  if (p.head_dim != 64 && p.head_dim != 128) return 0;
+  if (p.key_row() % 16 != 0 || p.value_row() % 16 != 0 || !aligned16) return 0;
+  const int warps = p.head_dim == 64 ? 8 : 4;
+  return tc_block_bytes(p, warps) <= dev.smem_optin ? warps : 0;
+}
+
+// The warps of the bulk kernel for this call, or 0 where it does not take it.
+int tc_bulk_warps(const AttentionParams& p, bool aligned16, const DeviceProps& dev) {
+  // the presets' pairs: MSE 4-bit, fp8 or MSE 3-bit keys with uint4 values, MSE 3-bit with uint3;
+  // and raw16 with raw16
+  const Format kf = p.key_format, vf = p.value_format;
+  const bool raw16 = kf == Format::kRaw16 && vf == Format::kRaw16;
+  const bool pair = vf == Format::kUint4 ? (kf == Format::kMse4 || kf == Format::kFp8 || kf == Format::kMse3)
+                                         : (vf == Format::kUint3 && kf == Format::kMse3);
+  if (!pair && !raw16) return 0;
+  if (dev.cc_major < 8) return 0;  // mma.sync with bf16, cp.async
+  if (p.mask_type != MaskType::kNone) return 0;
+  if (p.is_causal && p.new_len < p.q_len) return 0;  // a query could then miss some past tokens
+  // The weights p * value scale enter the value product in fp16 (relative 2^-11): within the
+  // tolerance of fp16/bf16 outputs, not of float32 ones, which keep the CUDA-core kernel.
+  if (p.dtype == DType::kFloat32) return 0;
+  if (p.v_head_dim != p.head_dim && raw16) return 0;
+  if (raw16) return raw16_warps(p, aligned16, dev);
+  const int kd = tc_kd(p);
+  if (kd != 64 && kd != 128 && kd != 256) return 0;
+  if (p.v_head_dim != kd) return 0;
+  if (kf == Format::kFp8 && (p.key_row() != kd || !aligned16)) return 0;  // swizzled 16-byte chunks
+  if (p.value_row() % 4 != 0) return 0;                                  // aligned value words
+  if (p.key_row() % 2 != 0) return 0;                                    // 2-byte copies of unaligned rows
+  // One block fills an SM's shared memory (the MSE 4-bit table alone is 64 KiB). Rows much wider
+  // than the packed vectors, or devices with less shared memory than sm_90, keep the other kernels.
+  return tc_warps(p, dev);
+}
+
+// Whether the mma kernel takes this call: MSE keys and uint values, within the default 48 KiB of
+// shared memory per block (static + dynamic), which the presets' layouts up to head size 128 are.
+// Wider rows (genai caches as wide as raw16, head size 256) would need the opt-in attribute, which no
+// GPU run has yet verified for this kernel (its first condition failed to launch on the H200), so
+// they keep the CUDA-core kernel.
+int mma_dynamic_bytes(const AttentionParams& p) {
+  return detail::mma_geometry::dynamic_bytes(static_cast<int>(p.key_row()), static_cast<int>(p.value_row()),
+                                             p.v_head_dim, padded_dim(p.head_dim));
+}
+bool mma_takes(const AttentionParams& p, const DeviceProps& dev) {
+  if (!is_mse(p.key_format) || !is_uint(p.value_format)) return false;
+  if (dev.cc_major < 8) return false;
+  if (p.mask_type != MaskType::kNone) return false;
+  if (p.is_causal && p.new_len < p.q_len) return false;
+  if (p.v_head_dim % 16 != 0) return false;
+  if (mma_dynamic_bytes(p) + kStaticBytes > 48 * 1024) return false;
+  return p.dtype != DType::kFloat32;  // as the bulk kernel: fp16 weights
+}
+
+// The query rows' blocks, the same for every kernel (the finish kernel merges the rows by them).
+SplitLayout row_layout(const AttentionParams& p) {
+  SplitLayout l;
+  l.group = static_cast<int>(p.kv_heads > 0 ? p.q_heads / p.kv_heads : 1);
+  l.rows = p.q_len * l.group;
+  l.rows_per_block = l.rows >= 8 ? 8 : l.rows >= 4 ? 4 : l.rows >= 2 ? 2 : 1;
+  l.rows_per_block = l.rows > 4 && l.rows < 8 ? 8 : l.rows > 2 && l.rows < 4 ? 4 : l.rows_per_block;
+  l.row_blocks = static_cast<int>((l.rows + l.rows_per_block - 1) / l.rows_per_block);
+  return l;
+}
+
+// The splits: `target` blocks' worth of (b, head, row block) work, each split a multiple of `unit`
+// tokens, at least one unit, and none empty.
+void split_past(const AttentionParams& p, int64_t target, int64_t unit, SplitLayout* l) {
+  const int64_t base = p.batch * p.kv_heads * l->row_blocks;
+  int64_t splits = base > 0 ? (target + base - 1) / base : 1;
+  const int64_t max_splits = (p.past_len + unit - 1) / unit;
+  splits = splits < 1 ? 1 : splits;
+  splits = splits > max_splits ? max_splits : splits;
+  l->splits = static_cast<int>(splits < 1 ? 1 : splits);
+  l->split_len = (p.past_len + l->splits - 1) / l->splits;
+  l->split_len = (l->split_len + unit - 1) / unit * unit;
+  // rounded up to whole units, fewer splits may cover the past: no block is launched for none of it
+  l->splits = static_cast<int>((p.past_len + l->split_len - 1) / l->split_len);
+}
+
+}  // namespace
+
+const char* split_kernel_name(SplitKernel k) {
+  switch (k) {
+    case SplitKernel::kTensorCoreBulk: return "tc_bulk";
+    case SplitKernel::kTensorCoreMma: return "tc_mma";
+    case SplitKernel::kCudaCore: return "cuda_core";
+    default: return "none";
+  }
+}
+
+SplitPlan plan_split(const AttentionParams& p, bool caches_aligned16, const DeviceProps& dev) {
+  SplitPlan plan;
+  SplitLayout& l = plan.layout;
+  l = row_layout(p);
+  if (p.q_len == 0 || p.past_len == 0 || p.batch == 0) return plan;  // the finish kernel alone
+  const int64_t base = p.batch * p.kv_heads * l.row_blocks;
+  const int sms = dev.sms > 0 ? dev.sms : 1;
+  if (const int warps = tc_bulk_warps(p, caches_aligned16, dev); warps > 0) {
+    // 16 (or 8) warps of 32-token tiles per block and one wave of blocks, one per SM, each walking a
+    // long slice of at least a tile per warp (at B=1, S=4096, 256-token splits left half of the
+    // warps idle and twice the partial results to merge)
+    plan.kernel = SplitKernel::kTensorCoreBulk;
+    plan.warps = warps;
+    plan.smem = tc_block_bytes(p, warps) - detail::tc_geometry::kStaticBytesMax;
+    split_past(p, base > 0 ? sms / base * base : 1, static_cast<int64_t>(warps) * detail::tc_geometry::kTok, &l);
+  } else {
+    plan.kernel = mma_takes(p, dev) ? SplitKernel::kTensorCoreMma : SplitKernel::kCudaCore;
+    split_past(p, 8LL * sms, kCudaCoreTile, &l);  // 8 blocks' worth per SM
+    const int64_t stage = static_cast<int64_t>(kCudaCoreTile) * (p.key_row() + p.value_row());
+    l.stage_bytes = stage <= kCudaCoreStageMax ? static_cast<int>((stage + 15) / 16 * 16) : 0;
+    l.buffers = l.stage_bytes > 0 && l.split_len > kCudaCoreTile ? 2 : 1;  // double-buffer when a block takes several tiles
+    plan.smem = plan.kernel == SplitKernel::kTensorCoreMma ? mma_dynamic_bytes(p) : l.buffers * l.stage_bytes;
+  }
+  plan.workspace = static_cast<size_t>(p.batch * p.kv_heads * l.rows * l.splits * (2 + p.v_head_dim)) * sizeof(float);
+  return plan;
+}
+
+}  // namespace turboquant::cuda

@@ -1,0 +1,172 @@
+"""The CUDA split-KV planner (ops/cuda/split_plan.cpp), asked through the custom-op library on any
+machine: which kernel serves a decode call, and the layout, shared memory and workspace it is
+launched with. The GPU tests in test_kernel_choice.py check that the kernel it names is the one
+that runs."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from turboquant.kernel_plan import A100, H200, L4, plan_split
+
+# the presets' decode shape on an 8B model: B = 8, 32 query heads on 8 KV heads of 128, S = 32768
+PRESET = dict(batch=8, q_heads=32, kv_heads=8, past_len=32768, head_dim=128, dtype="float16")
+
+
+def test_presets_run_the_tensor_core_bulk_kernel_in_one_wave():
+    """16 warps of 32-token tiles a block, one block per SM: 132 SMs over 64 (b, head) pairs give 2
+    splits of 16384 tokens; the partial results are (max, sum, 128 values) per row and split."""
+    for kf, vf in (("mse4", "uint4"), ("mse3", "uint4"), ("mse3", "uint3"), ("fp8", "uint4")):
+        plan = plan_split(**PRESET, key_format=kf, value_format=vf)
+        assert plan.kernel == "tc_bulk" and plan.warps == 16, (kf, vf, plan)
+        assert (plan.splits, plan.split_len, plan.rows_per_block, plan.row_blocks) == (2, 16384, 4, 1)
+        assert plan.workspace == 8 * 8 * 4 * 2 * (2 + 128) * 4
+        assert 48 * 1024 < plan.smem <= H200.smem_optin - 1024  # opted in, room for the static part
+
+
+def test_mse4_shared_memory_is_the_kernels_layout():
+    """mse4/uint4 at head size 128: query fragments and rows (8 KiB) below a 64 KiB table at the
+    window's 64 KiB boundary, 6 warps' double buffers below it (2 x (2144 + 2208) bytes each), the
+    other 10 above it."""
+    plan = plan_split(**PRESET, key_format="mse4", value_format="uint4")
+    assert plan.smem == 65536 + 65536 + 10 * 2 * (2144 + 2208)
+
+
+def test_a_mask_keeps_the_cuda_core_kernel_and_its_layout():
+    plan = plan_split(**PRESET, key_format="mse4", value_format="uint4", mask="float16")
+    assert plan.kernel == "cuda_core" and plan.warps == 0
+    # 8 blocks' worth per SM over 64 (b, head) pairs asks for 17 splits; in whole 128-token tiles
+    # 2048 tokens each, which 16 cover
+    assert (plan.splits, plan.split_len) == (16, 2048)
+    assert plan.smem == 2 * 128 * (66 + 68)  # two staged tiles of packed K and V
+
+
+@pytest.mark.parametrize("mask", ["bool", "float32", "float16", "bfloat16"])
+def test_every_mask_type_keeps_the_cuda_core_kernel(mask):
+    assert plan_split(**PRESET, key_format="fp8", value_format="uint4", mask=mask).kernel == "cuda_core"
+
+
+def test_misaligned_fp8_caches_get_the_cuda_core_kernel_with_its_own_layout():
+    """fp8 keys are copied in swizzled 16-byte chunks: caches at other addresses run the CUDA-core
+    kernel, laid out for it (not with the tensor-core kernel's 512-token splits)."""
+    aligned = plan_split(**PRESET, key_format="fp8", value_format="uint4")
+    off = plan_split(**PRESET, key_format="fp8", value_format="uint4", aligned16=False)
+    assert aligned.kernel == "tc_bulk" and off.kernel == "cuda_core"
+    assert off.split_len % 128 == 0 and (off.splits, off.split_len) == (16, 2048)
+    assert off.smem == 2 * 128 * (128 + 68)
+    # the MSE pairs copy any 2-byte aligned rows
+    assert plan_split(**PRESET, key_format="mse4", value_format="uint4", aligned16=False).kernel == "tc_bulk"
+
+
+def test_float32_keeps_the_cuda_core_kernel():
+    """The tensor-core kernels round the softmax weights to fp16: within fp16/bf16 outputs'
+    tolerance, not float32's."""
+    for kf, vf in (("mse4", "uint4"), ("fp8", "uint4"), ("raw16", "raw16")):
+        assert plan_split(**{**PRESET, "dtype": "float32"}, key_format=kf, value_format=vf).kernel == "cuda_core"
+
+
+def test_raw16_runs_the_tensor_core_bulk_kernel():
+    """raw16 rows (genai's boundary layers) at head sizes 64 and 128, fp16 and bf16 queries: the bulk
+    kernel with as many warps as their double buffers fit (8 at 64, 4 at 128), one wave of blocks."""
+    for dtype in ("float16", "bfloat16"):
+        plan = plan_split(**{**PRESET, "dtype": dtype}, key_format="raw16", value_format="raw16")
+        assert (plan.kernel, plan.warps) == ("tc_bulk", 4), (dtype, plan)
+        assert (plan.splits, plan.split_len) == (2, 16384)
+        # query fragments and rows (8 KiB), 4 warps' two tiles of 32 rows of 256 + 256 bytes (+ 20 bytes
+        # of slack each, rounded to 16)
+        assert plan.smem == 8192 + 4 * 2 * 2 * 8224
+    small = plan_split(**{**PRESET, "head_dim": 64}, key_format="raw16", value_format="raw16")
+    assert (small.kernel, small.warps, small.smem) == ("tc_bulk", 8, 4096 + 8 * 2 * 2 * 4128)
+
+
+@pytest.mark.parametrize("change", [
+    {"mask": "bool"}, {"dtype": "float32"}, {"head_dim": 256}, {"head_dim": 80}, {"aligned16": False},
+    {"key_row_bytes": 262, "value_row_bytes": 262},  # a shared buffer's rows, not whole 16-byte chunks
+    {"q_len": 4, "new_len": 1, "is_causal": True},
+])
+def test_raw16_elsewhere_keeps_the_cuda_core_kernel(change):
+    plan = plan_split(**{**PRESET, **change}, key_format="raw16", value_format="raw16")
+    assert plan.kernel == "cuda_core", (change, plan)
+
+
+def test_raw16_in_wider_rows_of_whole_chunks_runs_the_bulk_kernel():
+    """A shared buffer's rows wider than 2 x head size, in whole 16-byte chunks, are read at their
+    own pitch."""
+    plan = plan_split(**PRESET, key_format="raw16", value_format="raw16", key_row_bytes=272, value_row_bytes=272)
+    assert plan.kernel == "tc_bulk"
+
+
+def test_head_sizes_the_bulk_kernel_does_not_take_run_the_mma_kernel():
+    """Head size 80 (padded key length 128, values 80) and mse4 keys with uint3 values: attention_mma.cu."""
+    assert plan_split(**{**PRESET, "head_dim": 80}, key_format="mse4", value_format="uint4").kernel == "tc_mma"
+    assert plan_split(**PRESET, key_format="mse4", value_format="uint3").kernel == "tc_mma"
+    assert plan_split(**{**PRESET, "head_dim": 80}, key_format="fp8", value_format="uint4").kernel == "cuda_core"
+
+
+def test_causal_prompt_chunks_over_a_past_keep_the_cuda_core_kernel():
+    """Several causal query rows over fewer new tokens: some rows could then miss past tokens, which
+    only the CUDA-core kernel masks."""
+    base = dict(PRESET, batch=1, key_format="mse4", value_format="uint4", is_causal=True)
+    assert plan_split(**base, q_len=4).kernel == "tc_bulk"  # as many new tokens as queries
+    assert plan_split(**base, q_len=4, new_len=2).kernel == "cuda_core"
+
+
+def test_smaller_devices():
+    """sm_80's 163 KiB take 8-warp mse4 blocks; sm_89's 99 KiB none (the mma kernel instead); the
+    fp8 pair's smaller buffers fit 16 warps on sm_80."""
+    assert plan_split(**PRESET, key_format="mse4", value_format="uint4", device=L4).kernel == "tc_mma"
+    a100 = plan_split(**PRESET, key_format="mse4", value_format="uint4", device=A100)
+    assert (a100.kernel, a100.warps) == ("tc_bulk", 8)
+    assert plan_split(**PRESET, key_format="fp8", value_format="uint4", device=L4).kernel == "cuda_core"
+
+
+def test_no_past_or_no_queries_needs_no_split_kernel():
+    for change in ({"past_len": 0}, {"q_len": 0, "new_len": 1}):
+        plan = plan_split(**{**PRESET, **change}, key_format="mse4", value_format="uint4")
+        assert plan.kernel == "none" and plan.workspace == 0
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"key_format": "mse5"}, "key_format is 'mse5'"),
+    ({"dtype": "float64"}, "dtype is 'float64'"),
+    ({"mask": "int8"}, "mask is 'int8'"),
+])
+def test_bad_names_are_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        plan_split(**{**PRESET, "key_format": "mse4", "value_format": "uint4", **change})
+
+
+@pytest.mark.parametrize("change", [{"head_dim": 100}, {"q_heads": 30}, {"past_len": -1}])
+def test_bad_shapes_are_refused(change):
+    with pytest.raises(ValueError, match="the planner refused these shapes"):
+        plan_split(**{**PRESET, "key_format": "mse4", "value_format": "uint4", **change})
+
+
+FORMATS = [("mse4", "uint4"), ("mse3", "uint3"), ("mse3", "uint4"), ("fp8", "uint4"), ("raw16", "raw16"), ("mse4", "uint3")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=st.integers(1, 64), kv_heads=st.sampled_from([1, 2, 8]), group=st.sampled_from([1, 4, 8]),
+       q_len=st.sampled_from([1, 1, 2, 5]), past_len=st.integers(1, 70000), head_dim=st.sampled_from([64, 80, 128, 256]),
+       formats=st.sampled_from(FORMATS), dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+       aligned=st.booleans(), device=st.sampled_from([H200, A100, L4]))
+def test_every_plan_covers_the_past_in_whole_units(batch, kv_heads, group, q_len, past_len, head_dim, formats, dtype,
+                                                   aligned, device):
+    """Whatever the kernel: the splits cover the past, each a whole number of the kernel's tiles
+    (the bulk kernel's warps x 32 tokens, else 128) and none empty; the workspace holds every row's
+    partial results; shared memory fits the device."""
+    kf, vf = formats
+    plan = plan_split(batch=batch, q_heads=kv_heads * group, kv_heads=kv_heads, q_len=q_len, past_len=past_len,
+                      head_dim=head_dim, key_format=kf, value_format=vf, dtype=dtype, aligned16=aligned, device=device)
+    assert plan.kernel in ("tc_bulk", "tc_mma", "cuda_core")
+    unit = plan.warps * 32 if plan.kernel == "tc_bulk" else 128
+    assert plan.split_len % unit == 0 and plan.splits * plan.split_len >= past_len
+    assert (plan.splits - 1) * plan.split_len < past_len
+    rows = q_len * group
+    assert plan.row_blocks * plan.rows_per_block >= rows and plan.workspace == batch * kv_heads * rows * plan.splits * (2 + head_dim) * 4
+    limit = 48 * 1024 - 10400 if plan.kernel == "tc_mma" else device.smem_optin - 1024
+    assert 0 <= plan.smem <= limit
+    if dtype == "float32":
+        assert plan.kernel == "cuda_core"
+    if kf in ("fp8", "raw16") and not aligned:
+        assert plan.kernel == "cuda_core"

@@ -1,0 +1,107 @@
+"""Which CUDA split-KV decode kernel serves a TQAttention / TQGroupQueryAttention call.
+
+`plan_split` asks the custom-op library's planner (host code, present in every build, so it answers
+on machines without a GPU) what it chooses for given shapes and device properties; `last_split_kernel`
+names the kernel the process's latest CUDA attention call ran. Kernel names: "tc_bulk" (the
+tensor-core kernel of ops/cuda/attention_tc.cu), "tc_mma" (attention_mma.cu), "cuda_core"
+(attention.cu's split kernel) and "none" (no past or no query rows: no split kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+
+from ._libs import ort_library_path
+from .config import ALL_FORMATS
+
+KERNELS = ("tc_bulk", "tc_mma", "cuda_core", "none")
+DTYPES = ("float32", "float16", "bfloat16")
+MASKS = (None, "bool", "float32", "float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What the planner needs of a GPU."""
+
+    sms: int
+    smem_optin: int  # bytes of shared memory a block may opt in to
+    cc_major: int
+    cc_minor: int = 0
+
+
+H200 = Device(sms=132, smem_optin=232448, cc_major=9)  # sm_90: 227 KiB per block
+A100 = Device(sms=108, smem_optin=166912, cc_major=8)  # sm_80: 163 KiB
+L4 = Device(sms=58, smem_optin=101376, cc_major=8, cc_minor=9)  # sm_89: 99 KiB
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    kernel: str
+    splits: int
+    split_len: int
+    rows_per_block: int
+    row_blocks: int
+    warps: int  # tc_bulk's warps per block, else 0
+    smem: int  # dynamic shared memory of the split launch, bytes
+    workspace: int  # bytes of partial results
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(ort_library_path())
+    lib.turboquant_split_plan.restype = ctypes.c_char_p
+    lib.turboquant_split_plan.argtypes = [ctypes.c_char_p] * 4 + [ctypes.POINTER(ctypes.c_int64)] * 3
+    lib.turboquant_last_split_kernel.restype = ctypes.c_char_p
+    lib.turboquant_last_split_kernel.argtypes = []
+    return lib
+
+
+def plan_split(*, batch: int, q_heads: int, kv_heads: int, past_len: int, head_dim: int, key_format: str,
+               value_format: str, q_len: int = 1, new_len: int | None = None, v_head_dim: int | None = None,
+               dtype: str = "float16", mask: str | None = None, is_causal: bool = False, key_row_bytes: int = 0,
+               value_row_bytes: int = 0, aligned16: bool = True, device: Device = H200) -> SplitPlan:
+    """The planner's choice for one call. new_len defaults to q_len, v_head_dim to head_dim; row bytes
+    0 mean the formats' packed sizes (a shared buffer's rows may be wider); aligned16: the past caches
+    start at multiples of 16 bytes."""
+    for name, value, allowed in (("key_format", key_format, ALL_FORMATS), ("value_format", value_format, ALL_FORMATS),
+                                 ("dtype", dtype, DTYPES), ("mask", mask, MASKS)):
+        if value not in allowed:
+            raise ValueError(f"{name} is {value!r}; expected one of {', '.join(str(a) for a in allowed)}")
+    new_len = q_len if new_len is None else new_len
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    shape = (batch, q_heads, kv_heads, q_len, new_len, past_len, head_dim, v_head_dim, int(is_causal), key_row_bytes,
+             value_row_bytes, int(aligned16))
+    props = (device.sms, device.smem_optin, device.cc_major, device.cc_minor)
+    out = (ctypes.c_int64 * 7)()
+    name = _library().turboquant_split_plan(key_format.encode(), value_format.encode(), dtype.encode(),
+                                            (mask or "none").encode(), (ctypes.c_int64 * 12)(*shape),
+                                            (ctypes.c_int64 * 4)(*props), out)
+    if name is None:
+        raise ValueError(f"the planner refused these shapes: batch, q_heads, kv_heads, q_len, new_len, past_len, "
+                         f"head_dim, v_head_dim, is_causal, key_row_bytes, value_row_bytes, aligned16 = {shape} "
+                         "(negative, heads not a multiple of kv_heads, or an unsupported head size)")
+    return SplitPlan(name.decode(), *(int(x) for x in out))
+
+
+def last_split_kernel() -> str:
+    """The split kernel the process's latest CUDA attention call ran ("none" before any, or in a
+    build without CUDA kernels)."""
+    return _library().turboquant_last_split_kernel().decode()
+
+
+def cuda_device(index: int = 0) -> Device:
+    """The planner's view of CUDA device `index`, from the driver (libcuda); OSError or RuntimeError
+    where there is none."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev, value = ctypes.c_int(0), ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), index) != 0:
+        raise RuntimeError(f"no CUDA device {index}")
+
+    def attribute(code: int) -> int:  # CUdevice_attribute values of cuda.h
+        if cuda.cuDeviceGetAttribute(ctypes.byref(value), code, dev) != 0:
+            raise RuntimeError(f"cuDeviceGetAttribute({code}) failed for device {index}")
+        return value.value
+
+    return Device(sms=attribute(16), smem_optin=attribute(97), cc_major=attribute(75), cc_minor=attribute(76))
