@@ -43,7 +43,7 @@ def paragraph() -> str:
 def run(folder: pathlib.Path, out: pathlib.Path, preset: str, tokens: int, prompt: str, exporter: str) -> int:
     from transformers import AutoTokenizer
 
-    from .decoder import DecoderSession
+    from .decoder import DecoderSession, open_decoder
     from .eval import Evaluator, Windows
 
     src = out / "smollm2" / "model.onnx"
@@ -60,8 +60,8 @@ def run(folder: pathlib.Path, out: pathlib.Path, preset: str, tokens: int, promp
     subprocess.run(cmd, check=True)
 
     tok = AutoTokenizer.from_pretrained(str(src.parent), local_files_only=True)
-    models = {"original": DecoderSession(src), "rewritten": DecoderSession(dst)}
     ids = np.array([tok(prompt).input_ids])
+    models = {"original": DecoderSession(src), "rewritten": open_decoder(dst, ids.shape[1] + tokens)}
     print(f"[3/4] greedy continuation of {prompt!r}, {tokens} tokens, ONNX Runtime (CPU)", flush=True)
     for name, sess in models.items():
         new, per_token = timed_generate(sess, ids, tokens)

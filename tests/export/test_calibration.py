@@ -24,8 +24,8 @@ def test_offsets_cut_the_error_of_biased_keys(biased_model):
     cfg, src, d = biased_model
     rng = np.random.default_rng(0)
     np.save(d / "calib.npy", rng.integers(0, cfg.vocab, 1024))
-    plain = export(src, "turboquant_k3v4_nc", d / "plain.onnx", boundary=1, offsets=False)
-    calibrated = export(src, "turboquant_k3v4_nc", d / "calibrated.onnx", boundary=1, calibrate=d / "calib.npy",
+    plain = export(src, "turboquant_k3v4_nc", d / "plain.onnx", boundary=1, cache="concat", offsets=False)
+    calibrated = export(src, "turboquant_k3v4_nc", d / "calibrated.onnx", boundary=1, cache="concat", calibrate=d / "calib.npy",
                         key_scales=False)
     ids = np.random.default_rng(99).integers(0, cfg.vocab, (2, 44))  # held apart from the calibration tokens
     ref = DecoderSession(src).teacher_forced(ids, 12)[:, 1:]
@@ -47,7 +47,7 @@ def test_offsets_cut_the_error_of_biased_keys(biased_model):
 def test_value_offsets_and_refusals(biased_model, tmp_path):
     cfg, src, d = biased_model
     np.save(tmp_path / "ids.npy", np.arange(300) % cfg.vocab)
-    r = export(src, "turboquant_4bit_nc", tmp_path / "kv.onnx", boundary=1, calibrate=tmp_path / "ids.npy", value_offsets=True)
+    r = export(src, "turboquant_4bit_nc", tmp_path / "kv.onnx", boundary=1, cache="concat", calibrate=tmp_path / "ids.npy", value_offsets=True)
     out = onnx.load(str(r.output))
     assert {f"tq_value_offset_{i}" for i in r.compressed} <= {i.name for i in out.graph.initializer}
     logits = DecoderSession(r.output).teacher_forced(np.array([[1, 2, 3, 4, 5, 6]]), 3)
@@ -63,7 +63,7 @@ def test_value_offsets_and_refusals(biased_model, tmp_path):
 def test_key_scales_leave_scores_unchanged(biased_model, tmp_path):
     """Queries times s, keys over s: the prefill (whose new tokens attend exactly) is the original's."""
     cfg, src, d = biased_model
-    r = export(src, "turboquant_k3v4_nc", tmp_path / "scaled.onnx", boundary=1, calibrate=d / "calib.npy")
+    r = export(src, "turboquant_k3v4_nc", tmp_path / "scaled.onnx", boundary=1, cache="concat", calibrate=d / "calib.npy")
     meta = {p.key: p.value for p in onnx.load(str(r.output)).metadata_props}
     assert meta["turboquant.key_scales"] == "yes"
     nodes = {n.name for n in onnx.load(str(r.output)).graph.node}

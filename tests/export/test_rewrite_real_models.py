@@ -24,7 +24,7 @@ def rewritten(exported, tmp_path_factory):
     def get(name, preset):
         if (name, preset) not in cache:
             out = tmp_path_factory.mktemp("rw") / f"{name}.{preset}.onnx"
-            cache[name, preset] = export(exported(name), preset, out)
+            cache[name, preset] = export(exported(name), preset, out, cache="concat")
         return cache[name, preset]
 
     return get

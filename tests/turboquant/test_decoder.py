@@ -16,7 +16,7 @@ def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("decoder")
     cfg = examples.TinyConfig(family="llama", layers=5, hidden=128, heads=4, kv_heads=2, head_dim=32)
     src = examples.export(cfg, d / "m.onnx", "torchscript")
-    return src, export(src, "turboquant_4bit_nc", d / "m.tq.onnx", boundary=1).output
+    return src, export(src, "turboquant_4bit_nc", d / "m.tq.onnx", boundary=1, cache="concat").output
 
 
 def test_empty_cache_types(models):

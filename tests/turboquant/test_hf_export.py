@@ -7,7 +7,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from turboquant import examples  # noqa: E402
-from turboquant.decoder import DecoderSession  # noqa: E402
+from turboquant.decoder import DecoderSession, open_decoder  # noqa: E402
 from turboquant.hf_export import main  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def test_exports_a_saved_model_folder(tmp_path, capsys):
 
     result = export(out, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", boundary=0, progress=False)
     assert result.compressed == [0, 1]
-    packed = DecoderSession(result.output)
+    packed = open_decoder(result.output, ids.shape[1])
     got, _ = packed.step(ids, packed.empty_cache(1), 0)
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.5
 

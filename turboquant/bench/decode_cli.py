@@ -78,8 +78,9 @@ def add_parsers(sub) -> None:
     m.add_argument("--no-calibration", action="store_true",
                    help="rewrite without key offsets or scales (no data-free calibration run of the original on the CPU)")
     m.add_argument("--boundary", type=int, help="the rewrite's boundary layers (default 2; 1 for models under 6 layers)")
-    m.add_argument("--cache", choices=["concat", "in-place"], default="concat",
-                   help="torchscript: the rewrite's cache form (turboquant.export --cache); genai models are in place already")
+    m.add_argument("--cache", choices=["auto", "in-place", "concat"], default="auto",
+                   help="torchscript: the rewrite's cache form (turboquant.export --cache; default auto, which is in-place "
+                   "for these models); genai models are in place already")
 
 
 def _fail(arg: str, message: str) -> int:
@@ -176,8 +177,8 @@ def _models(args) -> int:
             return _fail("--rewrite", f"unknown preset {args.rewrite!r}; one of {', '.join(TQ_PRESETS)}")
     if args.boundary is not None and args.boundary < 0:
         return _fail("--boundary", f"must not be negative, not {args.boundary}")
-    if args.cache == "in-place" and args.builder == "genai":
-        return _fail("--cache", "in-place is for torchscript exports: genai models' caches are written in place already")
+    if args.cache == "concat" and args.builder == "genai":
+        return _fail("--cache", "concat is for torchscript exports: genai models' caches are written in place, and stay so")
     paths = build(args.shape, args.builder, args.precision, args.device, out, args.rewrite, args.boundary,
                   calibrate=not args.no_calibration, cache=args.cache, log=lambda s: print(s, flush=True))
     for k, v in paths.items():

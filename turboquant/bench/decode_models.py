@@ -41,7 +41,7 @@ def default_boundary(cfg: TinyConfig) -> int:
 
 
 def build(shape: str, builder: str, precision: str, device: str, out: pathlib.Path, rewrite: str | None = None,
-          boundary: int | None = None, calibrate: bool = True, cache: str = "concat", log=print) -> dict[str, pathlib.Path]:
+          boundary: int | None = None, calibrate: bool = True, cache: str = "auto", log=print) -> dict[str, pathlib.Path]:
     """Makes the model (and its rewrite with preset `rewrite`) under out; returns the paths made.
     calibrate=False: the rewrite without key offsets and scales (export's offsets=False); cache:
     the rewrite's cache form (export's cache)."""

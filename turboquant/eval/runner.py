@@ -58,7 +58,8 @@ class Evaluator:
                  providers: Sequence = ("CPUExecutionProvider",), threads: int | None = None, progress: bool = True,
                  shared_buffer: bool = False, cache_dir: str | os.PathLike | None = None):
         """shared_buffer: run every model as onnxruntime-genai does, one buffer of `context` rows per
-        cache tensor bound as past and present (turboquant.shared_buffer), for genai-built models.
+        cache tensor bound as past and present (turboquant.shared_buffer), the original too; without
+        it each model takes the loop its caches need (turboquant.decoder.open_decoder).
         cache_dir: where the original's log-probabilities are kept (turboquant.eval.cache) and looked
         up, so a later Evaluator on the same original, tokens and settings skips its run; None: no cache.
         `cached` says whether they came from there."""
@@ -105,14 +106,14 @@ class Evaluator:
         """Yields (window ids [B, context], log-probs [B, context - prefill, V]) per batch."""
         from tqdm import tqdm
 
-        from turboquant.decoder import DecoderSession
+        from turboquant.decoder import open_decoder
 
         if self.shared_buffer:
             from turboquant.shared_buffer import SharedBufferDecoder
 
             sess = SharedBufferDecoder(model, self.windows.context, providers=self.providers, threads=self.threads)
-        else:
-            sess = DecoderSession(model, providers=self.providers, threads=self.threads)
+        else:  # the loop each model's caches take
+            sess = open_decoder(model, self.windows.context, providers=self.providers, threads=self.threads)
         steps = sum(len(b) for b in self.batches) * (self.windows.context - self.windows.prefill)
         with tqdm(total=steps, desc=label[:40], unit="tok", disable=not self.progress, leave=False) as bar:
             for batch in self.batches:

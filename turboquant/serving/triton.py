@@ -121,6 +121,9 @@ def write_repository(model: str | os.PathLike, out: str | os.PathLike, *, name: 
         raise ValueError(f"--library {library!r}: config.pbtxt cannot quote a path with '\"', '\\' or a newline")
     name = check_name(name if name is not None else model.name.split(".")[0])
     inputs, outputs, proto = _io(model)
+    if {p.key: p.value for p in proto.metadata_props}.get("turboquant.cache") == "in-place":
+        raise ValueError(f"{model}: its caches are buffers written in place (--cache in-place), which Triton's "
+                         "ONNX Runtime backend cannot bind as both input and output; rewrite with --cache concat")
     folder = pathlib.Path(out) / name
     version = folder / "1"
     version.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ def rewritten(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("triton")
     cfg = examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64)
-    return export(examples.export(cfg, d / "tiny.onnx"), "turboquant_4bit_nc", d / "tiny.tq.onnx").output
+    return export(examples.export(cfg, d / "tiny.onnx"), "turboquant_4bit_nc", d / "tiny.tq.onnx", cache="concat").output
 
 
 def parse(folder):
@@ -96,3 +96,11 @@ def test_not_an_onnx_model(tmp_path, capsys):
     assert "model.onnx: not an ONNX model" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "repo").exists()
 
+
+
+def test_in_place_rewrite_is_refused(rewritten, tmp_path, capsys):
+    """A model whose caches are buffers written in place: Triton's backend binds inputs and outputs apart."""
+    in_place = export(rewritten.with_name("tiny.onnx"), "turboquant_4bit_nc", tmp_path / "ip.onnx", cache="in-place",
+                      offsets=False).output
+    assert main([str(in_place), "--out", str(tmp_path / "repo")]) == 2
+    assert "--cache concat" in capsys.readouterr().err and not (tmp_path / "repo").exists()
