@@ -129,10 +129,10 @@ def query_heads(site: AttentionSite) -> int | None:
     return None
 
 
-def packs(plan: LayerPlan, layer: CacheLayer) -> bool:
-    """Whether the layer takes TQGroupQueryAttention's uint8 rows (compressed, or a bfloat16 model's
-    kept layer as raw16) rather than ORT's GroupQueryAttention over float rows."""
-    return plan.compressed or layer.past_key.dtype == ir.DataType.BFLOAT16
+def packs(plan: LayerPlan) -> bool:
+    """Whether the layer takes TQGroupQueryAttention's uint8 rows (compressed, or a kept layer as
+    raw16) rather than ORT's GroupQueryAttention over float rows."""
+    return plan.compressed or plan.key_format == BOUNDARY_FORMAT
 
 
 def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: LayerPlan, lens: Lengths, q_heads: int,
@@ -156,7 +156,7 @@ def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan
     if site.scale:
         attrs["scale"] = float(site.scale)
     inputs = [q, k, v, layer.past_key, layer.past_value, lens.seqlens_k, lens.total]
-    packed = packs(plan, layer)
+    packed = packs(plan)
     if packed:
         attrs.update(key_format=plan.key_format, value_format=plan.value_format, norm_correction=int(norm_correction))
         if key_offset is not None or value_offset is not None:
@@ -229,10 +229,12 @@ def reroute_shapes(old: ir.Value, buffer: ir.Value, rows_1d: ir.Value, head_dim:
 
 
 def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, boundary: int = 2, skip_layers=None,
-                     keep_layers=None, calibration=None, value_offsets: bool = False, key_scales: bool = True) -> RewriteResult:
+                     keep_layers=None, calibration=None, value_offsets: bool = False, key_scales: bool = True,
+                     kept_raw16: bool = False) -> RewriteResult:
     """Rewrites an exported decoder into the in-place form (module docstring); returns what was done.
-    q_heads: each layer's query heads where the graph does not say them (export.in_place_heads).
-    calibration as in export.rewrite.rewrite_model."""
+    q_heads: each layer's query heads where the graph does not say them (probe_query_heads).
+    calibration as in export.rewrite.rewrite_model. kept_raw16: the kept layers as raw16
+    TQGroupQueryAttention too (TensorRT, which has no GroupQueryAttention; exact for 16-bit models)."""
     plans, layers = plan_layers(model, preset, boundary, skip_layers, keep_layers)
     cfg = TQ_PRESETS[preset]
     sites = {p.index: locate(layers[p.index]) for p in plans}
@@ -251,7 +253,7 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
             raise RewriteError(f"layer {i}: cannot tell its query and KV head counts for the in-place form")
         use = plan.compressed and calibration is not None
         kscale = calibration.key_scales.get(i) if use and key_scales and plan.key_format.startswith("mse") else None
-        if not plan.compressed and layer.past_key.dtype == ir.DataType.BFLOAT16:
+        if not plan.compressed and (kept_raw16 or layer.past_key.dtype == ir.DataType.BFLOAT16):
             plan.key_format = plan.value_format = BOUNDARY_FORMAT
         node = apply_in_place(model, site, layer, plan, lens, heads, cfg["norm_correction"],
                               calibration.keys.get(i) if use else None,
@@ -278,8 +280,8 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
         "turboquant.cache": FORM,
         "turboquant.cache_row_bytes": json.dumps({str(p.index): p.row_bytes for p in plans if p.row_bytes}),
         "turboquant.layers": json.dumps([{"layer": p.index, "compressed": p.compressed,
-                                          "key_format": p.key_format if packs(p, layers[p.index]) else None,
-                                          "value_format": p.value_format if packs(p, layers[p.index]) else None,
+                                          "key_format": p.key_format if packs(p) else None,
+                                          "value_format": p.value_format if packs(p) else None,
                                           "norm_correction": bool(cfg["norm_correction"]) if p.compressed else None,
                                           "form": p.form} for p in plans]),
     })
@@ -289,7 +291,7 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
     packed = [p for p in plans if p.row_bytes]
     notes = [f"caches updated in place: buffers of {MAX_LENGTH} rows bound as past and present; sequence lengths from "
              "attention_mask's sums (right padding), the exporter's masks removed",
-             "cache rows (bytes per token and KV head, for K and for V): " + _describe_widths(packed)
+             "cache rows (bytes per token and KV head, for K and for V, uint8): " + _describe_widths(packed)
              + ("; the others keep float rows of their head size (ONNX Runtime's GroupQueryAttention)"
                 if len(packed) < len(plans) else "")]
     return RewriteResult(preset, plans, None, notes)

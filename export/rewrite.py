@@ -17,6 +17,7 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS
 
 from .errors import RewriteError
 from .forms import locate
+from .cache_io import _KV_NAMES
 from .gqa import rewrite_gqa_model, uses_gqa
 from .plan import RewriteResult, plan_layers
 from .surgery import pack_other_branch, present_outputs, reroute_cache_shapes, shape_only_uses_are_safe, apply_site
@@ -159,7 +160,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
                                   progress=progress if progress is not None else sys.stderr.isatty())
     if cache == "in-place":
         try:
-            result = _rewrite_in_place(model, src, preset, calibration, boundary=boundary, skip_layers=skip_layers,
+            result = _rewrite_in_place(model, src, preset, calibration, target, boundary=boundary, skip_layers=skip_layers,
                                        keep_layers=keep_layers, value_offsets=value_offsets, key_scales=key_scales)
         except RewriteError as e:
             if not auto:
@@ -182,7 +183,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     return result
 
 
-def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibration, **plan_args) -> RewriteResult:
+def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibration, target: str, **plan_args) -> RewriteResult:
     from .in_place import probe_query_heads, query_heads, rewrite_in_place
 
     value_offsets, key_scales = plan_args.pop("value_offsets"), plan_args.pop("key_scales")
@@ -192,16 +193,17 @@ def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibrati
     if unknown:
         heads.update(probe_query_heads(src, dict(preset=preset, **plan_args), unknown))
     return rewrite_in_place(model, preset, heads, calibration=calibration, value_offsets=value_offsets,
-                            key_scales=key_scales, **plan_args)
+                            key_scales=key_scales, kept_raw16=target == "tensorrt", **plan_args)
 
 
 def _cache_form(model: ir.Model, cache: str, target: str) -> tuple[str, str | None]:
     """The cache form to write and, where auto falls back to concat, why."""
     graph_inputs = {v.name for v in model.graph.inputs}
     reasons = []
-    if target == "tensorrt":
-        reasons.append("--target tensorrt (the kept layers of the in-place form run com.microsoft.GroupQueryAttention, "
-                       "which TensorRT has no plugin for)")
+    caches = [v for v in model.graph.inputs if any(p.match(v.name or "") for p in _KV_NAMES)]
+    if target == "tensorrt" and any(v.dtype == ir.DataType.FLOAT for v in caches):
+        reasons.append("--target tensorrt with float32 caches (the in-place form's TensorRT kept layers are raw16, "
+                       "16-bit rows, which would round them)")
     if any(n.op_type == "If" for n in model.graph):
         reasons.append("a merged decoder (an If on use_cache_branch); export it unmerged for the in-place form")
     missing = [n for n in ("attention_mask", "input_ids") if n not in graph_inputs]

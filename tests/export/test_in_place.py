@@ -101,10 +101,31 @@ def test_graph_has_buffers_and_no_mask(rewrites, name):
         DecoderSession(rewrites(name, "in-place").output)
 
 
+def test_kept_layers_as_raw16(exported, rewrites, tmp_path):
+    """kept_raw16 (TensorRT's in-place form, which has no GroupQueryAttention): the kept layers' fp16
+    rows as raw16 TQGroupQueryAttention, the same logits as ORT's GroupQueryAttention gives them."""
+    import onnx_ir as ir
+
+    from turboquant.export.in_place import rewrite_in_place
+
+    name = "llama-gqa-torchscript-fp16"
+    model = ir.load(exported(name))
+    result = rewrite_in_place(model, PRESET, {i: 4 for i in range(6)}, kept_raw16=True)
+    assert all(p.key_format == "raw16" for p in result.layers if not p.compressed)
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("TQGroupQueryAttention") == 6 and "GroupQueryAttention" not in ops
+    ir.save(model, tmp_path / "raw16.onnx")
+    ids = np.random.default_rng(3).integers(0, MODELS[name][0].vocab, (1, 20))
+    a = SharedBufferDecoder(rewrites(name, "in-place").output, max_length=32).teacher_forced(ids, 12)
+    b = SharedBufferDecoder(tmp_path / "raw16.onnx", max_length=32).teacher_forced(ids, 12)
+    np.testing.assert_allclose(b[:, 0], a[:, 0], atol=2e-2 * float(np.abs(a[:, 0]).max()))
+    assert float((a.argmax(-1) == b.argmax(-1)).mean()) >= 0.9
+
+
 def test_refusals(exported, tmp_path):
     with pytest.raises(RewriteError, match="merged"):
         export(exported("llama-gqa-torchscript-merged"), PRESET, tmp_path / "m.onnx", cache="in-place", offsets=False)
-    with pytest.raises(RewriteError, match="TensorRT"):
+    with pytest.raises(RewriteError, match="float32 caches"):
         export(exported("llama-gqa-torchscript"), PRESET, tmp_path / "t.onnx", cache="in-place", target="tensorrt")
     with pytest.raises(RewriteError, match="cache must be"):
         export(exported("llama-gqa-torchscript"), PRESET, tmp_path / "c.onnx", cache="inplace")

@@ -35,6 +35,23 @@ def test_nodes_carry_the_plugin_namespace_and_no_empty_inputs(exported, tmp_path
     assert {p.key: p.value for p in m.metadata_props}["turboquant.target"] == "tensorrt"
 
 
+def test_half_precision_export_takes_the_in_place_plugin_form(exported, tmp_path):
+    """A 16-bit export for TensorRT: every layer TQGroupQueryAttention over buffers written in place
+    (kept layers raw16), in the plugins' form; a float32 one keeps the concat form, saying why."""
+    r = export(exported("llama-gqa-torchscript-fp16"), "turboquant_4bit_nc", tmp_path / "h.onnx", target="tensorrt",
+               offsets=False)
+    m = onnx.load(str(r.output))
+    gqa = [n for n in m.graph.node if n.op_type == "TQGroupQueryAttention"]
+    assert len(gqa) == 6 and not [n for n in m.graph.node if n.domain == "com.microsoft"]
+    formats = sorted(onnx.helper.get_attribute_value(next(a for a in n.attribute if a.name == "key_format")) for n in gqa)
+    assert formats == [b"mse4"] * 2 + [b"raw16"] * 4
+    assert all("" not in n.input for n in gqa) and any(n.op_type == "ConstantOfShape" for n in m.graph.node)
+    assert {p.key: p.value for p in m.metadata_props}["turboquant.cache"] == "in-place"
+    r32 = export(exported("llama-gqa-torchscript"), "turboquant_4bit_nc", tmp_path / "f.onnx", target="tensorrt",
+                 offsets=False)
+    assert any("float32 caches" in n for n in r32.notes)
+
+
 def test_cli_target_option(exported, tmp_path, capsys):
     src = exported("llama-gqa-torchscript")
     assert main([str(src), "--preset", "turboquant_k8v4", "-o", str(tmp_path / "t.onnx"), "--target", "tensorrt"]) == 0
