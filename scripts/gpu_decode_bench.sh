@@ -4,9 +4,12 @@
 # TorchScript exporter, each rewritten with turboquant_4bit_nc (python -m turboquant.bench models),
 # then `python -m turboquant.bench decode` original against rewritten at B=1/S=4096, B=8/S=32768 and
 # B=16/S=65536 (caches filled with random K/V; ttft from a real prefill where it is affordable),
-# capacity at 80 GB, and genai's own runtime (og.Generator) at B=1/S=4096.
+# capacity at 80 GB, and genai's own runtime (og.Generator) at B=1/S=4096. The torchscript rewrite is
+# the default (in-place) form; `cross` times genai's fp16 original (ORT's GroupQueryAttention in place,
+# the fastest fp16 decode ORT offers) against the torchscript export's rewrite and genai's rewrite in
+# one process (--other-exporters), the in-place export target of the design.
 #
-#   bash scripts/gpu_decode_bench.sh [all|build|bench]     (SHAPE=llama3b|llama8b, BUILDERS="genai torchscript")
+#   bash scripts/gpu_decode_bench.sh [all|build|bench|cross]     (SHAPE=llama3b|llama8b, BUILDERS="genai torchscript")
 #
 # Expects onnxruntime-gpu and onnxruntime-genai(-cuda) under /tmp/site, this package (CUDA build)
 # under /tmp/tqsite, torch with CUDA and transformers in the system python. Models go to
@@ -75,5 +78,9 @@ done
 if { [ "$step" = all ] || [ "$step" = bench ]; } && [ -f "$M/genai/tq/model.onnx" ]; then
   stage 50 decode_genai_runtime "$PY" -m turboquant.bench decode "$M/genai/model" "$M/genai/tq" --runtime genai \
     --device "$DEVICE" --batch 1 --context "$FIRST" --steps "$STEPS" --json "$OUT/decode_genai_runtime.json"
+fi
+if [ "$step" = cross ] && [ -f "$M/genai/tq/model.onnx" ] && [ -f "$M/torchscript/tq/model.onnx" ]; then
+  stage 120 decode_cross "$PY" -m turboquant.bench decode "$M/genai/model" "$M/torchscript/tq/model.onnx" \
+    "$M/genai/tq/model.onnx" --other-exporters $POINTS $common --ttft-max-tokens "$FIRST" --json "$OUT/decode_cross.json"
 fi
 cat "$OUT/summary.log"

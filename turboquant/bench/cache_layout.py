@@ -146,9 +146,10 @@ def _head_dim(fmt: str | None, width: int, hint: int | None) -> int | None:
     return None  # a row padded past its vector (a key row as wide as its layer's value row)
 
 
-def check_same_model(first: ModelInfo, other: ModelInfo, arg: str) -> None:
+def check_same_model(first: ModelInfo, other: ModelInfo, arg: str, weights: bool = True) -> None:
     """other (a rewrite, or another export) must be first's model: same layers and KV heads, float
-    layers of the same width, packed layers packing first's head_dim, the same weight shapes."""
+    layers of the same width, packed layers packing first's head_dim, the same weight shapes (unless
+    weights is False: another exporter's model of the same shapes, whose projections it may fuse)."""
     def fail(why: str):
         raise LayoutError(arg, f"{other.path} is not a form of {first.path}: {why}")
 
@@ -170,5 +171,5 @@ def check_same_model(first: ModelInfo, other: ModelInfo, arg: str) -> None:
     if first.vocab and other.vocab and first.vocab != other.vocab:
         fail(f"vocabulary {other.vocab} against {first.vocab}")
     small, large = sorted((first.weight_shapes, other.weight_shapes), key=lambda s: sum(s.values()))
-    if small - large:
+    if weights and small - large:
         fail(f"weights of shapes {sorted(small - large)[:3]} are missing")

@@ -250,6 +250,16 @@ def test_rewrite_of_another_model_is_refused(built, tmp_path, capsys):
     _fails(capsys, ["decode", orig, str(built["genai"][1])], "MODEL 2")
     wider = examples.export(examples.TinyConfig(**{**TINY.__dict__, "hidden": 512}), tmp_path / "wider.onnx")
     assert "weights of shapes" in _fails(capsys, ["decode", str(wider), tq], "MODEL 2")
+    assert "KV heads" in _fails(capsys, ["decode", str(heads), tq, "--other-exporters"], "MODEL 2")
+
+
+def test_other_exporters_of_one_architecture(built, tmp_path):
+    """--other-exporters: genai's fp32 model (fused QKV) against the TorchScript export's in-place
+    rewrite and genai's own, in one process."""
+    genai_orig, genai_tq = built["genai"]
+    recs = _decode(tmp_path, genai_orig, built["torchscript"][1], genai_tq, "--other-exporters", "--context", 30,
+                   "--steps", 2, "--fill", "random", "--ttft-budget", 0)
+    assert [r["error"] for r in recs] == [None] * 3 and all(r["loop"].startswith("SharedBufferDecoder") for r in recs)
 
 
 @pytest.mark.gpu
