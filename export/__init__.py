@@ -8,10 +8,13 @@ or, from Python:
     result = export("model.onnx", "turboquant_4bit_nc", "model.tq.onnx")
     print(result.summary())
 
-`rewrite_model` works on an onnx_ir.Model in memory.
+`rewrite_model` works on an onnx_ir.Model in memory; `passes.TurboQuantRewrite` is the rewrite as an
+onnx-ir pass, for pass pipelines.
 """
 
 from .errors import RewriteError
+from .passes import RewritePreconditionError, TurboQuantRewrite
 from .rewrite import RewriteResult, default_output, export, rewrite_model
 
-__all__ = ["RewriteError", "RewriteResult", "default_output", "export", "rewrite_model"]
+__all__ = ["RewriteError", "RewritePreconditionError", "RewriteResult", "TurboQuantRewrite", "default_output", "export",
+           "rewrite_model"]

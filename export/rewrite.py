@@ -18,7 +18,8 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS
 from .errors import RewriteError
 from .forms import locate
 from .cache_io import _KV_NAMES
-from .gqa import rewrite_gqa_model, uses_gqa
+from .gqa import uses_gqa
+from .passes import TurboQuantRewrite
 from .plan import RewriteResult, plan_layers
 from .surgery import pack_other_branch, present_outputs, reroute_cache_shapes, shape_only_uses_are_safe, apply_site
 
@@ -167,9 +168,11 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
                 raise
             model, cache, why_concat = _load(src), "concat", f"the in-place form failed ({e})"
     if cache == "concat":
-        result = rewrite_model(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
-                               progress=progress, calibration=calibration, value_offsets=value_offsets,
-                               key_scales=key_scales)
+        rewrite = TurboQuantRewrite(preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
+                                    progress=progress, calibration=calibration, value_offsets=value_offsets,
+                                    key_scales=key_scales)
+        rewrite(model)
+        result = rewrite.result
     if why_concat:
         result.notes.append(f"cache form concat (past and present as the exporter made them): {why_concat}")
     if target == "tensorrt":
@@ -184,7 +187,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
 
 
 def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibration, target: str, **plan_args) -> RewriteResult:
-    from .in_place import probe_query_heads, query_heads, rewrite_in_place
+    from .in_place import probe_query_heads, query_heads
 
     value_offsets, key_scales = plan_args.pop("value_offsets"), plan_args.pop("key_scales")
     plans, layers = plan_layers(model, preset, **plan_args)
@@ -192,8 +195,10 @@ def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibrati
     unknown = [p.index for p in plans if p.index not in heads and query_heads(locate(layers[p.index])) is None]
     if unknown:
         heads.update(probe_query_heads(src, dict(preset=preset, **plan_args), unknown))
-    return rewrite_in_place(model, preset, heads, calibration=calibration, value_offsets=value_offsets,
-                            key_scales=key_scales, kept_raw16=target == "tensorrt", **plan_args)
+    rewrite = TurboQuantRewrite(preset, cache="in-place", q_heads=heads, calibration=calibration, value_offsets=value_offsets,
+                                key_scales=key_scales, kept_raw16=target == "tensorrt", **plan_args)
+    rewrite(model)
+    return rewrite.result
 
 
 def _cache_form(model: ir.Model, cache: str, target: str) -> tuple[str, str | None]:
@@ -300,9 +305,11 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
         else:
             notes.append(f"not calibrated: {source}")
     # TensorRT takes each cache's shape as declared: every layer gets its own row width
-    result = rewrite_gqa_model(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
-                               unsupported=unsupported, per_layer=True if target == "tensorrt" else None,
-                               calibration=calibration, value_offsets=value_offsets, key_scales=key_scales)
+    rewrite = TurboQuantRewrite(preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
+                                unsupported=unsupported, per_layer=True if target == "tensorrt" else None,
+                                calibration=calibration, value_offsets=value_offsets, key_scales=key_scales)
+    rewrite(model)
+    result = rewrite.result
     result.notes += notes
     if target == "tensorrt":
         from .tensorrt import for_tensorrt, foreign_ops

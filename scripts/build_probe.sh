@@ -7,7 +7,7 @@
 # the times of their phases (TQ_PHASES, split_common.cuh) and the probe prints them; NAME:FLAGS,
 # the kernels built with FLAGS (comma-separated), e.g. both:-DTQ_PHASES,-DTQ_NO_PDL. TQPack's
 # developer variants, as OUT.pack.NAME (PACK_VARIANTS, default none): NAME:FLAGS, the pack probe and
-# TQPack's kernels built with FLAGS, e.g. b6:-DTQ_STREAM_BLOCKS_MSE3=6 (pack_stream.cuh).
+# TQPack's kernels built with FLAGS, e.g. b6:-DTQ_STREAM_BLOCKS_MSE3=6 (pack_four_lanes.cuh).
 #   [VARIANTS="..."] [PACK_VARIANTS="..."] bash scripts/build_probe.sh OUT [ARCH]   (ARCH: 90)
 set -euo pipefail
 out=$1

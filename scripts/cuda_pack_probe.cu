@@ -13,7 +13,7 @@
 #include <random>
 #include <vector>
 
-#include "../ops/cuda/pack_stream.cuh"
+#include "../ops/cuda/pack_four_lanes.cuh"
 #include "turboquant/cpu_kernels.h"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/numerics.h"

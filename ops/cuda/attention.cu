@@ -11,7 +11,7 @@
 //    dequantized in registers. It writes (max, sum, acc[Dv]) per row and split.
 // 3. finish_kernel: one block per query row merges the splits with log-sum-exp, adds the new tokens
 //    exactly (float K/V, key offset removed), restores the value offset and writes Y; in the same
-//    launch, other blocks pack the new tokens into the present caches (pack_device.cuh).
+//    launch, other blocks pack the new tokens into the present caches (pack_warp_per_vector.cuh).
 // On sm_90 the tensor-core split kernel and the finish kernel are programmatic dependent launches
 // (split_common.cuh): each may start while the launch before it runs, and waits for it before
 // reading what it wrote.
@@ -25,7 +25,7 @@
 #include <cuda_fp8.h>
 #include <cuda_pipeline.h>
 
-#include "pack_device.cuh"
+#include "pack_warp_per_vector.cuh"
 #include "prefill.cuh"
 #include "split_common.cuh"
 #include "turboquant/cuda_kernels.h"

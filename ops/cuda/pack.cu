@@ -1,11 +1,11 @@
-// TQPack / TQUnpack on the GPU. Packing: four lanes per vector (pack_stream.cuh) where the head size
-// and alignments allow, else one warp per vector (pack_device.cuh), both byte-identical to the CPU
+// TQPack / TQUnpack on the GPU. Packing: four lanes per vector (pack_four_lanes.cuh) where the head size
+// and alignments allow, else one warp per vector (pack_warp_per_vector.cuh), both byte-identical to the CPU
 // kernels; unpacking: one thread per vector.
 #include <algorithm>
 
 #include "device_attributes.h"
-#include "pack_device.cuh"
-#include "pack_stream.cuh"
+#include "pack_warp_per_vector.cuh"
+#include "pack_four_lanes.cuh"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/float_io.h"
 #include "turboquant/vector_codec.h"

@@ -1,5 +1,5 @@
 // TQPack for throughput: four lanes per vector, eight vectors per warp, byte-identical to the CPU
-// codec (vector_codec.h) like the one-warp-per-vector packing of pack_device.cuh, which stays for
+// codec (vector_codec.h) like the one-warp-per-vector packing of pack_warp_per_vector.cuh, which stays for
 // the few new tokens of a decode step (latency) and the head sizes below 64.
 //
 // Why this layout: the codec fixes the order of every rounding, and two orders matter.
@@ -25,7 +25,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "pack_device.cuh"
+#include "pack_warp_per_vector.cuh"
 #include "turboquant/float_io.h"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/numerics.h"
