@@ -29,7 +29,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 import turboquant
-from turboquant.config import FORMAT_VERSION, TQ_PRESETS, packed_size
+from turboquant.config import FORMAT_VERSION, TQ_PRESETS
 
 from .cache_io import CacheLayer
 from .errors import RewriteError

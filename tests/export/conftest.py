@@ -6,6 +6,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from turboquant import examples  # noqa: E402
+from turboquant.export import export  # noqa: E402
 
 MODELS = {
     # name: (config, exporter)
@@ -36,5 +37,19 @@ def exported(tmp_path_factory):
                 path = examples.merge_with_if(path, folder / f"{name}.merged.onnx")
             cache[name] = path
         return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def rewritten(exported, tmp_path_factory):
+    """rewritten(name, preset, cache="concat") -> the RewriteResult of that model's rewrite, made once per session."""
+    made = {}
+
+    def get(name, preset, cache="concat"):
+        if (name, preset, cache) not in made:
+            out = tmp_path_factory.mktemp("rw") / f"{name}.{preset}.{cache}.onnx"
+            made[name, preset, cache] = export(exported(name), preset, out, cache=cache, progress=False)
+        return made[name, preset, cache]
 
     return get

@@ -18,26 +18,13 @@ NAMES = ["llama-gqa-torchscript", "llama-gqa-dynamo", "qwen2-gqa-dynamo-d128", "
          "llama-gqa-torchscript-fp16"]
 
 
-@pytest.fixture(scope="module")
-def rewrites(exported, tmp_path_factory):
-    cache = {}
-
-    def get(name, form):
-        if (name, form) not in cache:
-            out = tmp_path_factory.mktemp("in_place") / f"{name}.{form}.onnx"
-            cache[name, form] = export(exported(name), PRESET, out, cache=form, progress=False)
-        return cache[name, form]
-
-    return get
-
-
 @pytest.mark.parametrize("name", NAMES)
-def test_in_place_matches_the_concat_form(exported, rewrites, name):
+def test_in_place_matches_the_concat_form(exported, rewritten, name):
     """The same packed bytes attended through buffers written in place: the logits of the default
     rewrite to float tolerance (its boundary layers through ORT's GroupQueryAttention instead of the
     exporter's attention), and the original's as the real-exporter test asks."""
     cfg, _ = MODELS[name]
-    in_place, concat = rewrites(name, "in-place"), rewrites(name, "concat")
+    in_place, concat = rewritten(name, PRESET, "in-place"), rewritten(name, PRESET)
     assert in_place.compressed == concat.compressed
     ids = np.random.default_rng(cfg.seed + 1).integers(0, cfg.vocab, (2, 12 + STEPS))
     a = DecoderSession(exported(name)).teacher_forced(ids, 12).astype(np.float32)
@@ -56,11 +43,11 @@ def test_in_place_matches_the_concat_form(exported, rewrites, name):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-torchscript", "llama-gqa-dynamo"])
-def test_right_padded_batch_decodes_each_sequence_as_alone(rewrites, name):
+def test_right_padded_batch_decodes_each_sequence_as_alone(rewritten, name):
     """Prompts of 12 and 7 tokens in one batch, the second right-padded, then decode steps in which
     each sequence writes at its own length: every sequence's logits are those it gets alone."""
     cfg, _ = MODELS[name]
-    dec = SharedBufferDecoder(rewrites(name, "in-place").output, max_length=48)
+    dec = SharedBufferDecoder(rewritten(name, PRESET, "in-place").output, max_length=48)
     rng = np.random.default_rng(7)
     lens = np.array([12, 7])
     ids = rng.integers(0, cfg.vocab, (2, 12 + 6))
@@ -75,15 +62,15 @@ def test_right_padded_batch_decodes_each_sequence_as_alone(rewrites, name):
         together[0].append(logits[0, 0])
         together[1].append(logits[1, 0])
     for row, n in enumerate(lens):
-        alone = SharedBufferDecoder(rewrites(name, "in-place").output, max_length=48)
+        alone = SharedBufferDecoder(rewritten(name, PRESET, "in-place").output, max_length=48)
         own = ids[row:row + 1, :n + 6] if row == 0 else np.concatenate([ids[1:2, :7], ids[1:2, 7:13]], axis=1)
         expect = alone.teacher_forced(own, int(n))
         np.testing.assert_allclose(np.stack(together[row]), expect[0, :7], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-torchscript", "llama-gqa-dynamo"])
-def test_graph_has_buffers_and_no_mask(rewrites, name):
-    m = onnx.load(str(rewrites(name, "in-place").output), load_external_data=False)
+def test_graph_has_buffers_and_no_mask(rewritten, name):
+    m = onnx.load(str(rewritten(name, PRESET, "in-place").output), load_external_data=False)
     ops = {n.op_type for n in m.graph.node}
     assert "Softmax" not in ops and "Attention" not in ops and "Concat" not in {
         n.op_type for n in m.graph.node if any(i.startswith("past_key_values") for i in n.input)}
@@ -98,10 +85,10 @@ def test_graph_has_buffers_and_no_mask(rewrites, name):
     meta = {p.key: p.value for p in m.metadata_props}
     assert meta["turboquant.cache"] == "in-place"
     with pytest.raises(ValueError, match="SharedBufferDecoder"):
-        DecoderSession(rewrites(name, "in-place").output)
+        DecoderSession(rewritten(name, PRESET, "in-place").output)
 
 
-def test_kept_layers_as_raw16(exported, rewrites, tmp_path):
+def test_kept_layers_as_raw16(exported, rewritten, tmp_path):
     """kept_raw16 (TensorRT's in-place form, which has no GroupQueryAttention): the kept layers' fp16
     rows as raw16 TQGroupQueryAttention, the same logits as ORT's GroupQueryAttention gives them."""
     import onnx_ir as ir
@@ -116,7 +103,7 @@ def test_kept_layers_as_raw16(exported, rewrites, tmp_path):
     assert ops.count("TQGroupQueryAttention") == 6 and "GroupQueryAttention" not in ops
     ir.save(model, tmp_path / "raw16.onnx")
     ids = np.random.default_rng(3).integers(0, MODELS[name][0].vocab, (1, 20))
-    a = SharedBufferDecoder(rewrites(name, "in-place").output, max_length=32).teacher_forced(ids, 12)
+    a = SharedBufferDecoder(rewritten(name, PRESET, "in-place").output, max_length=32).teacher_forced(ids, 12)
     b = SharedBufferDecoder(tmp_path / "raw16.onnx", max_length=32).teacher_forced(ids, 12)
     np.testing.assert_allclose(b[:, 0], a[:, 0], atol=2e-2 * float(np.abs(a[:, 0]).max()))
     assert float((a.argmax(-1) == b.argmax(-1)).mean()) >= 0.9

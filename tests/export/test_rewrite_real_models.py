@@ -10,24 +10,10 @@ from turboquant import TQ_PRESETS
 from turboquant.config import packed_size
 from turboquant.decoder import DecoderSession
 from turboquant.example import mean_kl
-from turboquant.export import export
 
 from .conftest import MODELS
 
 STEPS = 32
-
-
-@pytest.fixture(scope="module")
-def rewritten(exported, tmp_path_factory):
-    cache = {}
-
-    def get(name, preset):
-        if (name, preset) not in cache:
-            out = tmp_path_factory.mktemp("rw") / f"{name}.{preset}.onnx"
-            cache[name, preset] = export(exported(name), preset, out, cache="concat")
-        return cache[name, preset]
-
-    return get
 
 
 @pytest.mark.parametrize("name", list(MODELS))
