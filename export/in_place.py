@@ -296,19 +296,3 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
                 if len(packed) < len(plans) else "")]
     return RewriteResult(preset, plans, None, notes)
 
-
-def probe_query_heads(model_path, plan_args: dict, layers: list[int]) -> dict[int, int]:
-    """Each layer's query heads, read off Q's shape in one 2-token run of the original model, for
-    graphs (TorchScript exports) whose values carry no shapes."""
-    import pathlib
-    import tempfile
-
-    from turboquant.decoder import DecoderSession
-
-    from .calibrate import _query_probe
-
-    with tempfile.TemporaryDirectory(prefix="turboquant-heads-") as tmp:
-        path, queries = _query_probe(model_path, plan_args, layers, pathlib.Path(tmp))
-        sess = DecoderSession(path)
-        outs = sess.run_all(np.zeros((1, 2), np.int64), sess.empty_cache(1), 0)
-        return {i: (heads or outs[name].shape[1]) for i, (name, heads) in queries.items()}

@@ -187,14 +187,23 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
 
 
 def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibration, target: str, **plan_args) -> RewriteResult:
-    from .in_place import probe_query_heads, query_heads
+    """The in-place rewrite, after export/mask_probe.py has read off the original what the graph may
+    not say: query heads, and that every mask is the one lengths replace (else a RewriteError)."""
+    from .in_place import query_heads
+    from .mask_probe import probe
 
     value_offsets, key_scales = plan_args.pop("value_offsets"), plan_args.pop("key_scales")
     plans, layers = plan_layers(model, preset, **plan_args)
-    heads = dict(calibration.q_heads) if calibration is not None else {}
-    unknown = [p.index for p in plans if p.index not in heads and query_heads(locate(layers[p.index])) is None]
-    if unknown:
-        heads.update(probe_query_heads(src, dict(preset=preset, **plan_args), unknown))
+    sites = [locate(layers[p.index]) for p in plans]
+    heads = {}
+    if any(s.mask is not None or not s.is_causal or query_heads(s) is None for s in sites):
+        heads, bad = probe(src, dict(preset=preset, **plan_args))
+        if bad:
+            from .plan import _ranges
+
+            why = {r: [i for i in bad if bad[i] == r] for r in dict.fromkeys(bad.values())}
+            raise RewriteError("lengths cannot replace the masks of " + "; ".join(
+                f"layers {_ranges(ix)}: {r}" for r, ix in why.items()))
     rewrite = TurboQuantRewrite(preset, cache="in-place", q_heads=heads, calibration=calibration, value_offsets=value_offsets,
                                 key_scales=key_scales, kept_raw16=target == "tensorrt", **plan_args)
     rewrite(model)

@@ -117,3 +117,32 @@ def test_refusals(exported, tmp_path):
     with pytest.raises(RewriteError, match="cache must be"):
         export(exported("llama-gqa-torchscript"), PRESET, tmp_path / "c.onnx", cache="inplace")
     assert not list(tmp_path.iterdir())
+
+
+def test_masks_lengths_cannot_replace_keep_the_concat_form(tmp_path):
+    """A sliding-window model (Mistral's export masks keys beyond the window): the probe of the original
+    finds its masks are not padding with causal, so auto keeps the concat form, saying why, and an
+    explicit in-place rewrite is refused."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from turboquant import examples
+
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=32, vocab_size=256, sliding_window=4)
+    src = examples.export_model(transformers.AutoModelForCausalLM.from_config(cfg).eval(), tmp_path / "sw.onnx")
+    r = export(src, PRESET, tmp_path / "auto.onnx", boundary=1, offsets=False)
+    assert any("layers 0-3: its mask is not attention_mask's padding with causal" in n for n in r.notes)
+    assert {p.key: p.value for p in onnx.load(str(r.output), load_external_data=False).metadata_props}.get(
+        "turboquant.cache") is None
+    with pytest.raises(RewriteError, match="sliding window"):
+        export(src, PRESET, tmp_path / "ip.onnx", boundary=1, offsets=False, cache="in-place")
+
+
+def test_mask_values_read_by_the_probe():
+    from turboquant.export.mask_probe import _allowed, expected_mask
+
+    want = expected_mask()
+    additive = np.where(want, 0.0, -3.4e38).astype(np.float32)
+    assert np.array_equal(_allowed(additive), want) and np.array_equal(_allowed(want.astype(np.float32)), want)
+    assert _allowed(additive - 0.5) is None  # a bias on top of the mask
