@@ -146,3 +146,24 @@ def test_mask_values_read_by_the_probe():
     additive = np.where(want, 0.0, -3.4e38).astype(np.float32)
     assert np.array_equal(_allowed(additive), want) and np.array_equal(_allowed(want.astype(np.float32)), want)
     assert _allowed(additive - 0.5) is None  # a bias on top of the mask
+
+
+@pytest.mark.gpu
+def test_in_place_on_cuda(rewritten, cuda_ready):
+    """The fp16 in-place rewrite on the CUDA provider (TQGroupQueryAttention and ORT's
+    GroupQueryAttention over device buffers, IO binding): the CPU's logits to fp16 tolerance, and a
+    decode step's packed layers on a split kernel the planner names."""
+    from turboquant.kernel_plan import last_split_kernel
+
+    name = "llama-gqa-torchscript-fp16"
+    model = rewritten(name, PRESET, "in-place").output
+    ids = np.random.default_rng(4).integers(0, MODELS[name][0].vocab, (2, 40))
+    cuda = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+    gpu = SharedBufferDecoder(model, max_length=64, providers=cuda)
+    assert gpu.on_cuda
+    a = gpu.teacher_forced(ids, 24).astype(np.float32)
+    b = SharedBufferDecoder(model, max_length=64).teacher_forced(ids, 24).astype(np.float32)
+    np.testing.assert_allclose(a[:, 0], b[:, 0], atol=3e-2 * float(np.abs(b).max()))
+    assert float((a.argmax(-1) == b.argmax(-1)).mean()) >= 0.9
+    assert last_split_kernel() != "none"
+    print(f"{name}: the last decode step's split kernel: {last_split_kernel()}")
