@@ -50,16 +50,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_random(args) -> int:
-    from . import examples
+    from . import random_decoders
     from .decoder import DecoderSession, open_decoder
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = examples.TinyConfig(family="llama", layers=8, hidden=256, heads=8, kv_heads=2, head_dim=64, vocab=512)
+    cfg = random_decoders.TinyConfig(family="llama", layers=8, hidden=256, heads=8, kv_heads=2, head_dim=64, vocab=512)
     src = out / "tiny-llama.onnx"
     print(f"[1/3] exporting a random {cfg.layers}-layer Llama-style decoder ({cfg.heads} query heads, {cfg.kv_heads} kv heads, "
           f"head_dim {cfg.head_dim}) with torch.onnx ({args.exporter}) to {src}", flush=True)
-    examples.export(cfg, src, args.exporter)
+    random_decoders.export(cfg, src, args.exporter)
 
     dst = out / f"tiny-llama.{args.preset}.onnx"
     cmd = [sys.executable, "-m", "turboquant.export", str(src), "--preset", args.preset, "-o", str(dst)]

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import warnings
 
-from . import examples
+from . import random_decoders
 
 IN_FLIGHT = 128 << 20  # bytes of tensors being written at once
 IR_VERSION = 10  # onnxruntime 1.31 refuses IR versions above 13; a widely readable one
@@ -67,13 +67,13 @@ def _export_graph(model, tmp: pathlib.Path, exporter: str, dtype: str):
     import onnx_ir as ir
     import torch
 
-    io = examples.cache_io(model, dtype)
+    io = random_decoders.cache_io(model, dtype)
     with warnings.catch_warnings(), torch.no_grad():  # tracer warnings about Python control flow in HF code: expected
         warnings.simplefilter("ignore")
         if exporter == "torchscript":
             path = tmp / "graph.onnx"
             torch.onnx.export(io.module, io.args, str(path), input_names=io.names_in, output_names=io.names_out,
-                              dynamic_axes=examples.torchscript_axes(io.names_in, io.names_out), opset_version=17,
+                              dynamic_axes=random_decoders.torchscript_axes(io.names_in, io.names_out), opset_version=17,
                               dynamo=False, export_params=False, do_constant_folding=False)
             graph = ir.load(path)
             weights = dict(io.module.named_parameters()) | dict(io.module.named_buffers())
@@ -83,7 +83,7 @@ def _export_graph(model, tmp: pathlib.Path, exporter: str, dtype: str):
             return graph
         if exporter == "dynamo":
             program = torch.onnx.export(io.module, io.args, input_names=io.names_in, output_names=io.names_out,
-                                        dynamic_shapes=examples.dynamo_shapes(io.past), opset_version=23, dynamo=True,
+                                        dynamic_shapes=random_decoders.dynamo_shapes(io.past), opset_version=23, dynamo=True,
                                         optimize=False, verbose=False)
             fold_weight_transposes(program.model)  # before the optimizer, which would fold them into copies
             program.optimize()

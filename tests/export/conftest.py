@@ -5,20 +5,20 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from turboquant import examples  # noqa: E402
+from turboquant import random_decoders  # noqa: E402
 from turboquant.export import export  # noqa: E402
 
 MODELS = {
     # name: (config, exporter)
-    "llama-gqa-torchscript": (examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64), "torchscript"),
-    "gpt2-mha-torchscript": (examples.TinyConfig(family="gpt2", layers=6, hidden=256, heads=4, kv_heads=4, head_dim=64), "torchscript"),
-    "llama-gqa-dynamo": (examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64), "dynamo"),
-    "qwen2-gqa-dynamo-d128": (examples.TinyConfig(family="qwen2", layers=5, hidden=256, heads=4, kv_heads=1, head_dim=128, seed=3), "dynamo"),
+    "llama-gqa-torchscript": (random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64), "torchscript"),
+    "gpt2-mha-torchscript": (random_decoders.TinyConfig(family="gpt2", layers=6, hidden=256, heads=4, kv_heads=4, head_dim=64), "torchscript"),
+    "llama-gqa-dynamo": (random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64), "dynamo"),
+    "qwen2-gqa-dynamo-d128": (random_decoders.TinyConfig(family="qwen2", layers=5, hidden=256, heads=4, kv_heads=1, head_dim=128, seed=3), "dynamo"),
     # half precision: the exported graph attends in float32 (values cast up) and casts back
-    "llama-gqa-torchscript-fp16": (examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=96, seed=5), "torchscript-float16"),
+    "llama-gqa-torchscript-fp16": (random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=96, seed=5), "torchscript-float16"),
     # a merged decoder: the attention inside the branches of an If on use_cache_branch
     # (the same model as llama-gqa-torchscript, so the two rewrites must agree to float tolerance)
-    "llama-gqa-torchscript-merged": (examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64), "torchscript-merged"),
+    "llama-gqa-torchscript-merged": (random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64), "torchscript-merged"),
 }
 
 
@@ -32,9 +32,9 @@ def exported(tmp_path_factory):
             cfg, exporter = MODELS[name]
             exporter, _, variant = exporter.partition("-")
             folder = tmp_path_factory.mktemp(name)
-            path = examples.export(cfg, folder / f"{name}.onnx", exporter, "float16" if variant == "float16" else "float32")
+            path = random_decoders.export(cfg, folder / f"{name}.onnx", exporter, "float16" if variant == "float16" else "float32")
             if variant == "merged":
-                path = examples.merge_with_if(path, folder / f"{name}.merged.onnx")
+                path = random_decoders.merge_with_if(path, folder / f"{name}.merged.onnx")
             cache[name] = path
         return cache[name]
 

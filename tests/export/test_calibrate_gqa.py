@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from turboquant import examples
+from turboquant import random_decoders
 from turboquant.eval.runner import Evaluator, Windows
 from turboquant.export import RewriteError, export
 from turboquant.export import __main__ as cli
@@ -18,7 +18,7 @@ from turboquant.shared_buffer import SharedBufferDecoder
 
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes these models)")
 
-CFG = examples.TinyConfig(family="qwen2", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=11, vocab=640,
+CFG = random_decoders.TinyConfig(family="qwen2", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=11, vocab=640,
                           key_bias=2.0)
 HQ, HKV, D = CFG.heads, CFG.kv_heads, CFG.head_dim
 MAX_LENGTH = 64
@@ -26,7 +26,7 @@ MAX_LENGTH = 64
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
-    return examples.export_genai(CFG, tmp_path_factory.mktemp("genai-calib"))
+    return random_decoders.export_genai(CFG, tmp_path_factory.mktemp("genai-calib"))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
-from turboquant import examples
+from turboquant import random_decoders
 from turboquant.decoder import DecoderSession
 from turboquant.example import mean_kl
 from turboquant.export import RewriteError, export
@@ -15,9 +15,9 @@ from turboquant.export import RewriteError, export
 @pytest.fixture(scope="module")
 def biased_model(tmp_path_factory):
     """Qwen2-style keys with a large fixed per-channel component (k_proj biases), as real LLMs have."""
-    cfg = examples.TinyConfig(family="qwen2", layers=5, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=11, key_bias=2.0)
+    cfg = random_decoders.TinyConfig(family="qwen2", layers=5, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=11, key_bias=2.0)
     d = tmp_path_factory.mktemp("calib")
-    return cfg, examples.export(cfg, d / "biased.onnx", "torchscript"), d
+    return cfg, random_decoders.export(cfg, d / "biased.onnx", "torchscript"), d
 
 
 def test_offsets_cut_the_error_of_biased_keys(biased_model):

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from turboquant import TQ_PRESETS, examples
+from turboquant import TQ_PRESETS, random_decoders
 from turboquant.config import TurboQuantConfig, packed_size
 from turboquant.example import mean_kl
 from turboquant.export import RewriteError, export
@@ -23,8 +23,8 @@ pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not instal
 # vocab differs from the MLP width on purpose: genai's builder takes any Linear with vocab outputs
 # for the LM head
 CONFIGS = {
-    "llama": examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=1, vocab=640),
-    "qwen2": examples.TinyConfig(family="qwen2", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=2, vocab=640),
+    "llama": random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=1, vocab=640),
+    "qwen2": random_decoders.TinyConfig(family="qwen2", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=2, vocab=640),
 }
 MAX_LENGTH = 64
 STEPS = 32
@@ -39,7 +39,7 @@ def built(tmp_path_factory):
 
     def get(name):
         if name not in cache:
-            cache[name] = examples.export_genai(CONFIGS[name], tmp_path_factory.mktemp(f"genai-{name}"))
+            cache[name] = random_decoders.export_genai(CONFIGS[name], tmp_path_factory.mktemp(f"genai-{name}"))
         return cache[name]
 
     return get
@@ -178,8 +178,8 @@ def test_8b_shape_formula(tmp_path):
     """The 8B shape's target arithmetic on a 6-layer model with its KV shape (8 KV heads of 128,
     fp16, turboquant_4bit_nc, 2 + 2 boundary layers): 4 x 4096 + (L - 4) x 8 x 136 bytes per token
     against L x 4096."""
-    cfg = examples.TinyConfig(family="llama", layers=6, hidden=256, heads=8, kv_heads=8, head_dim=128, seed=3, vocab=640)
-    src = examples.export_genai(cfg, tmp_path / "fp16", precision="fp16", provider="cuda")  # GQA in fp16: CUDA's graph
+    cfg = random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=8, kv_heads=8, head_dim=128, seed=3, vocab=640)
+    src = random_decoders.export_genai(cfg, tmp_path / "fp16", precision="fp16", provider="cuda")  # GQA in fp16: CUDA's graph
     result = export(src, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", progress=False, dry_run=True)
     layers = 6
     before, after = layers * 4096, 4 * 4096 + (layers - 4) * 8 * 136
@@ -326,7 +326,7 @@ def test_cuda_fp16_model_tracks_the_original_and_the_cpu(cuda_ready, tmp_path):
     """An fp16 model built for CUDA: on the CUDA provider (ORT's GroupQueryAttention against
     TQGroupQueryAttention, both over shared buffers) the rewrite tracks the original, and its logits
     agree with the same rewrite run on the CPU."""
-    src = examples.export_genai(CONFIGS["llama"], tmp_path / "fp16", precision="fp16", provider="cuda")
+    src = random_decoders.export_genai(CONFIGS["llama"], tmp_path / "fp16", precision="fp16", provider="cuda")
     with mock.patch.object(genai_folder, "installed_version", return_value="0.18.0"):
         result = export(src, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", progress=False)
     cuda = ["CUDAExecutionProvider"]
@@ -361,7 +361,7 @@ def test_cuda_generates_with_onnxruntime_genai(cuda_ready, tmp_path):
 
     if not og.is_cuda_available():
         pytest.skip("CUDA test skipped: the installed onnxruntime-genai has no CUDA (install onnxruntime-genai-cuda)")
-    src = examples.export_genai(CONFIGS["llama"], tmp_path / "fp16", precision="fp16", provider="cuda")
+    src = random_decoders.export_genai(CONFIGS["llama"], tmp_path / "fp16", precision="fp16", provider="cuda")
     result = export(src, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", progress=False)
     assert [p.row_bytes for p in result.layers] == [RAW16, RAW16, 36, 36, RAW16, RAW16]
     prompt = np.random.default_rng(17).integers(3, 640, (1, 9))

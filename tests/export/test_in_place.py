@@ -125,12 +125,12 @@ def test_masks_lengths_cannot_replace_keep_the_concat_form(tmp_path):
     explicit in-place rewrite is refused."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from turboquant import examples
+    from turboquant import random_decoders
 
     torch.manual_seed(0)
     cfg = transformers.MistralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=32, vocab_size=256, sliding_window=4)
-    src = examples.export_model(transformers.AutoModelForCausalLM.from_config(cfg).eval(), tmp_path / "sw.onnx")
+    src = random_decoders.export_model(transformers.AutoModelForCausalLM.from_config(cfg).eval(), tmp_path / "sw.onnx")
     r = export(src, PRESET, tmp_path / "auto.onnx", boundary=1, offsets=False)
     assert any("layers 0-3: its mask is not attention_mask's padding with causal" in n for n in r.notes)
     assert {p.key: p.value for p in onnx.load(str(r.output), load_external_data=False).metadata_props}.get(

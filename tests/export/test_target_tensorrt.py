@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto
 
 import turboquant.onnx_ops  # noqa: F401 - the schemas registered (shape inference of both forms), as in a user's process
-from turboquant import examples, models
+from turboquant import node_models, random_decoders
 from turboquant import tensorrt as tq_trt
 from turboquant.config import packed_size
 from turboquant.decoder import DecoderSession
@@ -102,13 +102,13 @@ def test_engine_matches_onnxruntime(exported, tmp_path):
 
 # --- onnxruntime-genai models (TQGroupQueryAttention) -------------------------------------------------
 
-GENAI = examples.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=1, vocab=640)
+GENAI = random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=1, vocab=640)
 
 
 @pytest.fixture(scope="module")
 def genai_model(tmp_path_factory):
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes these models)")
-    return examples.export_genai(GENAI, tmp_path_factory.mktemp("genai"))
+    return random_decoders.export_genai(GENAI, tmp_path_factory.mktemp("genai"))
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +190,7 @@ def test_genai_profile_covers_the_shared_buffers(genai_trt):
 
 
 def _gqa_trt_model(**kw):
-    model = ir.from_proto(models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4", **kw))
+    model = ir.from_proto(node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4", **kw))
     for_tensorrt(model)
     return model
 
@@ -219,7 +219,7 @@ def test_rotary_inputs_dropped_without_do_rotary_and_key_value_layout_told():
 
 
 def test_value_offset_without_key_offset_is_refused():
-    model = ir.from_proto(models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4",
+    model = ir.from_proto(node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4",
                                            offsets=True))
     node = next(x for x in model.graph if x.op_type == "TQGroupQueryAttention")
     node.replace_input_with(12, None)
@@ -238,7 +238,7 @@ def test_gqa_engine_updates_the_buffers_in_place(tmp_path, ort_session):
 
     b, hq, hkv, d, cap = 2, 8, 2, 128, 48
     w = max(packed_size("mse4", d), packed_size("uint4", d))
-    proto = models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="uint4",
+    proto = node_models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="uint4",
                              dtype=TensorProto.FLOAT16, packed_qkv=True, rotary_dim=d)
     path = tmp_path / "gqa.trt.onnx"
     ir.save(_gqa_trt_model(dtype=TensorProto.FLOAT16, packed_qkv=True, rotary_dim=d), path)

@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from turboquant import examples  # noqa: E402
+from turboquant import random_decoders  # noqa: E402
 from turboquant.decoder import DecoderSession  # noqa: E402
 from turboquant.export import export  # noqa: E402
 
@@ -14,8 +14,8 @@ from turboquant.export import export  # noqa: E402
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("decoder")
-    cfg = examples.TinyConfig(family="llama", layers=5, hidden=128, heads=4, kv_heads=2, head_dim=32)
-    src = examples.export(cfg, d / "m.onnx", "torchscript")
+    cfg = random_decoders.TinyConfig(family="llama", layers=5, hidden=128, heads=4, kv_heads=2, head_dim=32)
+    src = random_decoders.export(cfg, d / "m.onnx", "torchscript")
     return src, export(src, "turboquant_4bit_nc", d / "m.tq.onnx", boundary=1, cache="concat").output
 
 
@@ -76,8 +76,8 @@ def test_shared_buffer_generate_fills_the_buffer_exactly(tmp_path):
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes the model)")
     from turboquant.shared_buffer import SharedBufferDecoder
 
-    cfg = examples.TinyConfig(family="llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, vocab=320, seed=3)
-    model = examples.export_genai(cfg, tmp_path)
+    cfg = random_decoders.TinyConfig(family="llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, vocab=320, seed=3)
+    model = random_decoders.export_genai(cfg, tmp_path)
     prompt = np.random.default_rng(2).integers(3, cfg.vocab, (2, 6))
     want = SharedBufferDecoder(model, 64).generate(prompt, 5)
     np.testing.assert_array_equal(SharedBufferDecoder(model, 6 + 5 - 1).generate(prompt, 5), want)

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from turboquant import example, example_real, examples  # noqa: E402
+from turboquant import example, example_real, random_decoders  # noqa: E402
 from turboquant.decoder import DecoderSession  # noqa: E402
 
 
@@ -33,8 +33,8 @@ def test_paragraph_ships_with_the_package():
 
 
 def test_kv_bytes_per_token(tmp_path):
-    cfg = examples.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
-    src = examples.export(cfg, tmp_path / "m.onnx")
+    cfg = random_decoders.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
+    src = random_decoders.export(cfg, tmp_path / "m.onnx")
     assert example_real.kv_bytes_per_token(DecoderSession(src)) == 2 * 2 * 2 * 16 * 4  # layers, K and V, heads, dims, fp32
 
 

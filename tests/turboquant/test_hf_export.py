@@ -6,14 +6,14 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from turboquant import examples  # noqa: E402
+from turboquant import random_decoders  # noqa: E402
 from turboquant.decoder import DecoderSession, open_decoder  # noqa: E402
 from turboquant.hf_export import main  # noqa: E402
 
 
 def test_exports_a_saved_model_folder(tmp_path, capsys):
-    cfg = examples.TinyConfig(family="llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, vocab=256)
-    model = examples.build_model(cfg)
+    cfg = random_decoders.TinyConfig(family="llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, vocab=256)
+    model = random_decoders.build_model(cfg)
     model.save_pretrained(tmp_path / "hf")
     out = tmp_path / "onnx" / "model.onnx"
     assert main([str(tmp_path / "hf"), "-o", str(out)]) == 0
@@ -69,8 +69,8 @@ def test_bad_input_refused_before_transformers_loads(tmp_path, capsys):
 def test_fp16_and_an_existing_output_refused(tmp_path, capsys):
     import onnx
 
-    cfg = examples.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
-    examples.build_model(cfg).save_pretrained(tmp_path / "hf")
+    cfg = random_decoders.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
+    random_decoders.build_model(cfg).save_pretrained(tmp_path / "hf")
     out = tmp_path / "model.onnx"
     assert main([str(tmp_path / "hf"), "-o", str(out), "--dtype", "fp16", "--exporter", "torchscript"]) == 0
     m = onnx.load(out, load_external_data=False)

@@ -6,12 +6,12 @@ import pytest
 from onnx import TensorProto
 from onnx.reference import ReferenceEvaluator
 
-from turboquant import models, onnx_ops
+from turboquant import node_models, onnx_ops
 from turboquant.reference import attention, formats
 
 
 def test_checker_and_shape_inference_accept_the_ops():
-    m = models.attention_model(q_heads=8, kv_heads=2, head_dim=128, key_format="mse4", value_format="uint4")
+    m = node_models.attention_model(q_heads=8, kv_heads=2, head_dim=128, key_format="mse4", value_format="uint4")
     onnx.checker.check_model(m, full_check=True)
     # concrete shapes: present = past + new on axis 2, with the format's byte count
     for vi in m.graph.input:
@@ -31,16 +31,16 @@ def test_checker_and_shape_inference_accept_the_ops():
 
 
 def test_pack_unpack_shape_inference():
-    m = models.pack_model("mse3", 96, TensorProto.FLOAT16, rank=3)
+    m = node_models.pack_model("mse3", 96, TensorProto.FLOAT16, rank=3)
     onnx.checker.check_model(m, full_check=True)
-    m = models.unpack_model("uint4", 64, TensorProto.BFLOAT16)
+    m = node_models.unpack_model("uint4", 64, TensorProto.BFLOAT16)
     onnx.checker.check_model(m, full_check=True)
     inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
     assert inferred.graph.output[0].type.tensor_type.elem_type == TensorProto.BFLOAT16
 
 
 def test_reference_evaluator_runs_attention(rng):
-    m = models.attention_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse3", value_format="uint3", is_causal=1)
+    m = node_models.attention_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse3", value_format="uint3", is_causal=1)
     feeds = {
         "Q": rng.standard_normal((1, 4, 2, 64)).astype(np.float32),
         "K": rng.standard_normal((1, 2, 2, 64)).astype(np.float32),
@@ -60,10 +60,10 @@ def test_reference_evaluator_pack_unpack(dtype, rng):
     np_dtype = np.float32 if dtype == TensorProto.FLOAT else np.float16
     x = rng.standard_normal((2, 3, 4, 64)).astype(np_dtype)
     off = rng.standard_normal((3, 64)).astype(np.float32)
-    packed = ReferenceEvaluator(models.pack_model("mse4", 64, dtype, offset_shape=[3, 64]), new_ops=onnx_ops.REFERENCE_OPS).run(
+    packed = ReferenceEvaluator(node_models.pack_model("mse4", 64, dtype, offset_shape=[3, 64]), new_ops=onnx_ops.REFERENCE_OPS).run(
         None, {"x": x, "offset": off})[0]
     np.testing.assert_array_equal(packed, formats.pack(x, "mse4", True, off[:, None, :]))
-    back = ReferenceEvaluator(models.unpack_model("mse4", 64, dtype, offset_shape=[3, 64]), new_ops=onnx_ops.REFERENCE_OPS).run(
+    back = ReferenceEvaluator(node_models.unpack_model("mse4", 64, dtype, offset_shape=[3, 64]), new_ops=onnx_ops.REFERENCE_OPS).run(
         None, {"packed": packed, "offset": off})[0]
     assert back.dtype == np_dtype
     np.testing.assert_allclose(back.astype(np.float32), x.astype(np.float32), atol=0.5)
@@ -72,7 +72,7 @@ def test_reference_evaluator_pack_unpack(dtype, rng):
 def test_group_query_attention_schema_and_reference_evaluator(rng, ort_session):
     """TQGroupQueryAttention passes the checker and shape inference, and ReferenceEvaluator runs it
     (packed QKV, rotary, per-sequence lengths) with the results of the ORT kernel."""
-    m = models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4", packed_qkv=True,
+    m = node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4", packed_qkv=True,
                          rotary_dim=64)
     onnx.checker.check_model(m, full_check=True)
     inferred = onnx.shape_inference.infer_shapes(m)

@@ -8,17 +8,17 @@ pytest.importorskip("transformers")
 
 import onnx_ir as ir  # noqa: E402
 
-from turboquant import examples, streamed_export  # noqa: E402
+from turboquant import random_decoders, streamed_export  # noqa: E402
 from turboquant.decoder import DecoderSession  # noqa: E402
 
-CFG = examples.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
+CFG = random_decoders.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_weights_are_read_from_the_model_not_copied(tmp_path, exporter):
     """Before saving, every large initializer either shares the model's parameter memory or is a
     lazy tensor computed when written: the exporter holds no second copy of the weights."""
-    model = examples.build_model(CFG)
+    model = random_decoders.build_model(CFG)
     graph = streamed_export._export_graph(model, tmp_path, exporter, "float32")
     streamed_export.fold_weight_transposes(graph)
     params = [p.detach().numpy() for p in model.parameters()]
@@ -34,7 +34,7 @@ def test_weights_are_read_from_the_model_not_copied(tmp_path, exporter):
 
 
 def test_one_data_file_and_the_model_unchanged(tmp_path):
-    model = examples.build_model(CFG)
+    model = random_decoders.build_model(CFG)
     out = tmp_path / "out" / "model.onnx"
     streamed_export.export_to_files(model, out, "torchscript")
     assert sorted(p.name for p in out.parent.iterdir()) == ["model.onnx", "model.onnx.data"]  # no temporary folder left
@@ -54,7 +54,7 @@ def test_one_data_file_and_the_model_unchanged(tmp_path):
 def test_fp16_model_has_fp16_caches(tmp_path):
     import onnx
 
-    model = examples.build_model(CFG)
+    model = random_decoders.build_model(CFG)
     out = tmp_path / "model.onnx"
     streamed_export.export_to_files(model, out, "torchscript", "float16")
     m = onnx.load(out, load_external_data=False)
@@ -72,7 +72,7 @@ def test_fp16_model_has_fp16_caches(tmp_path):
 
 
 def test_existing_files_refused(tmp_path):
-    model = examples.build_model(CFG)
+    model = random_decoders.build_model(CFG)
     out = tmp_path / "model.onnx"
     (tmp_path / "model.onnx.data").write_bytes(b"someone's data")
     with pytest.raises(FileExistsError, match="model.onnx.data exists"):

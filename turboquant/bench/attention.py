@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto
 
-from .. import models
+from .. import node_models
 from ..config import TQ_PRESETS, TurboQuantConfig, check_head_dim
 from ..ort import inference_session
 from ..reference import formats
@@ -64,7 +64,7 @@ def time_session(sess: ort.InferenceSession, feeds: dict, repeat: int, warmup: i
 def tq_candidate(preset: str, shape: Shape, threads: int, rng) -> tuple[ort.InferenceSession, dict, int]:
     cfg = TurboQuantConfig.from_cache_dtype(preset, shape.head_dim)
     b, hq, hkv, d, s = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.context
-    model = models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
+    model = node_models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
                                    value_format=cfg.value_format, dtype=TensorProto.FLOAT16,
                                    norm_correction=int(cfg.norm_correction), is_causal=1)
     # Packing a long random cache in numpy is slow; tile a short one (timing does not depend on values).

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..models import IR_VERSION
+from ..node_models import IR_VERSION
 
 NP_OF = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 

@@ -10,7 +10,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from .. import models
+from .. import node_models
 from ..ort import inference_session
 from .cache_layout import CacheTensor
 
@@ -39,7 +39,7 @@ def _repeat_model(elem: int) -> onnx.ModelProto:
         [helper.make_tensor_value_info("cache", elem, ["B", "H", "R", "W"])],
         initializer=[helper.make_tensor("axis", TensorProto.INT64, [1], [2]),
                      helper.make_tensor("zero", TensorProto.INT64, [1], [0])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=models.IR_VERSION)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=node_models.IR_VERSION)
 
 
 def _zeros_model(elem: int) -> onnx.ModelProto:
@@ -47,7 +47,7 @@ def _zeros_model(elem: int) -> onnx.ModelProto:
         [helper.make_node("ConstantOfShape", ["shape"], ["cache"], value=helper.make_tensor("v", elem, [1], [0]))],
         "zeros", [helper.make_tensor_value_info("shape", TensorProto.INT64, [4])],
         [helper.make_tensor_value_info("cache", elem, ["B", "H", "R", "W"])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=models.IR_VERSION)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=node_models.IR_VERSION)
 
 
 def allocate(tensors: list[CacheTensor], batch: int, rows: int, device: str) -> int:
@@ -92,7 +92,7 @@ class RandomFill:
         key = (c.key_format, c.head_dim, c.norm_correction)
         if key not in self._packers:
             extra = {"norm_correction": int(c.norm_correction)} if c.key_format.startswith("mse") else {}
-            self._packers[key] = inference_session(models.pack_model(c.key_format, c.head_dim, TensorProto.FLOAT16, **extra))
+            self._packers[key] = inference_session(node_models.pack_model(c.key_format, c.head_dim, TensorProto.FLOAT16, **extra))
         x = self.rng.standard_normal((batch, c.heads, UNIT, c.head_dim)).astype(np.float16)
         packed = self._packers[key].run(None, {"x": x})[0]
         row = np.zeros((batch, c.heads, UNIT, c.width), np.uint8)  # a shared buffer's row may be wider

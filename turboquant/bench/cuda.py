@@ -28,7 +28,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto
 
-from .. import models
+from .. import node_models
 from ..config import TurboQuantConfig
 from ..ort import session_options
 from ..reference import formats
@@ -87,7 +87,7 @@ def time_iobinding(sess, io, iters: int) -> tuple[float, float]:
 
 def tq_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tuple[tuple[float, float], int]:
     cfg = TurboQuantConfig.from_cache_dtype(preset, d)
-    model = models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
+    model = node_models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
                                    value_format=cfg.value_format, dtype=TensorProto.FLOAT16,
                                    norm_correction=int(cfg.norm_correction), is_causal=1)
     so = session_options()
@@ -112,7 +112,7 @@ def tq_gqa_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: i
     cache copy), as a rewritten onnxruntime-genai model runs it; separate Q, K, V and (unless
     rotary) no rotary embedding, as in gqa_step."""
     cfg = TurboQuantConfig.from_cache_dtype(preset, d)
-    model = models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
+    model = node_models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
                              value_format=cfg.value_format, dtype=TensorProto.FLOAT16,
                              norm_correction=int(cfg.norm_correction), rotary_dim=d if rotary else 0)
     so = session_options()

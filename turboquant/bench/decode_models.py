@@ -1,7 +1,7 @@
 """The decode benchmark's models, made here with random weights: Llama-3.1-8B's and Llama-3.2-3B's
 shapes (vocabulary cut to 32000), small variants with the 8B attention for the CPU, and a tiny one
 for tests; exported by onnxruntime-genai's model builder or by torch.onnx's TorchScript exporter
-(turboquant.examples does both), and optionally rewritten by turboquant.export into DIR/tq.
+(turboquant.random_decoders does both), and optionally rewritten by turboquant.export into DIR/tq.
 
     python -m turboquant.bench models --shape llama3b --builder genai --precision fp16 --device cuda -o DIR --rewrite
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pathlib
 import time
 
-from ..examples import TinyConfig
+from ..random_decoders import TinyConfig
 
 # Llama-3.1-8B: 32 layers, 32 query heads, 8 KV heads, head_dim 128, hidden 4096, MLP 14336;
 # Llama-3.2-3B: 28 layers, 24 query heads, hidden 3072, MLP 8192. The HF default init range keeps
@@ -47,7 +47,7 @@ def build(shape: str, builder: str, precision: str, device: str, out: pathlib.Pa
     the rewrite's cache form (export's cache)."""
     import torch
 
-    from .. import examples
+    from .. import random_decoders
 
     cfg = SHAPES[shape]
     out.mkdir(parents=True, exist_ok=True)
@@ -55,15 +55,15 @@ def build(shape: str, builder: str, precision: str, device: str, out: pathlib.Pa
     t0 = time.perf_counter()
     dtype = torch.float16 if precision == "fp16" else torch.float32
     if builder == "genai":
-        hf = examples.save_hf_folder(examples.build_model(cfg, device, dtype), cfg, out / "hf")
+        hf = random_decoders.save_hf_folder(random_decoders.build_model(cfg, device, dtype), cfg, out / "hf")
         log(f"random {shape} weights saved to {hf} ({time.perf_counter() - t0:.0f} s)")
         if device == "cuda":  # the builder may want the GPU: the weights made there are saved, let go
             torch.cuda.empty_cache()
-        paths["original"] = examples.build_genai(hf, out / "model", precision, device, out / "cache")
+        paths["original"] = random_decoders.build_genai(hf, out / "model", precision, device, out / "cache")
     else:
-        model = examples.build_model(cfg, device, dtype)
+        model = random_decoders.build_model(cfg, device, dtype)
         (out / "model").mkdir(exist_ok=True)
-        paths["original"] = examples.export_model(model, out / "model" / "model.onnx", "torchscript",
+        paths["original"] = random_decoders.export_model(model, out / "model" / "model.onnx", "torchscript",
                                                   "float16" if precision == "fp16" else "float32")
         del model
     log(f"{builder} model written to {paths['original']} ({time.perf_counter() - t0:.0f} s)")

@@ -19,7 +19,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto
 
-from .. import models
+from .. import node_models
 from ..config import packed_size
 from ..ort import session_options
 
@@ -50,7 +50,7 @@ def _session(fmt: str, d: int, device: str, threads: int | None) -> ort.Inferenc
     if device == "cuda":
         so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")  # the CUDA kernel or nothing
         providers = ["CUDAExecutionProvider"]
-    model = models.pack_model(fmt, d, TensorProto.FLOAT16, rank=2)
+    model = node_models.pack_model(fmt, d, TensorProto.FLOAT16, rank=2)
     return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
 
 

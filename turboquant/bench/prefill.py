@@ -22,10 +22,10 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from .. import models
+from .. import node_models
 from ..arguments import check_output_file, head_dim as _head_dim, positive as _positive
 from ..config import TQ_PRESETS, TurboQuantConfig
-from ..models import IR_VERSION
+from ..node_models import IR_VERSION
 from ..ort import session_options
 from ..reference import formats
 
@@ -137,7 +137,7 @@ def _qkv(rng, b, s, hq, hkv, d, dtype, layout):
 
 def tq_gqa(rng, pt: Point, hq, hkv, d, dtype, preset):
     cfg = TurboQuantConfig.from_cache_dtype(preset, d)
-    model = models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
+    model = node_models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
                              value_format=cfg.value_format, dtype=dtype, norm_correction=int(cfg.norm_correction))
     width = max(formats.packed_size(cfg.key_format, d), formats.packed_size(cfg.value_format, d))
     total = pt.past + pt.new
@@ -150,7 +150,7 @@ def tq_gqa(rng, pt: Point, hq, hkv, d, dtype, preset):
 
 def tq_attention(rng, pt: Point, hq, hkv, d, dtype, preset):
     cfg = TurboQuantConfig.from_cache_dtype(preset, d)
-    model = models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
+    model = node_models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
                                    value_format=cfg.value_format, dtype=dtype, is_causal=1,
                                    norm_correction=int(cfg.norm_correction))
     q, k, v = _qkv(rng, pt.batch, pt.new, hq, hkv, d, dtype, "bhsd")

@@ -6,7 +6,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from turboquant import models
+from turboquant import node_models
 
 ATTENTION = dict(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4")
 GQA = dict(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4")
@@ -14,12 +14,12 @@ GQA = dict(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="
 
 def model_for(op):
     if op == "TQAttention":
-        return models.attention_model(**ATTENTION)
+        return node_models.attention_model(**ATTENTION)
     if op == "TQGroupQueryAttention":
-        return models.gqa_model(**GQA)
+        return node_models.gqa_model(**GQA)
     if op == "TQPack":
-        return models.pack_model("uint4", 64)
-    return models.unpack_model("uint4", 64)
+        return node_models.pack_model("uint4", 64)
+    return node_models.unpack_model("uint4", 64)
 
 
 def with_attribute(model, name, value):

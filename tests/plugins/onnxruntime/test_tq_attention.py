@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto
 
-from turboquant import models
+from turboquant import node_models
 from turboquant.ort import run
 from turboquant.reference import attention, formats
 from turboquant.reference.numerics import bfloat16
@@ -96,7 +96,7 @@ def model_for(c, mask):
     attrs = {"is_causal": int(c["causal"]), "norm_correction": int(c["nc"])}
     if c["scale"]:
         attrs["scale"] = c["scale"]
-    m = models.attention_model(q_heads=c["hkv"] * c["group"], kv_heads=c["hkv"], head_dim=c["d"], key_format=c["kf"],
+    m = node_models.attention_model(q_heads=c["hkv"] * c["group"], kv_heads=c["hkv"], head_dim=c["d"], key_format=c["kf"],
                                value_format=c["vf"], dtype=c["dtype"], layout=c["layout"], mask=mask_type,
                                offsets=c["offsets"], **attrs)
     if mask is not None:  # the mask's rank varies: leave its shape open
@@ -238,7 +238,7 @@ def test_new_values_with_a_nan_pack_as_nan_vectors(ort_session, device, vf):
     q, k, v, _, pk, pv, _, _ = make_inputs({**CASE, "vf": vf}, rng)
     v[0, 1, 0, 5] = np.nan
     v[1, 0, 1, 0] = -np.nan
-    m = models.attention_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format=vf, is_causal=1)
+    m = node_models.attention_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format=vf, is_causal=1)
     _, prk, prv = run(ort_session(m, device=device), {"Q": q, "K": k, "V": v, "past_key": pk, "past_value": pv})
     _, wk, wv = attention(q, k, v, None, pk, pv, key_format="mse4", value_format=vf, is_causal=True)
     np.testing.assert_array_equal(prk, wk)
@@ -266,8 +266,8 @@ def test_offsets_zero_changes_nothing_and_shift_is_invariant(ort_session, rng):
     """All-zero offsets give the plain op's outputs exactly; a key offset only moves every score of a
     query by the same amount, so with exact (new) keys it leaves Y unchanged."""
     hq, hkv, d = 8, 2, 64
-    plain = ort_session(models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="uint4"))
-    with_off = ort_session(models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="uint4", offsets=True))
+    plain = ort_session(node_models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="uint4"))
+    with_off = ort_session(node_models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="uint4", offsets=True))
     q = rng.standard_normal((1, hq, 4, d)).astype(np.float32)
     k, v = (rng.standard_normal((1, hkv, 4, d)).astype(np.float32) for _ in range(2))
     pk = formats.pack(rng.standard_normal((1, hkv, 9, d)).astype(np.float32), "mse4")
@@ -293,7 +293,7 @@ def test_key_offset_recovers_accuracy_of_biased_keys(ort_session, rng):
     exact = attention(q, keys, vals, None, None, None, key_format="raw16", value_format="raw16")[0]
     errs = {}
     for name, off in [("plain", None), ("offset", bias)]:
-        m = models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="raw16", offsets=off is not None)
+        m = node_models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="raw16", offsets=off is not None)
         sub = bias if off is not None else 0.0
         pk = formats.pack(keys[:, :, :-1] - sub, "mse4")
         feeds = {"Q": q, "K": k, "V": v, "past_key": pk, "past_value": formats.pack(vals[:, :, :-1], "raw16")}
@@ -307,7 +307,7 @@ def test_generation_loop_feeds_present_back(ort_session, rng, device):
     """Prefill 5 tokens, then 16 decode steps with present fed back as past: each step equals the
     reference (present byte for byte, Y to float tolerance); on the GPU too."""
     hq, hkv, d = 8, 2, 64
-    sess = ort_session(models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse3", value_format="uint4",
+    sess = ort_session(node_models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse3", value_format="uint4",
                                               dtype=TensorProto.FLOAT16, is_causal=1), device=device)
     pk = np.zeros((1, hkv, 0, formats.packed_size("mse3", d)), np.uint8)
     pv = np.zeros((1, hkv, 0, formats.packed_size("uint4", d)), np.uint8)
@@ -335,7 +335,7 @@ def free_model(n_inputs=6, **attrs):
     types = [TensorProto.FLOAT] * 3 + [TensorProto.BOOL, TensorProto.UINT8, TensorProto.UINT8, TensorProto.FLOAT, TensorProto.FLOAT]
     attrs.setdefault("key_format", "mse4")
     attrs.setdefault("value_format", "uint4")
-    return models.node_model("TQAttention", [(n, t, None) for n, t in zip(names, types)],
+    return node_models.node_model("TQAttention", [(n, t, None) for n, t in zip(names, types)],
                              [("Y", TensorProto.FLOAT, None), ("present_key", TensorProto.UINT8, None), ("present_value", TensorProto.UINT8, None)],
                              **attrs)
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto
 
-from turboquant import models
+from turboquant import node_models
 from turboquant.ort import run
 from turboquant.reference import formats, group_query_attention
 
@@ -54,7 +54,7 @@ def make(c):
     kf, vf = c["formats"]
     dt = NP[c["dtype"]]
     width = max(formats.packed_size(kf, d), formats.packed_size(vf, d)) + c["pad"]
-    model = models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=kf, value_format=vf, row_bytes=width,
+    model = node_models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=kf, value_format=vf, row_bytes=width,
                              dtype=c["dtype"], packed_qkv=c["packed"], rotary_dim=c["rotary"],
                              position_ids=c["position_ids"] and c["rotary"] > 0, offsets=c["offsets"],
                              rotary_interleaved=int(c["interleaved"]), norm_correction=int(c["nc"]))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto
 
-from turboquant import models
+from turboquant import node_models
 from turboquant.ort import run
 from turboquant.config import ALL_FORMATS, packed_size
 from turboquant.reference import formats
@@ -56,7 +56,7 @@ def vectors(draw, d=None):
 def test_pack_matches_reference_byte_for_byte(ort_session, device, data, fmt, nc):
     dtype, x = data
     d = x.shape[-1]
-    sess = ort_session(models.pack_model(fmt, d, dtype, rank=x.ndim, norm_correction=int(nc)), device=device)
+    sess = ort_session(node_models.pack_model(fmt, d, dtype, rank=x.ndim, norm_correction=int(nc)), device=device)
     got = run(sess, {"x": x})[0]
     want = formats.pack(x, fmt, nc)
     assert got.shape == (*x.shape[:-1], packed_size(fmt, d))
@@ -74,7 +74,7 @@ def test_pack_many_vectors(ort_session, device, rng, fmt):
     x[1, 7] = -np.abs(x[1, 7]) - 0.125
     x[1, 7, [9, 100]] = [0.0, -0.0]
     x[1, -1, 17] = np.inf
-    sess = ort_session(models.pack_model(fmt, 128, TensorProto.FLOAT16, rank=3), device=device)
+    sess = ort_session(node_models.pack_model(fmt, 128, TensorProto.FLOAT16, rank=3), device=device)
     np.testing.assert_array_equal(run(sess, {"x": x})[0], formats.pack(x, fmt, True))
 
 
@@ -89,12 +89,12 @@ def test_nan_packs_as_a_nan_vector(ort_session, device, fmt, dtype, d):
     for row, (where, sign) in enumerate([(0, 1), (3, 1), (d - 1, 1), (3, -1), (1, -1)]):
         x[1, row, where] = sign * np.nan
     x = x.astype(DTYPES[dtype])
-    got = run(ort_session(models.pack_model(fmt, d, dtype, rank=3), device=device), {"x": x})[0]
+    got = run(ort_session(node_models.pack_model(fmt, d, dtype, rank=3), device=device), {"x": x})[0]
     want = formats.pack(x, fmt)
     np.testing.assert_array_equal(got, want)
     nb = d * int(fmt[4]) // 8
     assert (got[1, :5, :nb] == 0).all() and (got[1, :5, nb:] == [0x00, 0x7E, 0x00, 0x7E]).all()
-    back = run(ort_session(models.unpack_model(fmt, d, rank=3), device=device), {"packed": got})[0]
+    back = run(ort_session(node_models.unpack_model(fmt, d, rank=3), device=device), {"packed": got})[0]
     assert np.isnan(back[1, :5]).all() and np.isfinite(back[1, 5]).all() and np.isfinite(back[[0, 2]]).all()
 
 
@@ -104,7 +104,7 @@ def test_unpack_matches_reference(ort_session, device, data, fmt):
     dtype, x = data
     d = x.shape[-1]
     packed = formats.pack(x, fmt)
-    got = run(ort_session(models.unpack_model(fmt, d, dtype, rank=x.ndim), device=device), {"packed": packed})[0]
+    got = run(ort_session(node_models.unpack_model(fmt, d, dtype, rank=x.ndim), device=device), {"packed": packed})[0]
     want = formats.unpack(packed, fmt, d).astype(DTYPES[dtype])
     assert got.dtype == DTYPES[dtype]
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-6, atol=0)
@@ -115,16 +115,16 @@ def test_offsets(ort_session, device, rng, offset_shape):
     x = rng.standard_normal((2, 3, 5, 64)).astype(np.float32) + 4.0
     off = rng.standard_normal(offset_shape).astype(np.float32) + 4.0
     ref_off = off if off.ndim == 1 else off[:, None, :]
-    packed = ort_session(models.pack_model("mse4", 64, offset_shape=offset_shape), device=device).run(None, {"x": x, "offset": off})[0]
+    packed = ort_session(node_models.pack_model("mse4", 64, offset_shape=offset_shape), device=device).run(None, {"x": x, "offset": off})[0]
     np.testing.assert_array_equal(packed, formats.pack(x, "mse4", True, ref_off))
-    back = ort_session(models.unpack_model("mse4", 64, offset_shape=offset_shape), device=device).run(None, {"packed": packed, "offset": off})[0]
+    back = ort_session(node_models.unpack_model("mse4", 64, offset_shape=offset_shape), device=device).run(None, {"packed": packed, "offset": off})[0]
     np.testing.assert_allclose(back, formats.unpack(packed, "mse4", 64, ref_off), rtol=1e-6)
 
 
 def test_zero_offset_changes_nothing(ort_session, rng):
     x = rng.standard_normal((1, 2, 7, 128)).astype(np.float16)
-    sess = ort_session(models.pack_model("mse3", 128, TensorProto.FLOAT16, offset_shape=[2, 128]))
-    plain = ort_session(models.pack_model("mse3", 128, TensorProto.FLOAT16)).run(None, {"x": x})[0]
+    sess = ort_session(node_models.pack_model("mse3", 128, TensorProto.FLOAT16, offset_shape=[2, 128]))
+    plain = ort_session(node_models.pack_model("mse3", 128, TensorProto.FLOAT16)).run(None, {"x": x})[0]
     np.testing.assert_array_equal(sess.run(None, {"x": x, "offset": np.zeros((2, 128), np.float32)})[0], plain)
 
 
@@ -138,19 +138,19 @@ def run_expecting(ort_session, model, feeds, *fragments):
 
 
 def test_pack_errors(ort_session):
-    free = models.node_model("TQPack", [("x", TensorProto.FLOAT, None)], [("packed", TensorProto.UINT8, None)], format="uint4")
+    free = node_models.node_model("TQPack", [("x", TensorProto.FLOAT, None)], [("packed", TensorProto.UINT8, None)], format="uint4")
     run_expecting(ort_session, free, {"x": np.zeros((2, 12), np.float32)}, "TQPack", "'x'", "last dimension 12", "multiple of 8")
     run_expecting(ort_session, free, {"x": np.zeros((), np.float32)}, "TQPack", "'x'", "rank >= 1")
-    fixed = models.node_model("TQPack", [("x", TensorProto.FLOAT, None)], [("packed", TensorProto.UINT8, None)], format="uint4", head_dim=64)
+    fixed = node_models.node_model("TQPack", [("x", TensorProto.FLOAT, None)], [("packed", TensorProto.UINT8, None)], format="uint4", head_dim=64)
     run_expecting(ort_session, fixed, {"x": np.zeros((2, 128), np.float32)}, "TQPack", "last dimension 128", "'head_dim' is 64")
-    with_off = models.node_model("TQPack", [("x", TensorProto.FLOAT, None), ("offset", TensorProto.FLOAT, None)],
+    with_off = node_models.node_model("TQPack", [("x", TensorProto.FLOAT, None), ("offset", TensorProto.FLOAT, None)],
                                  [("packed", TensorProto.UINT8, None)], format="uint4")
     run_expecting(ort_session, with_off, {"x": np.zeros((1, 2, 3, 64), np.float32), "offset": np.zeros((3, 64), np.float32)},
                   "TQPack", "'offset'", "[3, 64]")
 
 
 def test_unpack_errors(ort_session):
-    m = models.node_model("TQUnpack", [("packed", TensorProto.UINT8, None)], [("x", TensorProto.FLOAT, None)], format="mse4", head_dim=64)
+    m = node_models.node_model("TQUnpack", [("packed", TensorProto.UINT8, None)], [("x", TensorProto.FLOAT, None)], format="mse4", head_dim=64)
     run_expecting(ort_session, m, {"packed": np.zeros((2, 33), np.uint8)}, "TQUnpack", "'packed'", "must be 34", "mse4")
 
 
@@ -160,14 +160,14 @@ def test_unpack_errors(ort_session):
     ({"format": "mse4", "head_dim": 100}, "attribute 'head_dim' is 100"),
 ])
 def test_bad_attributes_fail_at_session_creation(ort_session, attrs, fragment):
-    m = models.node_model("TQPack", [("x", TensorProto.FLOAT, None)], [("packed", TensorProto.UINT8, None)], **attrs)
+    m = node_models.node_model("TQPack", [("x", TensorProto.FLOAT, None)], [("packed", TensorProto.UINT8, None)], **attrs)
     with pytest.raises(Exception) as e:
         ort_session(m)
     assert "TQPack" in str(e.value) and fragment in str(e.value)
 
 
 def test_unpack_dtype_attribute_must_match_output(ort_session):
-    m = models.node_model("TQUnpack", [("packed", TensorProto.UINT8, None)], [("x", TensorProto.FLOAT16, None)],
+    m = node_models.node_model("TQUnpack", [("packed", TensorProto.UINT8, None)], [("x", TensorProto.FLOAT16, None)],
                           format="uint4", head_dim=64, dtype=TensorProto.FLOAT)
     # ORT's own type check catches it, from the type our shape inference gives the output
     with pytest.raises(Exception) as e:
@@ -176,7 +176,7 @@ def test_unpack_dtype_attribute_must_match_output(ort_session):
 
 
 def test_unpack_unknown_dtype(ort_session):
-    m = models.node_model("TQUnpack", [("packed", TensorProto.UINT8, None)], [("x", TensorProto.FLOAT, None)],
+    m = node_models.node_model("TQUnpack", [("packed", TensorProto.UINT8, None)], [("x", TensorProto.FLOAT, None)],
                           format="uint4", head_dim=64, dtype=TensorProto.INT32)
     with pytest.raises(Exception) as e:
         ort_session(m)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from turboquant import models
+from turboquant import node_models
 from turboquant.config import ALL_FORMATS, TQ_PRESETS, TurboQuantConfig, packed_size
 from turboquant.ort import run
 from turboquant.reference.numerics import bfloat16
@@ -50,7 +50,7 @@ def test_pack_and_unpack_match_ort_cuda_byte_for_byte(trt, torch, ort_session, f
     rng = np.random.default_rng(d + dtype)
     x = (rng.standard_normal((2, 3, 17, d)) * 2 + 0.5).astype(np.float32).astype(NP[dtype])
     off = rng.standard_normal((3, d)).astype(np.float32) if offset else None
-    pack_sess = ort_session(models.pack_model(fmt, d, dtype, offset_shape=(3, d) if offset else None), device="cuda")
+    pack_sess = ort_session(node_models.pack_model(fmt, d, dtype, offset_shape=(3, d) if offset else None), device="cuda")
     want = run(pack_sess, {"x": x, **({"offset": off} if offset else {})})[0]
 
     plugin = trt.create("TQPack", format=fmt, head_dim=d, norm_correction=1)
@@ -60,7 +60,7 @@ def test_pack_and_unpack_match_ort_cuda_byte_for_byte(trt, torch, ort_session, f
     torch.cuda.synchronize()
     np.testing.assert_array_equal(packed.cpu().numpy(), want)
 
-    unpack_sess = ort_session(models.unpack_model(fmt, d, dtype, offset_shape=(3, d) if offset else None), device="cuda")
+    unpack_sess = ort_session(node_models.unpack_model(fmt, d, dtype, offset_shape=(3, d) if offset else None), device="cuda")
     want_x = run(unpack_sess, {"packed": want, **({"offset": off} if offset else {})})[0]
     un = trt.create("TQUnpack", format=fmt, head_dim=d, dtype=dtype)
     out = on_gpu(torch, np.zeros_like(want_x))
@@ -106,7 +106,7 @@ def test_attention_matches_ort_cuda(trt, torch, ort_session, preset, dtype, layo
     if offsets:
         feeds.update(key_offset=rng.standard_normal((hkv, d)).astype(np.float32),
                      value_offset=rng.standard_normal((hkv, d)).astype(np.float32))
-    model = models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
+    model = node_models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
                                    value_format=cfg.value_format, dtype=dtype, layout=layout, mask=mask, offsets=offsets,
                                    norm_correction=int(cfg.norm_correction), is_causal=causal)
     y, present_k, present_v = run(ort_session(model, device="cuda"), feeds)
@@ -163,7 +163,7 @@ def test_gqa_matches_ort_cuda_byte_for_byte(trt, torch, ort_session, preset, dty
     hq, hkv, d = 8, 2, 128
     cfg = TurboQuantConfig.from_cache_dtype(preset, d)
     packed = rotary  # genai's builder packs QKV and rotates in the op; the other layout without rotary
-    model = models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
+    model = node_models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
                              value_format=cfg.value_format, dtype=dtype, packed_qkv=packed, rotary_dim=d if rotary else 0,
                              norm_correction=int(cfg.norm_correction))
     session = ort_session(model, device="cuda")

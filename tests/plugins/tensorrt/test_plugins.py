@@ -293,11 +293,11 @@ def test_exported_genai_nodes_are_accepted_by_the_plugin(trt, tmp_path):
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes the model)")
     import onnx_ir as ir
 
-    from turboquant import examples
+    from turboquant import random_decoders
     from turboquant.export import export
 
-    cfg = examples.TinyConfig(family="llama", layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=1, vocab=640)
-    src = examples.export_genai(cfg, tmp_path / "genai")
+    cfg = random_decoders.TinyConfig(family="llama", layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=1, vocab=640)
+    src = random_decoders.export_genai(cfg, tmp_path / "genai")
     out = export(src, "turboquant_k8v4", tmp_path / "trt" / "model.onnx", boundary=0, progress=False, target="tensorrt").output
     model = ir.load(out)
     names = {ir.DataType.FLOAT: "float32", ir.DataType.UINT8: "uint8", ir.DataType.INT32: "int32"}

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
-from turboquant import examples, models
+from turboquant import node_models, random_decoders
 from turboquant.bench import __main__ as bench
 from turboquant.bench import cache_fill, cache_layout, decode, decode_models
 from turboquant.config import packed_size
@@ -227,7 +227,7 @@ def test_bad_arguments_exit_2_naming_the_argument(built, tmp_path, capsys):
     _fails(capsys, ["decode", orig, tq, "--context", "0"], "--context")
     _fails(capsys, ["decode", orig, tq, "--steps", "-1"], "--steps")
     _fails(capsys, ["decode", orig, tq, "--capacity", "0"], "--capacity")
-    onnx.save(models.pack_model("mse4", 64), tmp_path / "nocache.onnx")
+    onnx.save(node_models.pack_model("mse4", 64), tmp_path / "nocache.onnx")
     assert "no KV cache" in _fails(capsys, ["decode", str(tmp_path / "nocache.onnx")], "MODEL")
     _fails(capsys, ["decode", str(tmp_path / "absent.onnx")], "MODEL")
     (tmp_path / "taken.json").write_text("[]")
@@ -242,13 +242,13 @@ def test_rewrite_of_another_model_is_refused(built, tmp_path, capsys):
     """A rewrite paired with an original it was not made from: another layer count, other KV heads,
     another builder's export of the same shapes."""
     orig, tq = map(str, built["torchscript"])
-    deeper = examples.export(examples.TinyConfig(**{**TINY.__dict__, "layers": 4}), tmp_path / "deeper.onnx")
+    deeper = random_decoders.export(random_decoders.TinyConfig(**{**TINY.__dict__, "layers": 4}), tmp_path / "deeper.onnx")
     err = _fails(capsys, ["decode", str(deeper), tq], "MODEL 2")
     assert "4 cache layers against 3" in err or "3 cache layers against 4" in err
-    heads = examples.export(examples.TinyConfig(**{**TINY.__dict__, "heads": 2, "kv_heads": 1}), tmp_path / "heads.onnx")
+    heads = random_decoders.export(random_decoders.TinyConfig(**{**TINY.__dict__, "heads": 2, "kv_heads": 1}), tmp_path / "heads.onnx")
     assert "KV heads" in _fails(capsys, ["decode", str(heads), tq], "MODEL 2")
     _fails(capsys, ["decode", orig, str(built["genai"][1])], "MODEL 2")
-    wider = examples.export(examples.TinyConfig(**{**TINY.__dict__, "hidden": 512}), tmp_path / "wider.onnx")
+    wider = random_decoders.export(random_decoders.TinyConfig(**{**TINY.__dict__, "hidden": 512}), tmp_path / "wider.onnx")
     assert "weights of shapes" in _fails(capsys, ["decode", str(wider), tq], "MODEL 2")
     assert "KV heads" in _fails(capsys, ["decode", str(heads), tq, "--other-exporters"], "MODEL 2")
 

@@ -4,17 +4,17 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from turboquant import examples  # noqa: E402
+from turboquant import random_decoders  # noqa: E402
 from turboquant.export import export  # noqa: E402
 
-CFG = examples.TinyConfig(family="llama", layers=5, hidden=128, heads=4, kv_heads=2, head_dim=32, vocab=256, seed=4)
+CFG = random_decoders.TinyConfig(family="llama", layers=5, hidden=128, heads=4, kv_heads=2, head_dim=32, vocab=256, seed=4)
 
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """(original, rewritten 3bit_nc, token ids file) for a small Llama-style decoder."""
     d = tmp_path_factory.mktemp("eval")
-    src = examples.export(CFG, d / "tiny.onnx")
+    src = random_decoders.export(CFG, d / "tiny.onnx")
     dst = export(src, "turboquant_3bit_nc", d / "tiny.3bit_nc.onnx", boundary=1, progress=False).output
     ids = np.random.default_rng(1).integers(0, CFG.vocab, 400)
     (d / "text.ids").write_text(" ".join(map(str, ids)))
