@@ -18,6 +18,7 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS
 from .errors import RewriteError
 from .forms import locate
 from .cache_io import _KV_NAMES
+from .calibrate import DATA_FREE
 from .gqa import rewrite_gqa_model, uses_gqa
 from .plan import RewriteResult, plan_layers
 from .surgery import pack_other_branch, present_outputs, reroute_cache_shapes, shape_only_uses_are_safe, apply_site
@@ -108,9 +109,10 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
 
     calibrate: token ids (.npy) or text (with tokenizer, a local tokenizer folder) on which the
     original model is run to compute the per-layer key offsets and scales (and, with value_offsets,
-    value offsets). Without it, presets with Lloyd-Max keys calibrate data-free, on random token
-    ids (export/calibrate.py says why and what the evaluation measured); offsets=False turns every
-    calibration off.
+    value offsets), or a data-free source: "random" (random token ids) or "self" (text the model
+    writes itself, export/self_text.py). Without it, presets with Lloyd-Max keys calibrate on
+    DATA_FREE_DEFAULT (export/calibrate.py says why and what the evaluation measured);
+    offsets=False turns every calibration off.
     target: "onnxruntime" (the default) or "tensorrt" (the nodes as TensorRT's ONNX parser maps them
     to turboquant's plugins; see export/tensorrt.py).
     cache: "in-place" (export/in_place.py: preallocated buffers written in place, lengths instead
@@ -129,6 +131,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     out = pathlib.Path(output) if output else default_output(src, preset)
     if calibrate is not None and not offsets:
         raise RewriteError("--calibrate and --no-offsets contradict each other: calibration only computes offsets and scales")
+    if isinstance(calibrate, str) and calibrate in DATA_FREE and tokenizer is not None:
+        raise RewriteError(f"--tokenizer is for a text --calibrate file; --calibrate {calibrate} takes none")
     if not dry_run:  # before loading and calibrating, which take a while
         _check_writable(out)
     _refuse_input_files(src, None, out)
@@ -137,27 +141,29 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     if not dry_run and _saved_external(model):
         _check_writable(_data_file(out), "the output's external data file")
     calibrates = offsets and (calibrate is not None or _mse_keys(preset))
+    if calibrates and calibrate is None:
+        calibrate = DATA_FREE_DEFAULT
+    shows = progress if progress is not None else sys.stderr.isatty()  # calibration's bars
     if uses_gqa(model):
         if cache == "concat":
             raise RewriteError("--cache concat does not apply to onnxruntime-genai models (GroupQueryAttention): their "
                                "caches are written in place, and stay so")
         return _export_gqa(model, src, out, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
                            dry_run=dry_run, calibrate=calibrate if calibrates else False, tokenizer=tokenizer,
-                           value_offsets=value_offsets, key_scales=key_scales, progress=progress, target=target,
+                           value_offsets=value_offsets, key_scales=key_scales, progress=shows, target=target,
                            unsupported=unsupported)
     auto = cache == "auto"
     cache, why_concat = _cache_form(model, cache, target)
     calibration = None
     if calibrates:
-        from .calibrate import collect, data_free_tokens, load_tokens
+        from .calibrate import calibration_tokens, collect
 
         plans, _ = plan_layers(model, preset, boundary, skip_layers, keep_layers)
-        ids, source = load_tokens(calibrate, tokenizer, model) if calibrate is not None else data_free_tokens(model)
+        ids, source = calibration_tokens(calibrate, tokenizer, model, src, shows)
         if ids is not None:
             plan_args = dict(preset=preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers)
             calibration = collect(src, ids, [p.index for p in plans if p.compressed], source,
-                                  plan_args=plan_args if key_scales else None,
-                                  progress=progress if progress is not None else sys.stderr.isatty())
+                                  plan_args=plan_args if key_scales else None, progress=shows)
     if cache == "in-place":
         try:
             result = _rewrite_in_place(model, src, preset, calibration, target, boundary=boundary, skip_layers=skip_layers,
@@ -214,6 +220,9 @@ def _cache_form(model: ir.Model, cache: str, target: str) -> tuple[str, str | No
     if cache == "auto":
         return ("concat", "; ".join(reasons)) if reasons else ("in-place", None)
     return cache, None
+
+
+DATA_FREE_DEFAULT = "random"  # what presets with Lloyd-Max keys calibrate on unless told: export/calibrate.py DATA_FREE
 
 
 def _mse_keys(preset: str) -> bool:
@@ -280,8 +289,8 @@ def _save(model: ir.Model, out: pathlib.Path) -> None:
 def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: str, *, boundary, skip_layers,
                 keep_layers, dry_run, calibrate, tokenizer, value_offsets, key_scales, progress, target,
                 unsupported) -> RewriteResult:
-    """export() for onnxruntime-genai models (GroupQueryAttention). calibrate: a file, None (data-free)
-    or False (no calibration); export/calibrate_gqa.py measures it."""
+    """export() for onnxruntime-genai models (GroupQueryAttention). calibrate: a file, "random" or
+    "self" (data-free), or False (no calibration); export/calibrate_gqa.py measures it."""
     from . import genai
 
     genai_folder = target == "onnxruntime" and (src.parent / genai.CONFIG).is_file()  # genai runs ONNX Runtime only
@@ -289,14 +298,13 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
         genai.check_output_folder(src, out)
     calibration, notes = None, []
     if calibrate is not False:
-        from .calibrate import data_free_tokens, load_tokens
+        from .calibrate import calibration_tokens
         from .calibrate_gqa import collect_gqa
 
-        ids, source = load_tokens(calibrate, tokenizer, model) if calibrate is not None else data_free_tokens(model)
+        ids, source = calibration_tokens(calibrate, tokenizer, model, src, progress)
         if ids is not None:
             calibration, notes = collect_gqa(src, ids, source, preset=preset, boundary=boundary, skip_layers=skip_layers,
-                                             keep_layers=keep_layers, key_scales=key_scales,
-                                             progress=progress if progress is not None else sys.stderr.isatty())
+                                             keep_layers=keep_layers, key_scales=key_scales, progress=progress)
         else:
             notes.append(f"not calibrated: {source}")
     # TensorRT takes each cache's shape as declared: every layer gets its own row width
