@@ -87,10 +87,8 @@ def calibration_tokens(calibrate, tokenizer, model, model_path, progress: bool =
 def data_free_tokens(model, count: int = 4096, seed: int = 0) -> tuple[np.ndarray | None, str]:
     """Random token ids over the model's vocabulary, for calibrating without text: the fixed
     per-channel parts of keys that offsets remove, and the channel energies that scales balance,
-    come mostly from the weights, not from the text. (SmolLM2-135M, held-out English text: the
-    perplexity increase of 4bit_nc went from +6.8% to +4.1%, k3v4_nc from +21.8% to +14.4%,
-    3bit_nc from +24.4% to +17.0%; calibrating on real text does better still on 3-bit keys.)
-    Returns (None, reason) when the vocabulary size cannot be read from the model."""
+    come mostly from the weights, not from the text (text the model writes itself, "self", does
+    better still: docs/performance.md#quality). Returns (None, reason) when the vocabulary size cannot be read from the model."""
     vocab = vocabulary_size(model)
     if vocab is None:
         return None, "none (the vocabulary size is not in the model)"

@@ -111,7 +111,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     original model is run to compute the per-layer key offsets and scales (and, with value_offsets,
     value offsets), or a data-free source: "random" (random token ids) or "self" (text the model
     writes itself, export/self_text.py). Without it, presets with Lloyd-Max keys calibrate on
-    DATA_FREE_DEFAULT (export/calibrate.py says why and what the evaluation measured);
+    DATA_FREE_DEFAULT ("self"; genai-built models GQA_DATA_FREE_DEFAULT, "random");
     offsets=False turns every calibration off.
     target: "onnxruntime" (the default) or "tensorrt" (the nodes as TensorRT's ONNX parser maps them
     to turboquant's plugins; see export/tensorrt.py).
@@ -141,10 +141,11 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     if not dry_run and _saved_external(model):
         _check_writable(_data_file(out), "the output's external data file")
     calibrates = offsets and (calibrate is not None or _mse_keys(preset))
+    gqa = uses_gqa(model)
     if calibrates and calibrate is None:
-        calibrate = DATA_FREE_DEFAULT
+        calibrate = GQA_DATA_FREE_DEFAULT if gqa else DATA_FREE_DEFAULT
     shows = progress if progress is not None else sys.stderr.isatty()  # calibration's bars
-    if uses_gqa(model):
+    if gqa:
         if cache == "concat":
             raise RewriteError("--cache concat does not apply to onnxruntime-genai models (GroupQueryAttention): their "
                                "caches are written in place, and stay so")
@@ -222,7 +223,11 @@ def _cache_form(model: ir.Model, cache: str, target: str) -> tuple[str, str | No
     return cache, None
 
 
-DATA_FREE_DEFAULT = "random"  # what presets with Lloyd-Max keys calibrate on unless told: export/calibrate.py DATA_FREE
+# What presets with Lloyd-Max keys calibrate on unless told (export/calibrate.py DATA_FREE): the model's
+# own text, which beat random ids on every such preset in the evaluation (docs/performance.md#quality);
+# genai-built models keep random ids until the evaluation has compared the two on them.
+DATA_FREE_DEFAULT = "self"
+GQA_DATA_FREE_DEFAULT = "random"
 
 
 def _mse_keys(preset: str) -> bool:
