@@ -32,9 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--boundary", type=non_negative, default=2, help="first and last N attention layers kept uncompressed (default 2)")
     p.add_argument("--skip-layers", type=_layer_list, help="also keep these layers uncompressed, e.g. 0,1,5")
     p.add_argument("--keep-layers", type=_layer_list, help="keep exactly these layers uncompressed (replaces --boundary)")
-    p.add_argument("--calibrate", metavar="FILE", help="token ids (.npy/.ids) or text (with --tokenizer) to compute per-layer "
-                   "key offsets and scales on; the original model runs on it in ONNX Runtime (default, for presets "
-                   "with Lloyd-Max keys: data-free, on random token ids)")
+    p.add_argument("--calibrate", metavar="FILE|random|self", help="what the original model runs on in ONNX Runtime to compute "
+                   "per-layer key offsets and scales: token ids (.npy/.ids) or text (with --tokenizer), or data-free: "
+                   "'random' (random token ids) or 'self' (text the model writes itself, sampled with a fixed seed from "
+                   "random-token prompts); a file named so is ./random or ./self (default, for presets with Lloyd-Max keys: "
+                   "self; for onnxruntime-genai models: random)")
     p.add_argument("--no-offsets", action="store_true", help="no calibration at all: no key offsets or scales")
     p.add_argument("--tokenizer", metavar="DIR", help="local Hugging Face tokenizer folder for a text --calibrate file")
     p.add_argument("--value-offsets", action="store_true", help="with --calibrate, subtract the mean value too")

@@ -68,13 +68,27 @@ def load_tokens(path: str | os.PathLike, tokenizer: str | os.PathLike | None = N
         raise RewriteError(f"calibration file: {e}") from None
 
 
+DATA_FREE = ("random", "self")  # --calibrate's data-free sources: random token ids, the model's own text
+
+
+def calibration_tokens(calibrate, tokenizer, model, model_path, progress: bool = False) -> tuple[np.ndarray | None, str]:
+    """The tokens the rewrite calibrates on, and what they are: calibrate "random" (random token
+    ids), "self" (export/self_text.py: text the original model at model_path writes itself) or a
+    file (load_tokens). Returns (None, reason) when a data-free source cannot be used on this model."""
+    if isinstance(calibrate, str) and calibrate in DATA_FREE:
+        if calibrate == "random":
+            return data_free_tokens(model)
+        from .self_text import self_generated_tokens
+
+        return self_generated_tokens(model_path, vocabulary_size(model), progress=progress)
+    return load_tokens(calibrate, tokenizer, model)
+
+
 def data_free_tokens(model, count: int = 4096, seed: int = 0) -> tuple[np.ndarray | None, str]:
     """Random token ids over the model's vocabulary, for calibrating without text: the fixed
     per-channel parts of keys that offsets remove, and the channel energies that scales balance,
-    come mostly from the weights, not from the text. (SmolLM2-135M, held-out English text: the
-    perplexity increase of 4bit_nc went from +6.8% to +4.1%, k3v4_nc from +21.8% to +14.4%,
-    3bit_nc from +24.4% to +17.0%; calibrating on real text does better still on 3-bit keys.)
-    Returns (None, reason) when the vocabulary size cannot be read from the model."""
+    come mostly from the weights, not from the text (text the model writes itself, "self", does
+    better still: docs/performance.md#quality). Returns (None, reason) when the vocabulary size cannot be read from the model."""
     vocab = vocabulary_size(model)
     if vocab is None:
         return None, "none (the vocabulary size is not in the model)"

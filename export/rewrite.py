@@ -18,6 +18,7 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS
 from .errors import RewriteError
 from .forms import locate
 from .cache_io import _KV_NAMES
+from .calibrate import DATA_FREE
 from .gqa import uses_gqa
 from .passes import TurboQuantRewrite
 from .plan import RewriteResult, plan_layers
@@ -109,9 +110,10 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
 
     calibrate: token ids (.npy) or text (with tokenizer, a local tokenizer folder) on which the
     original model is run to compute the per-layer key offsets and scales (and, with value_offsets,
-    value offsets). Without it, presets with Lloyd-Max keys calibrate data-free, on random token
-    ids (export/calibrate.py says why and what the evaluation measured); offsets=False turns every
-    calibration off.
+    value offsets), or a data-free source: "random" (random token ids) or "self" (text the model
+    writes itself, export/self_text.py). Without it, presets with Lloyd-Max keys calibrate on
+    DATA_FREE_DEFAULT ("self"; genai-built models GQA_DATA_FREE_DEFAULT, "random");
+    offsets=False turns every calibration off.
     target: "onnxruntime" (the default) or "tensorrt" (the nodes as TensorRT's ONNX parser maps them
     to turboquant's plugins; see export/tensorrt.py).
     cache: "in-place" (export/in_place.py: preallocated buffers written in place, lengths instead
@@ -130,6 +132,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     out = pathlib.Path(output) if output else default_output(src, preset)
     if calibrate is not None and not offsets:
         raise RewriteError("--calibrate and --no-offsets contradict each other: calibration only computes offsets and scales")
+    if isinstance(calibrate, str) and calibrate in DATA_FREE and tokenizer is not None:
+        raise RewriteError(f"--tokenizer is for a text --calibrate file; --calibrate {calibrate} takes none")
     if not dry_run:  # before loading and calibrating, which take a while
         _check_writable(out)
     _refuse_input_files(src, None, out)
@@ -138,27 +142,30 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     if not dry_run and _saved_external(model):
         _check_writable(_data_file(out), "the output's external data file")
     calibrates = offsets and (calibrate is not None or _mse_keys(preset))
-    if uses_gqa(model):
+    gqa = uses_gqa(model)
+    if calibrates and calibrate is None:
+        calibrate = GQA_DATA_FREE_DEFAULT if gqa else DATA_FREE_DEFAULT
+    shows = progress if progress is not None else sys.stderr.isatty()  # calibration's bars
+    if gqa:
         if cache == "concat":
             raise RewriteError("--cache concat does not apply to onnxruntime-genai models (GroupQueryAttention): their "
                                "caches are written in place, and stay so")
         return _export_gqa(model, src, out, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
                            dry_run=dry_run, calibrate=calibrate if calibrates else False, tokenizer=tokenizer,
-                           value_offsets=value_offsets, key_scales=key_scales, progress=progress, target=target,
+                           value_offsets=value_offsets, key_scales=key_scales, progress=shows, target=target,
                            unsupported=unsupported)
     auto = cache == "auto"
     cache, why_concat = _cache_form(model, cache, target)
     calibration = None
     if calibrates:
-        from .calibrate import collect, data_free_tokens, load_tokens
+        from .calibrate import calibration_tokens, collect
 
         plans, _ = plan_layers(model, preset, boundary, skip_layers, keep_layers)
-        ids, source = load_tokens(calibrate, tokenizer, model) if calibrate is not None else data_free_tokens(model)
+        ids, source = calibration_tokens(calibrate, tokenizer, model, src, shows)
         if ids is not None:
             plan_args = dict(preset=preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers)
             calibration = collect(src, ids, [p.index for p in plans if p.compressed], source,
-                                  plan_args=plan_args if key_scales else None,
-                                  progress=progress if progress is not None else sys.stderr.isatty())
+                                  plan_args=plan_args if key_scales else None, progress=shows)
     if cache == "in-place":
         try:
             result = _rewrite_in_place(model, src, preset, calibration, target, boundary=boundary, skip_layers=skip_layers,
@@ -230,6 +237,13 @@ def _cache_form(model: ir.Model, cache: str, target: str) -> tuple[str, str | No
     return cache, None
 
 
+# What presets with Lloyd-Max keys calibrate on unless told (export/calibrate.py DATA_FREE): the model's
+# own text, which beat random ids on every such preset in the evaluation (docs/performance.md#quality);
+# genai-built models keep random ids until the evaluation has compared the two on them.
+DATA_FREE_DEFAULT = "self"
+GQA_DATA_FREE_DEFAULT = "random"
+
+
 def _mse_keys(preset: str) -> bool:
     """Presets with Lloyd-Max keys, which calibrate data-free by default."""
     return preset in TQ_PRESETS and TQ_PRESETS[preset]["key_quant_bits"] in (3, 4)
@@ -294,8 +308,8 @@ def _save(model: ir.Model, out: pathlib.Path) -> None:
 def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: str, *, boundary, skip_layers,
                 keep_layers, dry_run, calibrate, tokenizer, value_offsets, key_scales, progress, target,
                 unsupported) -> RewriteResult:
-    """export() for onnxruntime-genai models (GroupQueryAttention). calibrate: a file, None (data-free)
-    or False (no calibration); export/calibrate_gqa.py measures it."""
+    """export() for onnxruntime-genai models (GroupQueryAttention). calibrate: a file, "random" or
+    "self" (data-free), or False (no calibration); export/calibrate_gqa.py measures it."""
     from . import genai
 
     genai_folder = target == "onnxruntime" and (src.parent / genai.CONFIG).is_file()  # genai runs ONNX Runtime only
@@ -303,14 +317,13 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
         genai.check_output_folder(src, out)
     calibration, notes = None, []
     if calibrate is not False:
-        from .calibrate import data_free_tokens, load_tokens
+        from .calibrate import calibration_tokens
         from .calibrate_gqa import collect_gqa
 
-        ids, source = load_tokens(calibrate, tokenizer, model) if calibrate is not None else data_free_tokens(model)
+        ids, source = calibration_tokens(calibrate, tokenizer, model, src, progress)
         if ids is not None:
             calibration, notes = collect_gqa(src, ids, source, preset=preset, boundary=boundary, skip_layers=skip_layers,
-                                             keep_layers=keep_layers, key_scales=key_scales,
-                                             progress=progress if progress is not None else sys.stderr.isatty())
+                                             keep_layers=keep_layers, key_scales=key_scales, progress=progress)
         else:
             notes.append(f"not calibrated: {source}")
     # TensorRT takes each cache's shape as declared: every layer gets its own row width

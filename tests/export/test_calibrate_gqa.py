@@ -188,3 +188,10 @@ def test_eval_cli_runs_genai_models_through_shared_buffers(src, rewritten, tmp_p
     names = [r["model"] for r in doc["results"]]
     assert names == [f"{calibrated.parent.name}/model.onnx", f"{plain.parent.name}/model.onnx"]  # told apart
     assert doc["scored_tokens"] == 32 and all(r["mean_kl"] > 0 for r in doc["results"])
+
+
+def test_self_generated_calibration(rewritten):
+    """--calibrate self runs the genai original through its shared-buffer loop to write the text."""
+    inits, muls, _, meta = _parts(rewritten("turboquant_4bit_nc", calibrate="self").output)
+    assert meta["turboquant.calibration"].startswith("data-free (self-generated: 16 continuations")
+    assert "tq_key_offset_2" in inits and muls

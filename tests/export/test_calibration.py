@@ -78,7 +78,8 @@ def test_data_free_calibration_is_the_default_for_lloyd_max_keys(biased_model, t
     cfg, src, d = biased_model
     meta = lambda r: {p.key: p.value for p in onnx.load(str(r.output)).metadata_props}  # noqa: E731
     default = meta(export(src, "turboquant_4bit_nc", tmp_path / "a.onnx", boundary=1))
-    assert default["turboquant.calibration"].startswith("data-free (random token ids, seed 0), 4096 tokens")
+    assert default["turboquant.calibration"].startswith("data-free (self-generated: 16 continuations, sampled")
+    assert default["turboquant.calibration"].endswith(", 4096 tokens")
     assert default["turboquant.key_scales"] == "yes"
     none = {"turboquant.offsets": "none", "turboquant.key_scales": "no", "turboquant.calibration": "none"}
     for m in (meta(export(src, "turboquant_4bit_nc", tmp_path / "b.onnx", boundary=1, offsets=False)),
