@@ -251,6 +251,9 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
         heads = query_heads(site) or q_heads.get(i)
         if not heads or plan.kv_heads is None:
             raise RewriteError(f"layer {i}: cannot tell its query and KV head counts for the in-place form")
+        if layer.v_head_dim != layer.head_dim:  # GroupQueryAttention's caches share one head size
+            raise RewriteError(f"layer {i}: value head size {layer.v_head_dim} differs from the key's {layer.head_dim}, "
+                               "which the in-place form's GroupQueryAttention does not take")
         use = plan.compressed and calibration is not None
         kscale = calibration.key_scales.get(i) if use and key_scales and plan.key_format.startswith("mse") else None
         if not plan.compressed and (kept_raw16 or layer.past_key.dtype == ir.DataType.BFLOAT16):
