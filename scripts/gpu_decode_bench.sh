@@ -14,7 +14,9 @@
 # Expects onnxruntime-gpu and onnxruntime-genai(-cuda) under /tmp/site, this package (CUDA build)
 # under /tmp/tqsite, torch with CUDA and transformers in the system python. Models go to
 # /tmp/bench-models/$SHAPE and are kept for a later call on the same machine (`bench` alone reuses
-# them). llama8b: ~16 GB per model file, four of them do not fit a 64 GB disk: BUILDERS=genai.
+# them). llama8b: ~16 GB per model file, four of them do not fit a 64 GB disk: DROP_ORIGINAL=1 deletes
+# the TorchScript original once its bench has run (cross needs only its rewrite), so with
+# BUILDERS="torchscript genai" at most three models are on the disk at once. `all` ends with cross.
 # The torchscript rewrite is made without calibration (--no-calibration: its data-free calibration
 # runs the original on the CPU, minutes at these sizes); offsets do not change the decode's work.
 # Logs, JSON and plots go to $OUT; summary.log has each step's exit status and time.
@@ -27,6 +29,7 @@ STEPS=${STEPS:-8}
 DEVICE=${DEVICE:-cuda} PRECISION=${PRECISION:-fp16}  # DEVICE=cpu PRECISION=fp32 SHAPE=tiny: the same steps on a CPU
 POINTS=${POINTS:---batch 1 8 16 --context 4096 32768 65536}
 FIRST=${FIRST:-4096}  # the B=1 context whose ttft is measured
+LIMIT_SCALE=${LIMIT_SCALE:-1}  # every step's time limit times this (llama8b: 3)
 step=${1:-all}
 M=/tmp/bench-models/$SHAPE
 OUT=${OUT:-/tmp/bench-out}
@@ -34,7 +37,7 @@ mkdir -p "$OUT" "$M"
 cd /tmp
 
 stage() {  # stage LIMIT NAME COMMAND...: one step under timeout, its log in $OUT/NAME.log
-  local limit=$1 name=$2 t0=$SECONDS rc
+  local limit=$(($1 * LIMIT_SCALE)) name=$2 t0=$SECONDS rc
   shift 2
   echo "== $name: $*" | tee -a "$OUT/summary.log"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -50,7 +53,6 @@ build() {  # build BUILDER DIR LIMIT [extra]: skipped where an earlier call left
   rm -rf "$dir"
   stage "$limit" "build_$builder" "$PY" -m turboquant.bench models --shape "$SHAPE" --builder "$builder" \
     --precision "$PRECISION" --device "$DEVICE" -o "$dir" --rewrite "$@"
-  rm -rf "$dir/hf" "$dir/cache"  # the Hugging Face weights: disk, not needed any more
 }
 
 common="--device $DEVICE --steps $STEPS --capacity 80e9 --fill random"
@@ -74,12 +76,16 @@ for builder in $BUILDERS; do
         --json "$OUT/decode_torchscript_ort.json" --plot "$OUT/decode_torchscript_ort.png"
     fi
   fi
+  if { [ "$step" = all ] || [ "$step" = bench ]; } && [ "$builder" = torchscript ] && [ "${DROP_ORIGINAL:-0}" = 1 ] &&
+     [ -f "$M/torchscript/tq/model.onnx" ]; then
+    rm -rf "$M/torchscript/model"; echo "== torchscript original deleted (DROP_ORIGINAL=1)" | tee -a "$OUT/summary.log"
+  fi
 done
 if { [ "$step" = all ] || [ "$step" = bench ]; } && [ -f "$M/genai/tq/model.onnx" ]; then
   stage 50 decode_genai_runtime "$PY" -m turboquant.bench decode "$M/genai/model" "$M/genai/tq" --runtime genai \
     --device "$DEVICE" --batch 1 --context "$FIRST" --steps "$STEPS" --json "$OUT/decode_genai_runtime.json"
 fi
-if [ "$step" = cross ] && [ -f "$M/genai/tq/model.onnx" ] && [ -f "$M/torchscript/tq/model.onnx" ]; then
+if { [ "$step" = all ] || [ "$step" = cross ]; } && [ -f "$M/genai/tq/model.onnx" ] && [ -f "$M/torchscript/tq/model.onnx" ]; then
   stage 120 decode_cross "$PY" -m turboquant.bench decode "$M/genai/model" "$M/torchscript/tq/model.onnx" \
     "$M/genai/tq/model.onnx" --other-exporters $POINTS $common --ttft-max-tokens "$FIRST" --json "$OUT/decode_cross.json"
 fi

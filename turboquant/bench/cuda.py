@@ -29,7 +29,7 @@ import onnxruntime as ort
 from onnx import TensorProto
 
 from .. import node_models
-from ..config import TurboQuantConfig
+from ..config import TurboQuantConfig, packed_size
 from ..ort import session_options
 from ..reference import formats
 from . import baselines, gpu_time
@@ -85,21 +85,50 @@ def time_iobinding(sess, io, iters: int) -> tuple[float, float]:
     return float(np.median(times)), busy / iters if busy else per_step
 
 
-def tq_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng) -> tuple[tuple[float, float], int]:
+RAW16 = "raw16"  # not a preset: the boundary layers' fp16 rows as a rewritten genai model keeps them
+
+
+def cache_formats(preset: str, d: int) -> tuple[str, str, bool]:
+    """(key format, value format, norm correction) of a preset, or of RAW16's fp16 rows."""
+    if preset == RAW16:
+        return RAW16, RAW16, False
+    cfg = TurboQuantConfig.from_cache_dtype(preset, d)
+    return cfg.key_format, cfg.value_format, cfg.norm_correction
+
+
+def _cuda_session(model, so, graph: bool = False):
+    """A session on the CUDA provider alone; graph: ORT's CUDA graphs (enable_cuda_graph), captured
+    on the first runs and replayed after, which need every output bound to a buffer of its own."""
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    provider = ("CUDAExecutionProvider", {"enable_cuda_graph": "1"}) if graph else "CUDAExecutionProvider"
+    return ort.InferenceSession(model.SerializeToString(), so, providers=[provider])
+
+
+def _bind_output(io, name: str, shape, graph: bool) -> None:
+    if graph:
+        io.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_shape_and_type(shape, TensorProto.FLOAT16, "cuda", 0))
+    else:
+        io.bind_output(name, "cuda")
+
+
+def tq_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng,
+            mask: bool = False) -> tuple[tuple[float, float], int]:
+    """TQAttention, its present written whole; mask: with an additive fp16 attn_mask [B, 1, 1, S + 1]
+    of zeros, as a rewrite that keeps the exporter's mask runs it."""
     cfg = TurboQuantConfig.from_cache_dtype(preset, d)
     model = node_models.attention_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
                                    value_format=cfg.value_format, dtype=TensorProto.FLOAT16,
-                                   norm_correction=int(cfg.norm_correction), is_causal=1)
-    so = session_options()
-    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
+                                   norm_correction=int(cfg.norm_correction), is_causal=1,
+                                   mask=TensorProto.FLOAT16 if mask else None)
+    sess = _cuda_session(model, session_options())
     unit = min(s, 1024)
     reps = -(-s // unit)
     pk = np.tile(formats.pack(rng.standard_normal((b, hkv, unit, d)).astype(np.float32), cfg.key_format, cfg.norm_correction), (1, 1, reps, 1))[:, :, :s]
     pv = np.tile(formats.pack(rng.standard_normal((b, hkv, unit, d)).astype(np.float32), cfg.value_format), (1, 1, reps, 1))[:, :, :s]
     io = sess.io_binding()
     for name, a in [("Q", rng.standard_normal((b, hq, 1, d)).astype(np.float16)), ("K", rng.standard_normal((b, hkv, 1, d)).astype(np.float16)),
-                    ("V", rng.standard_normal((b, hkv, 1, d)).astype(np.float16)), ("past_key", pk), ("past_value", pv)]:
+                    ("V", rng.standard_normal((b, hkv, 1, d)).astype(np.float16)), ("past_key", pk), ("past_value", pv),
+                    *([("attn_mask", np.zeros((b, 1, 1, s + 1), np.float16))] if mask else [])]:
         io.bind_ortvalue_input(name, _device_value(a))
     for name in ("Y", "present_key", "present_value"):
         io.bind_output(name, "cuda")
@@ -107,23 +136,22 @@ def tq_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, 
 
 
 def tq_gqa_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng,
-                rotary: bool = False) -> tuple[tuple[float, float], int]:
+                rotary: bool = False, graph: bool = False) -> tuple[tuple[float, float], int]:
     """TQGroupQueryAttention over a shared buffer of s + 1 rows (the new token written in place, no
     cache copy), as a rewritten onnxruntime-genai model runs it; separate Q, K, V and (unless
-    rotary) no rotary embedding, as in gqa_step."""
-    cfg = TurboQuantConfig.from_cache_dtype(preset, d)
-    model = node_models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
-                             value_format=cfg.value_format, dtype=TensorProto.FLOAT16,
-                             norm_correction=int(cfg.norm_correction), rotary_dim=d if rotary else 0)
-    so = session_options()
-    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
-    width = max(cfg.key_packed_size, cfg.value_packed_size)
+    rotary) no rotary embedding, as in gqa_step. preset RAW16: fp16 rows; graph: under ORT's CUDA
+    graphs."""
+    kf, vf, nc = cache_formats(preset, d)
+    model = node_models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=kf, value_format=vf,
+                                  dtype=TensorProto.FLOAT16, norm_correction=int(nc), rotary_dim=d if rotary else 0)
+    sess = _cuda_session(model, session_options(), graph)
+    kb, vb = packed_size(kf, d), packed_size(vf, d)
+    width = max(kb, vb)
     unit = min(s, 1024)
     reps = -(-(s + 1) // unit)
     caches = {}
-    for name, fmt in (("past_key", cfg.key_format), ("past_value", cfg.value_format)):
-        packed = formats.pack(rng.standard_normal((b, hkv, unit, d)).astype(np.float32), fmt, cfg.norm_correction)
+    for name, fmt in (("past_key", kf), ("past_value", vf)):
+        packed = formats.pack(rng.standard_normal((b, hkv, unit, d)).astype(np.float32), fmt, nc)
         buf = np.zeros((b, hkv, unit * reps, width), np.uint8)
         buf[..., :packed.shape[-1]] = np.tile(packed, (1, 1, reps, 1))
         caches[name] = _device_value(buf[:, :, :s + 1])
@@ -137,24 +165,25 @@ def tq_gqa_step(preset: str, b: int, hq: int, hkv: int, d: int, s: int, iters: i
     io.bind_ortvalue_input("total_sequence_length", ort.OrtValue.ortvalue_from_numpy(np.array(s + 1, np.int32)))
     for name, v in caches.items():
         io.bind_ortvalue_input(name, v)
-    io.bind_output("output", "cuda")
+    _bind_output(io, "output", (b, 1, hq * d), graph)
     io.bind_ortvalue_output("present_key", caches["past_key"])
     io.bind_ortvalue_output("present_value", caches["past_value"])
-    return time_iobinding(sess, io, iters), b * hkv * s * cfg.slot_size
+    return time_iobinding(sess, io, iters), b * hkv * s * (kb + vb)
 
 
 def gqa_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng,
-             cache: str | None = None, rotary: bool = False) -> tuple[tuple[float, float], int]:
+             cache: str | None = None, rotary: bool = False, graph: bool = False) -> tuple[tuple[float, float], int]:
     """ORT's GroupQueryAttention on an fp16 cache, or on its own quantized cache (cache = int8, int4,
-    fp8), the new token written into a shared buffer in place; rotary: with its rotary embedding."""
+    fp8), the new token written into a shared buffer in place; rotary: with its rotary embedding;
+    graph: under ORT's CUDA graphs."""
     extra = {"cache": cache} if cache else {}
     if rotary:
         extra["rotary"] = True
     model = baselines.gqa_model(hq, hkv, d, TensorProto.FLOAT16, **extra)
-    so = ort.SessionOptions()
-    if cache:  # a quantized cache this build has no CUDA kernel for must fail, not run on the CPU
-        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
+    if cache or graph:  # a quantized cache this build has no CUDA kernel for must fail, not run on the CPU
+        sess = _cuda_session(model, ort.SessionOptions(), graph)
+    else:
+        sess = ort.InferenceSession(model.SerializeToString(), ort.SessionOptions(), providers=["CUDAExecutionProvider"])
     f = baselines.gqa_feeds(rng, b, hq, hkv, d, s + 1, TensorProto.FLOAT16, **extra)
     f["seqlens_k"] = np.full((b,), s, np.int32)
     io = sess.io_binding()
@@ -162,7 +191,7 @@ def gqa_step(b: int, hq: int, hkv: int, d: int, s: int, iters: int, rng,
     for k, v in vals.items():
         io.bind_ortvalue_input(k, v)
     io.bind_ortvalue_input("total_sequence_length", ort.OrtValue.ortvalue_from_numpy(np.array(s + 1, np.int32)))
-    io.bind_output("out", "cuda")
+    _bind_output(io, "out", (b, 1, hq * d), graph)
     io.bind_ortvalue_output("present_key", vals["past_key"])  # shared buffer, updated in place
     io.bind_ortvalue_output("present_value", vals["past_value"])
     return time_iobinding(sess, io, iters), 2 * b * hkv * s * baselines.cache_bytes_per_row(d, TensorProto.FLOAT16, cache)
@@ -281,6 +310,10 @@ def run(shapes, presets, iters: int = 50, seed: int = 0) -> list[dict]:
             name = f"{preset}_rotary"
             _record(row, name, *tq_gqa_step(preset, b, hq, hkv, d, s, iters, rng, rotary=True), bw)
             _rotary_ratios(row, name)
+        if presets:  # raw16 rows, a masked step and CUDA graphs, for the same preset
+            from . import cuda_variants
+
+            cuda_variants.measure(row, b, s, rotary_preset(presets)[0], iters, rng, bw)
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -332,6 +365,10 @@ def report(rows: list[dict], presets: list[str]) -> str:
             for suffix in ("", "_pipelined"):
                 cells += [_cell(r, "ort_gqa_rotary", suffix), _cell(r, name, suffix)]
             out.append("| " + " | ".join(cells) + " |")
+    if presets:
+        from . import cuda_variants
+
+        out.append(cuda_variants.report(rows, rotary_preset(presets)[0]))
     for c in baselines.QUANT_CACHES:
         errors = {r.get(f"ort_gqa_{c}_error") for r in rows} - {None}
         if errors:

@@ -63,6 +63,7 @@ class Record:
     capacity_context: int | None = None
     capacity_check: str | None = None
     error: str | None = None
+    gpu_ms_per_step: float | None = None  # CUDA: the device's busy time per step (kernels, copies)
 
 
 def token_ids(vocab: int, batch: int, length: int, seed: int = 0) -> np.ndarray:
@@ -120,16 +121,26 @@ def _chunk_text(chunk: int | None, s: int) -> str:
     return "in one call" if not chunk or chunk >= s else f"in chunks of {chunk}"
 
 
-def decode_steps(dec, ids: np.ndarray, cache, past: int, steps: int) -> list[float]:
-    """Seconds of each of `steps` single-token steps after WARMUP untimed ones, fed ids[:, past:]."""
+def decode_steps(dec, ids: np.ndarray, cache, past: int, steps: int, warmup: int = WARMUP) -> list[float]:
+    """Seconds of each of `steps` single-token steps after `warmup` untimed ones, fed ids[:, past:]."""
     times = []
-    for i in range(WARMUP + steps):
+    for i in range(warmup + steps):
         t0 = time.perf_counter()
         logits, cache = dec.step(ids[:, past + i:past + i + 1], cache, past + i)
         logits[:, -1].argmax(-1)
-        if i >= WARMUP:
+        if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
+
+
+def gpu_ms_per_step(dec, ids: np.ndarray, cache, past: int, steps: int) -> float | None:
+    """Milliseconds per step the device spent in kernels and copies (CUPTI, their union), over `steps`
+    more steps from the same cache (shared buffers rewrite the same rows), untimed by the clock: the
+    profiler's cost per launch would count in ms/step. What ms/step has beyond it is no kernel's."""
+    from . import gpu_time
+
+    busy = gpu_time.busy_seconds(lambda: decode_steps(dec, ids, cache, past, steps, warmup=0))
+    return busy / steps * 1e3 if busy else None
 
 
 def run_ort(info: ModelInfo, opts: Options, dec, ids: np.ndarray, rec: Record) -> None:
@@ -173,6 +184,8 @@ def run_ort(info: ModelInfo, opts: Options, dec, ids: np.ndarray, rec: Record) -
         rec.fill = "random (random K/V repeated to S rows; packed layers through TQPack)"
     times = decode_steps(dec, ids, cache, s, opts.steps)
     rec.ms_per_step = statistics.median(times) * 1e3
+    if opts.device == "cuda":
+        rec.gpu_ms_per_step = gpu_ms_per_step(dec, ids, cache, s, opts.steps)
 
 
 def _genai_model(info: ModelInfo, opts: Options):

@@ -5,13 +5,15 @@ for tests; exported by onnxruntime-genai's model builder or by torch.onnx's Torc
 
     python -m turboquant.bench models --shape llama3b --builder genai --precision fp16 --device cuda -o DIR --rewrite
 
-Layout of DIR: hf/ (the Hugging Face folder, genai only), model/model.onnx (with genai's
-genai_config.json and tokenizer beside it, or TorchScript's weight files), tq/model.onnx (the rewrite).
+Layout of DIR: model/model.onnx (with genai's genai_config.json and tokenizer beside it, or
+TorchScript's weight files), tq/model.onnx (the rewrite). genai's builder reads a Hugging Face folder,
+deleted once the builder is done: at the 8B shape it is 16 GB of a disk that holds the four models.
 """
 
 from __future__ import annotations
 
 import pathlib
+import shutil
 import time
 
 from ..random_decoders import TinyConfig
@@ -60,6 +62,8 @@ def build(shape: str, builder: str, precision: str, device: str, out: pathlib.Pa
         if device == "cuda":  # the builder may want the GPU: the weights made there are saved, let go
             torch.cuda.empty_cache()
         paths["original"] = random_decoders.build_genai(hf, out / "model", precision, device, out / "cache")
+        shutil.rmtree(hf)
+        shutil.rmtree(out / "cache", ignore_errors=True)
     else:
         model = random_decoders.build_model(cfg, device, dtype)
         (out / "model").mkdir(exist_ok=True)

@@ -21,6 +21,10 @@ def _ratio(a, b, invert: bool = False) -> str:
     return f"{(b / a if invert else a / b):.2f}x"
 
 
+GPU_NOTE = ("the device's busy time per step (kernels and copies, their union, from CUPTI) over as many steps again "
+            "from the same cache; ms/step beyond it is time no kernel ran (the host's work between them)")
+
+
 def table(records: list[Record]) -> str:
     """One markdown table per (batch, context) point; the x columns are each model against the first."""
     points = list(dict.fromkeys((r.batch, r.context) for r in records))
@@ -41,6 +45,9 @@ def point_table(records: list[Record]) -> str:
     head = ["model", "ms/step", "tokens/s", "x tok/s", "ttft ms", "x ttft", "KV MB", "x KV", "peak MB", "fill"]
     if cap:
         head[9:9] = ["max batch @S", "max context @B", "x batch"]
+    gpu = any(r.gpu_ms_per_step for r in records)
+    if gpu:
+        head[2:2] = ["GPU ms/step"]
     lines = [f"device {first.device}, batch {first.batch}, context {first.context}, {first.steps} timed steps, "
              f"runtime {first.runtime}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes: dict[str, int] = {}
@@ -60,6 +67,8 @@ def point_table(records: list[Record]) -> str:
         if cap:
             row[9:9] = [f"{_f(r.capacity_batch, 'd')} {note(r.capacity_check or '')}", _f(r.capacity_context, "d"),
                         _ratio(r.capacity_batch, first.capacity_batch)]
+        if gpu:
+            row[2:2] = [f"{r.gpu_ms_per_step:.2f} {note(GPU_NOTE)}" if r.gpu_ms_per_step else "-"]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     lines.append("x columns: against the first model, above 1x is better (more tokens/s, a shorter ttft, a smaller KV "

@@ -211,6 +211,21 @@ def test_table_and_plot(built, tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_gpu_busy_column_where_a_record_has_it():
+    """The CUDA records' device time per step gets its own column and note; CPU tables stay without."""
+    from turboquant.bench import decode_report
+
+    recs = [decode.Record("a/m.onnx", "cuda", 8, 4096, 16.9, 473.0, None, 10**9, None, steps=8, gpu_ms_per_step=12.3),
+            decode.Record("b/m.onnx", "cuda", 8, 4096, 12.0, 666.0, None, 4 * 10**8, None, steps=8, gpu_ms_per_step=None)]
+    lines = decode_report.point_table(recs).splitlines()
+    assert "| model | ms/step | GPU ms/step | tokens/s |" in lines[2]
+    assert lines[4].startswith("| a/m.onnx | 16.90 | 12.30 [2] | 473.0 |") and lines[5].startswith("| b/m.onnx | 12.00 | - | 666.0 |")
+    assert any(line.startswith("[2] the device's busy time per step") for line in lines)
+    for r in recs:
+        r.gpu_ms_per_step = None
+    assert "GPU ms/step" not in decode_report.point_table(recs)
+
+
 def _fails(capsys, argv: list[str], arg: str) -> str:
     try:
         rc = bench.main(argv)
@@ -274,5 +289,7 @@ def test_cuda_decode(cuda_ready, built, tmp_path, builder, fill):
     for r in recs:
         assert r["error"] is None and r["device"] == "cuda" and "caches on the device" in r["loop"]
         assert r["ms_per_step"] > 0 and r["fill"].startswith(fill) and r["ttft_ms"] > 0
+        assert 0 < r["gpu_ms_per_step"] < 2 * r["ms_per_step"]  # CUPTI saw the steps' kernels
         held = r["capacity_batch"] * r["kv_bytes"] // r["batch"]  # the layout's bytes at the largest batch
-        assert r["capacity_check"] == f"allocated {held} bytes on cuda for batch {r['capacity_batch']}"
+        # genai folders add why their longest context stops where it does (genai_config's context_length)
+        assert r["capacity_check"].split("; ")[0] == f"allocated {held} bytes on cuda for batch {r['capacity_batch']}"
