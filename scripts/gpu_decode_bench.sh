@@ -84,6 +84,10 @@ done
 if { [ "$step" = all ] || [ "$step" = bench ]; } && [ -f "$M/genai/tq/model.onnx" ]; then
   stage 50 decode_genai_runtime "$PY" -m turboquant.bench decode "$M/genai/model" "$M/genai/tq" --runtime genai \
     --device "$DEVICE" --batch 1 --context "$FIRST" --steps "$STEPS" --json "$OUT/decode_genai_runtime.json"
+  # the same through genai's CUDA graphs (each decode step replayed: no host work between kernels)
+  [ "$DEVICE" = cuda ] && stage 80 decode_genai_graphs "$PY" -m turboquant.bench decode "$M/genai/model" "$M/genai/tq" \
+    --runtime genai --cuda-graph --device cuda --batch 1 8 --context "$FIRST" "$FIRST" --steps "$STEPS" \
+    --json "$OUT/decode_genai_graphs.json"
 fi
 if { [ "$step" = all ] || [ "$step" = cross ]; } && [ -f "$M/genai/tq/model.onnx" ] && [ -f "$M/torchscript/tq/model.onnx" ]; then
   stage 120 decode_cross "$PY" -m turboquant.bench decode "$M/genai/model" "$M/torchscript/tq/model.onnx" \

@@ -78,6 +78,15 @@ Workspace carve(const AttentionParams& p, const RotaryParams& rot, int num_sms, 
   return w;
 }
 
+// The plan a step captured into a CUDA graph (ORT's enable_cuda_graph, onnxruntime-genai's, TensorRT's)
+// is launched with: replays run it at later lengths with the launch it was captured with, so its splits
+// cover every row the buffers hold; each sequence's own past is still read from seqlens_k when it runs.
+AttentionParams replayable(const AttentionParams& p, bool first_prompt) {
+  AttentionParams r = p;
+  if (!first_prompt && p.present_rows > p.past_len + p.new_len) r.past_len = p.present_rows - p.new_len;
+  return r;
+}
+
 RotaryJob rotary_job(const AttentionParams& p, int64_t heads, const BhsStrides& st, const void* x, uint8_t* out) {
   return RotaryJob{heads, st, {p.q_len * heads * p.head_dim, p.head_dim, heads * p.head_dim}, x, out};
 }
@@ -94,7 +103,10 @@ cudaError_t rotate(const AttentionParams& p, const RotaryParams& rot, const Rota
 }  // namespace
 
 size_t gqa_workspace_bytes(const AttentionParams& p, const RotaryParams& rot, int num_sms) {
-  return carve(p, rot, num_sms, nullptr).bytes;
+  // enough for the replayable plan too: a capture then finds the block its warm-up runs were given
+  const size_t now = carve(p, rot, num_sms, nullptr).bytes;
+  const size_t replay = carve(replayable(p, false), rot, num_sms, nullptr).bytes;
+  return now > replay ? now : replay;
 }
 
 cudaError_t gqa_attention(const AttentionParams& p0, const RotaryParams& rot, const int32_t* seqlens_k,
@@ -103,9 +115,11 @@ cudaError_t gqa_attention(const AttentionParams& p0, const RotaryParams& rot, co
                           void* workspace, int num_sms, cudaStream_t stream) {
   if (!caches_aligned(past_key, past_value, present_key, present_value)) return cudaErrorMisalignedAddress;
   if (p0.batch == 0) return cudaSuccess;
-  AttentionParams p = p0;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+  if (e != cudaSuccess) return e;
+  AttentionParams p = capture == cudaStreamCaptureStatusActive ? replayable(p0, first_prompt) : p0;
   const Workspace w = carve(p, rot, num_sms, workspace);
-  cudaError_t e = cudaSuccess;
   if (first_prompt) {  // no past
     if ((e = cudaMemsetAsync(w.past, 0, p.batch * sizeof(int32_t), stream)) != cudaSuccess) return e;
     p.past_lens = w.past;

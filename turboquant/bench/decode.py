@@ -32,6 +32,7 @@ class Options:
     steps: int = 16
     prefill_chunk: int | None = None  # None: the prompt in one call
     runtime: str = "ort"  # "ort" or "genai"
+    cuda_graph: bool = False  # runtime genai on CUDA: decode steps replayed from CUDA graphs
     fill: str = "prefill"  # "prefill" or "random"
     ttft_budget: float = 120.0  # fill random: seconds the prefill for ttft may take before it is given up
     ttft_max_tokens: int | None = None  # fill random: the prefill for ttft only where batch x context is at most this
@@ -195,6 +196,8 @@ def _genai_model(info: ModelInfo, opts: Options):
     config.clear_providers()
     if opts.device == "cuda":
         config.append_provider("cuda")
+        if opts.cuda_graph:
+            config.set_provider_option("cuda", "enable_cuda_graph", "1")
     return og.Model(config)
 
 
@@ -288,7 +291,7 @@ def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print, on_r
         for b, s in opts.points:
             rec = Record(path, opts.device, b, s, None, None, None, info.kv_bytes(b, s), None, runtime=opts.runtime,
                          peak_how=memory.HOW[opts.device], steps=opts.steps, error=load_error)
-            rec.loop = ("onnxruntime-genai og.Generator" if opts.runtime == "genai" else
+            rec.loop = (f"onnxruntime-genai og.Generator{', CUDA graphs' if opts.cuda_graph else ''}" if opts.runtime == "genai" else
                         f"{'SharedBufferDecoder' if info.shared else 'DecoderSession'}"
                         f"{', IO binding, caches on the device' if opts.device == 'cuda' else ''}")
             log(f"{path}: {opts.runtime} runtime, {opts.fill} fill, B={b}, S={s} ...")

@@ -48,6 +48,9 @@ def add_parsers(sub) -> None:
                    "onnxruntime-genai's runtime always takes it at once)")
     d.add_argument("--runtime", choices=["ort", "genai"], default="ort",
                    help="ort: turboquant's DecoderSession / SharedBufferDecoder loops; genai: og.Generator (genai folders)")
+    d.add_argument("--cuda-graph", action="store_true",
+                   help="--runtime genai on CUDA: onnxruntime-genai replays each decode step from a CUDA graph "
+                   "(its provider option enable_cuda_graph), which takes out the host's work between kernels")
     d.add_argument("--fill", choices=["prefill", "random"], default="prefill",
                    help="how the caches reach S tokens: a real prefill, or random K/V (packed through TQPack) without one")
     d.add_argument("--ttft-budget", type=_seconds, default=120.0, metavar="SECONDS",
@@ -106,6 +109,8 @@ def _decode(args) -> int:
             check_same_model(infos[0], info, f"MODEL {i}", weights=not args.other_exporters)
     except LayoutError as e:
         return _fail(e.arg, str(e))
+    if args.cuda_graph and (args.runtime != "genai" or args.device != "cuda"):
+        return _fail("--cuda-graph", "needs --runtime genai --device cuda (onnxruntime-genai's CUDA graphs)")
     if args.runtime == "genai":
         if args.fill == "random":
             return _fail("--fill", "random needs the ort runtime: onnxruntime-genai fills its own caches by a prefill")
@@ -138,7 +143,7 @@ def _decode(args) -> int:
         if cuda_missing():
             return _fail("--device", f"cuda: {cuda_missing()}")
     opts = decode.Options(device=args.device, points=points, steps=args.steps,
-                          prefill_chunk=args.prefill_chunk, runtime=args.runtime, fill=args.fill,
+                          prefill_chunk=args.prefill_chunk, runtime=args.runtime, fill=args.fill, cuda_graph=args.cuda_graph,
                           ttft_budget=args.ttft_budget, ttft_max_tokens=args.ttft_max_tokens, ttft_warmup=args.ttft_warmup, capacity=args.capacity, threads=args.threads)
     def saved(records):  # after every record: a run cut short keeps what it measured
         if args.json:

@@ -369,3 +369,48 @@ def test_prefill_matches_reference(ort_session, device, c):
     model, feeds = make(c)
     y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
     check_outputs(c, y, pk, pv, reference(c, feeds))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("formats", [("mse4", "uint4"), ("raw16", "raw16")])
+def test_decode_steps_replayed_from_a_cuda_graph(cuda_ready, formats):
+    """ORT's CUDA graphs (enable_cuda_graph, as onnxruntime-genai can run a model): decode steps of two
+    sequences replayed from the graph captured at an early step, 60 steps past it, each equal to the
+    reference on the buffer as it was. The captured launch must cover the later lengths."""
+    from turboquant.ort import session_options
+
+    c = dict(b=2, s=1, first=False, capacity=320, lengths=[200, 131], d=64, hkv=2, group=2, formats=formats, pad=0,
+             packed=True, rotary=64, interleaved=False, position_ids=False, dtype=TensorProto.FLOAT16, nc=True,
+             offsets=False, seed=11)
+    model, feeds = make(c)
+    so = session_options()
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    session = ort.InferenceSession(model.SerializeToString(), so,
+                                   providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
+    on_gpu = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n], "cuda", 0)
+              for n in ("query", "seqlens_k", "cos_cache", "sin_cache", "past_key", "past_value")}
+    total = ort.OrtValue.ortvalue_from_numpy(feeds["total_sequence_length"])  # host memory, as in genai
+    y = ort.OrtValue.ortvalue_from_shape_and_type(feeds["query"].shape[:2] + (c["hkv"] * c["group"] * c["d"],),
+                                                  TensorProto.FLOAT16, "cuda", 0)
+    io = session.io_binding()  # bound once: a replay reads and writes the addresses it was captured with
+    for n, v in on_gpu.items():
+        io.bind_ortvalue_input(n, v)
+    io.bind_ortvalue_input("total_sequence_length", total)
+    io.bind_ortvalue_output("output", y)
+    io.bind_ortvalue_output("present_key", on_gpu["past_key"])
+    io.bind_ortvalue_output("present_value", on_gpu["past_value"])
+    rng = np.random.default_rng(3)
+    lengths = list(c["lengths"])
+    for step in range(64):
+        lengths = [n + 1 for n in lengths]
+        c = {**c, "lengths": lengths}
+        feeds["query"] = rng.standard_normal(feeds["query"].shape).astype(np.float16)
+        feeds["seqlens_k"] = np.array(lengths, np.int32) - 1
+        feeds["total_sequence_length"] = np.array(max(lengths), np.int32)
+        on_gpu["query"].update_inplace(feeds["query"])
+        on_gpu["seqlens_k"].update_inplace(feeds["seqlens_k"])
+        total.update_inplace(feeds["total_sequence_length"])
+        before = {n: on_gpu[n].numpy() for n in ("past_key", "past_value")}
+        want = reference(c, {**feeds, **before})
+        session.run_with_iobinding(io)
+        check_outputs(c, y.numpy(), on_gpu["past_key"].numpy(), on_gpu["past_value"].numpy(), want)

@@ -250,6 +250,8 @@ def test_bad_arguments_exit_2_naming_the_argument(built, tmp_path, capsys):
     assert (tmp_path / "taken.json").read_text() == "[]"
     _fails(capsys, ["decode", orig, tq, "--runtime", "genai"], "MODEL")
     _fails(capsys, ["decode", *map(str, built["genai"]), "--runtime", "genai", "--fill", "random"], "--fill")
+    assert "--runtime genai --device cuda" in _fails(capsys, ["decode", orig, tq, "--cuda-graph"], "--cuda-graph")
+    _fails(capsys, ["decode", *map(str, built["genai"]), "--runtime", "genai", "--cuda-graph"], "--cuda-graph")
     _fails(capsys, ["models", "--shape", "tiny", "--builder", "torchscript", "-o", str(tmp_path)], "-o")
 
 
