@@ -178,6 +178,22 @@ def plan_gqa_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers
     return plans, layers, nodes
 
 
+def _refused(plan: LayerPlan, node: ir.Node, found: list[str]) -> RewriteError:
+    return RewriteError(f"layer {plan.index}: {_describe(node)} uses {', '.join(found)}, which "
+                        "TQGroupQueryAttention does not support (unsupported='leave' keeps such layers as they are)")
+
+
+def check_supported(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
+                    unsupported: str = "refuse") -> None:
+    """The refusals of rewrite_gqa_model, made before anything slower (calibration runs the original
+    model first): a model it would refuse is refused at once."""
+    plans, _, nodes = plan_gqa_layers(model, preset, boundary, skip_layers, keep_layers)
+    for plan in plans:
+        found = unsupported_features(nodes[plan.index])
+        if found and unsupported == "refuse":
+            raise _refused(plan, nodes[plan.index], found)
+
+
 def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
                       unsupported: str = "refuse", per_layer: bool | None = None, calibration=None,
                       value_offsets: bool = False, key_scales: bool = True) -> RewriteResult:
@@ -199,8 +215,7 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
         node = nodes[plan.index]
         found = unsupported_features(node)
         if found and unsupported == "refuse":
-            raise RewriteError(f"layer {plan.index}: {_describe(node)} uses {', '.join(found)}, which "
-                               "TQGroupQueryAttention does not support (unsupported='leave' keeps such layers as they are)")
+            raise _refused(plan, node, found)
         if found:
             left.append(plan.index)
             plan.compressed = False

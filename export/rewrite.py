@@ -112,7 +112,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     original model is run to compute the per-layer key offsets and scales (and, with value_offsets,
     value offsets), or a data-free source: "random" (random token ids) or "self" (text the model
     writes itself, export/self_text.py). Without it, presets with Lloyd-Max keys calibrate on
-    DATA_FREE_DEFAULT ("self"; genai-built models GQA_DATA_FREE_DEFAULT, "random");
+    DATA_FREE_DEFAULT ("self");
     offsets=False turns every calibration off.
     target: "onnxruntime" (the default) or "tensorrt" (the nodes as TensorRT's ONNX parser maps them
     to turboquant's plugins; see export/tensorrt.py).
@@ -144,7 +144,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     calibrates = offsets and (calibrate is not None or _mse_keys(preset))
     gqa = uses_gqa(model)
     if calibrates and calibrate is None:
-        calibrate = GQA_DATA_FREE_DEFAULT if gqa else DATA_FREE_DEFAULT
+        calibrate = DATA_FREE_DEFAULT
     shows = progress if progress is not None else sys.stderr.isatty()  # calibration's bars
     if gqa:
         if cache == "concat":
@@ -238,10 +238,9 @@ def _cache_form(model: ir.Model, cache: str, target: str) -> tuple[str, str | No
 
 
 # What presets with Lloyd-Max keys calibrate on unless told (export/calibrate.py DATA_FREE): the model's
-# own text, which beat random ids on every such preset in the evaluation (docs/performance.md#quality);
-# genai-built models keep random ids until the evaluation has compared the two on them.
+# own text, which beat random ids on every such preset in the evaluation, exported and genai-built
+# models alike (docs/performance.md#quality).
 DATA_FREE_DEFAULT = "self"
-GQA_DATA_FREE_DEFAULT = "random"
 
 
 def _mse_keys(preset: str) -> bool:
@@ -319,6 +318,10 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
     if calibrate is not False:
         from .calibrate import calibration_tokens
         from .calibrate_gqa import collect_gqa
+        from .gqa import check_supported
+
+        check_supported(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
+                        unsupported=unsupported)
 
         ids, source = calibration_tokens(calibrate, tokenizer, model, src, progress)
         if ids is not None:
