@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", metavar="DIR", help="local Hugging Face tokenizer folder for a text --calibrate file")
     p.add_argument("--value-offsets", action="store_true", help="with --calibrate, subtract the mean value too")
     p.add_argument("--no-key-scales", action="store_true", help="with --calibrate, offsets only: no per-channel key scales")
+    p.add_argument("--value-scales", action="store_true", help="also per-channel value scales from the calibration (V divided "
+                   "before the op, its output multiplied back: exact); the in-place form of exported decoders only")
     p.add_argument("--target", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
                    help="the runtime the output is for: onnxruntime (default) or tensorrt (nodes mapped to turboquant's "
                    "TensorRT plugins by the ONNX parser; not runnable in ONNX Runtime)")
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                         keep_layers=args.keep_layers, dry_run=args.dry_run, progress=False if args.no_progress else None,
                         calibrate=args.calibrate, tokenizer=args.tokenizer, offsets=not args.no_offsets,
                         value_offsets=args.value_offsets,
-                        key_scales=not args.no_key_scales, target=args.target, unsupported=args.unsupported,
+                        key_scales=not args.no_key_scales, value_scales=args.value_scales, target=args.target,
+                        unsupported=args.unsupported,
                         cache=args.cache)
     except RewriteError as e:
         print(f"error: {e}", file=sys.stderr)

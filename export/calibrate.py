@@ -36,6 +36,7 @@ class Calibration:
     source: str
     key_scales: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # layer -> s, float32 [Hkv, D]
     q_heads: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> query heads
+    value_scales: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # layer -> s, float32 [Hkv, D]
 
 
 def calibration_metadata(calibration: Calibration | None, value_offsets: bool, key_scales: bool) -> dict[str, str]:
@@ -44,6 +45,7 @@ def calibration_metadata(calibration: Calibration | None, value_offsets: bool, k
         return {"turboquant.offsets": "none", "turboquant.key_scales": "no", "turboquant.calibration": "none"}
     return {"turboquant.offsets": "keys and values" if value_offsets else "keys",
             "turboquant.key_scales": "yes" if key_scales and calibration.key_scales else "no",
+            "turboquant.value_scales": "yes" if calibration.value_scales else "no",
             "turboquant.calibration": f"{calibration.source}, {calibration.tokens} tokens"}
 
 
@@ -169,9 +171,10 @@ def _query_probe(model_path, plan_args: dict, layers: list[int], folder: pathlib
 
 
 def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], source: str, *, plan_args: dict | None = None,
-            window: int = 256, max_windows: int = 16, progress: bool = True) -> Calibration:
+            window: int = 256, max_windows: int = 16, progress: bool = True, value_scales: bool = False) -> Calibration:
     """Mean key and value per layer and KV head over up to max_windows windows of `window` tokens,
-    and (given plan_args, the rewrite's plan_layers arguments) the key scales from the queries."""
+    (given plan_args, the rewrite's plan_layers arguments) the key scales from the queries, and
+    (value_scales) the value scales."""
     from tqdm import tqdm
 
     from turboquant.decoder import DecoderSession
@@ -201,8 +204,10 @@ def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], s
             count += window
     mean_k = {i: sums["k"][i] / count for i in layers}
     scales = {i: key_scale(sums["k2"][i] / count - mean_k[i] ** 2, sums["q2"][i] / count) for i in sums["q2"]}
+    vscales = {i: value_scale(sums["v2"][i] / count) for i in layers} if value_scales else {}
     return Calibration({i: mean_k[i].astype(np.float32) for i in layers},
-                       {i: (sums["v"][i] / count).astype(np.float32) for i in layers}, count, source, scales, q_heads)
+                       {i: (sums["v"][i] / count).astype(np.float32) for i in layers}, count, source, scales, q_heads,
+                       vscales)
 
 
 def windows(ids: np.ndarray, window: int, max_windows: int) -> tuple[np.ndarray, int, list[int]]:
@@ -214,14 +219,24 @@ def windows(ids: np.ndarray, window: int, max_windows: int) -> tuple[np.ndarray,
     return ids, window, list(range(0, ids.size - window + 1, window))[:max_windows]
 
 
+def value_scale(value_sq: np.ndarray, limit: float = 16.0) -> np.ndarray:
+    """s = sqrt(E[v^2]) per KV head and channel, normalised to a geometric mean of 1 per head and kept
+    within [1/limit, limit]: values divided by it before the op (per-token uniform quantization then
+    sees channels of one size) and the output multiplied by it after, which is exact."""
+    v = np.sqrt(value_sq + 1e-6 * value_sq.mean(-1, keepdims=True) + 1e-30)
+    v /= np.exp(np.log(v).mean(-1, keepdims=True))
+    return np.clip(v, 1.0 / limit, limit).astype(np.float32)
+
+
 def add_cache_sums(sums: dict, outs: dict, sess, layer: int) -> np.ndarray:
-    """Adds a layer's keys (and their squares) and values of one window, its present outputs, to
-    sums["k"], sums["k2"], sums["v"]; returns the keys [B, Hkv, S, D] as float64."""
+    """Adds a layer's keys and values of one window (and their squares), its present outputs, to
+    sums["k"], sums["k2"], sums["v"], sums["v2"]; returns the keys [B, Hkv, S, D] as float64."""
     k = np.asarray(outs[sess.cache_outputs[(layer, "key")]], np.float64)
     v = np.asarray(outs[sess.cache_outputs[(layer, "value")]], np.float64)
     _add(sums["k"], layer, k.sum(axis=(0, 2)))
     _add(sums["k2"], layer, (k * k).sum(axis=(0, 2)))
     _add(sums["v"], layer, v.sum(axis=(0, 2)))
+    _add(sums.setdefault("v2", {}), layer, (v * v).sum(axis=(0, 2)))
     return k
 
 

@@ -136,7 +136,7 @@ def packs(plan: LayerPlan) -> bool:
 
 
 def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: LayerPlan, lens: Lengths, q_heads: int,
-                   norm_correction: bool, key_offset=None, value_offset=None, key_scale=None) -> ir.Node:
+                   norm_correction: bool, key_offset=None, value_offset=None, key_scale=None, value_scale=None) -> ir.Node:
     """Replaces one layer's attention by the in-place op (module docstring); returns the new node.
     The old attention and its cache concats are left for RemoveUnusedNodesPass, their shape
     readers for reroute_shapes."""
@@ -152,6 +152,11 @@ def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan
         k = _scaled(graph, site.anchor, k, (1.0 / key_scale).reshape(-1).astype(dtype), f"tq_key_scaled_{i}")
         if key_offset is not None:
             key_offset = (key_offset / key_scale).astype(np.float32)
+    if value_scale is not None:  # export/calibrate.py value_scale: V divided by it here, Y multiplied back below
+        v = _scaled(graph, site.anchor, v, (1.0 / value_scale).reshape(-1).astype(layer.past_key.dtype.numpy()),
+                    f"tq_value_scaled_{i}")
+        if value_offset is not None:
+            value_offset = (value_offset / value_scale).astype(np.float32)
     attrs = {"num_heads": int(q_heads), "kv_num_heads": int(hkv), "do_rotary": 0}
     if site.scale:
         attrs["scale"] = float(site.scale)
@@ -170,6 +175,9 @@ def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan
     graph.insert_before(site.anchor, node)
     y = node.outputs[0]
     y.name, y.dtype = f"tq_in_place_{i}_y", layer.past_key.dtype
+    if value_scale is not None:  # [B, S, Hq * D]: each query head's channels by its KV head's scale
+        factor = np.repeat(value_scale, q_heads // hkv, axis=0).reshape(-1).astype(layer.past_key.dtype.numpy())
+        y = _scaled(graph, site.anchor, y, factor, f"tq_output_scaled_{i}")
     if _rank(site.q, site) == 4:  # the original Y is [B, Hq, S, Dv]
         y4 = b("Reshape", [y, b.const("y_shape", np.array([0, 0, q_heads, d], np.int64))], "y_bshd", y.dtype)
         y = b("Transpose", [y4], "y_bhsd", y.dtype, perm=[0, 2, 1, 3])
@@ -260,7 +268,8 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
             plan.key_format = plan.value_format = BOUNDARY_FORMAT
         node = apply_in_place(model, site, layer, plan, lens, heads, cfg["norm_correction"],
                               calibration.keys.get(i) if use else None,
-                              calibration.values.get(i) if use and value_offsets else None, kscale)
+                              calibration.values.get(i) if use and value_offsets else None, kscale,
+                              calibration.value_scales.get(i) if use else None)
         plan.form = f"{site.form}, {FORM}"
         done.append((site, node, layer, plan))
     common_passes.RemoveUnusedNodesPass()(model)

@@ -104,7 +104,7 @@ def default_output(path: pathlib.Path, preset: str) -> pathlib.Path:
 def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike | None = None, *, boundary: int = 2,
            skip_layers=None, keep_layers=None, dry_run: bool = False, progress: bool | None = None,
            calibrate: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
-           offsets: bool = True, value_offsets: bool = False, key_scales: bool = True,
+           offsets: bool = True, value_offsets: bool = False, key_scales: bool = True, value_scales: bool = False,
            target: str = "onnxruntime", unsupported: str = "refuse", cache: str = "auto") -> RewriteResult:
     """Rewrites the model at model_path and saves it (never over the input). See python -m turboquant.export.
 
@@ -113,7 +113,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     value offsets), or a data-free source: "random" (random token ids) or "self" (text the model
     writes itself, export/self_text.py). Without it, presets with Lloyd-Max keys calibrate on
     DATA_FREE_DEFAULT ("self");
-    offsets=False turns every calibration off.
+    offsets=False turns every calibration off. value_scales: also per-channel value scales
+    (export/calibrate.py value_scale), in the in-place form of exported decoders only.
     target: "onnxruntime" (the default) or "tensorrt" (the nodes as TensorRT's ONNX parser maps them
     to turboquant's plugins; see export/tensorrt.py).
     cache: "in-place" (export/in_place.py: preallocated buffers written in place, lengths instead
@@ -132,6 +133,10 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     out = pathlib.Path(output) if output else default_output(src, preset)
     if calibrate is not None and not offsets:
         raise RewriteError("--calibrate and --no-offsets contradict each other: calibration only computes offsets and scales")
+    if value_scales and not offsets:
+        raise RewriteError("--value-scales and --no-offsets contradict each other: the scales come from the calibration")
+    if value_scales and (cache == "concat" or target == "tensorrt"):
+        raise RewriteError("--value-scales applies to the in-place cache form only, not to --cache concat or --target tensorrt")
     if isinstance(calibrate, str) and calibrate in DATA_FREE and tokenizer is not None:
         raise RewriteError(f"--tokenizer is for a text --calibrate file; --calibrate {calibrate} takes none")
     if not dry_run:  # before loading and calibrating, which take a while
@@ -141,12 +146,15 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     _refuse_input_files(src, model, out)
     if not dry_run and _saved_external(model):
         _check_writable(_data_file(out), "the output's external data file")
-    calibrates = offsets and (calibrate is not None or _mse_keys(preset))
+    calibrates = offsets and (calibrate is not None or _mse_keys(preset) or value_scales)
     gqa = uses_gqa(model)
     if calibrates and calibrate is None:
         calibrate = DATA_FREE_DEFAULT
     shows = progress if progress is not None else sys.stderr.isatty()  # calibration's bars
     if gqa:
+        if value_scales:
+            raise RewriteError("--value-scales applies to exported decoders' in-place form, not to onnxruntime-genai "
+                               "models (GroupQueryAttention)")
         if cache == "concat":
             raise RewriteError("--cache concat does not apply to onnxruntime-genai models (GroupQueryAttention): their "
                                "caches are written in place, and stay so")
@@ -165,7 +173,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         if ids is not None:
             plan_args = dict(preset=preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers)
             calibration = collect(src, ids, [p.index for p in plans if p.compressed], source,
-                                  plan_args=plan_args if key_scales else None, progress=shows)
+                                  plan_args=plan_args if key_scales else None, progress=shows, value_scales=value_scales)
     if cache == "in-place":
         try:
             result = _rewrite_in_place(model, src, preset, calibration, target, boundary=boundary, skip_layers=skip_layers,
@@ -174,6 +182,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
             if not auto:
                 raise
             model, cache, why_concat = _load(src), "concat", f"the in-place form failed ({e})"
+    if cache == "concat" and value_scales:
+        raise RewriteError(f"--value-scales applies to the in-place cache form only; this model takes the concat form: {why_concat}")
     if cache == "concat":
         rewrite = TurboQuantRewrite(preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
                                     progress=progress, calibration=calibration, value_offsets=value_offsets,

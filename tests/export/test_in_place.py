@@ -167,3 +167,30 @@ def test_in_place_on_cuda(rewritten, cuda_ready):
     assert float((a.argmax(-1) == b.argmax(-1)).mean()) >= 0.9
     assert last_split_kernel() != "none"
     print(f"{name}: the last decode step's split kernel: {last_split_kernel()}")
+
+
+def test_value_scales_are_exact_and_tracked(exported, rewritten, tmp_path):
+    """--value-scales: V divided per channel before each packed layer's op and its output multiplied
+    back by the same factors (one KV head's for each of its query heads); the decode still tracks
+    the original; the other forms refuse the option, naming it."""
+    name = "llama-gqa-torchscript"
+    cfg, _ = MODELS[name]
+    result = export(exported(name), PRESET, tmp_path / "vs.onnx", calibrate="random", value_scales=True, progress=False)
+    m = onnx.load(result.output)
+    consts = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in m.graph.node if n.op_type == "Constant"}
+    muls = {n.name: consts[n.input[1]] for n in m.graph.node if n.op_type == "Mul" and n.input[1] in consts}
+    for i in result.compressed:
+        v, y = muls[f"tq_value_scaled_{i}"].reshape(cfg.kv_heads, -1), muls[f"tq_output_scaled_{i}"].reshape(cfg.heads, -1)
+        np.testing.assert_allclose(np.repeat(1.0 / v, cfg.heads // cfg.kv_heads, axis=0), y, rtol=1e-6)
+        assert v.std() > 0.01  # measured, not ones
+    scaled = sorted(int(k.rsplit("_", 1)[1]) for k in muls if k.startswith("tq_value_scaled_"))
+    assert scaled == sorted(result.compressed)  # the kept layers' values are not quantized: no scales
+    meta = {p.key: p.value for p in m.metadata_props}
+    assert meta["turboquant.value_scales"] == "yes"
+    ids = np.random.default_rng(cfg.seed + 1).integers(0, cfg.vocab, (2, 12 + STEPS))
+    a = DecoderSession(exported(name)).teacher_forced(ids, 12).astype(np.float32)
+    c = SharedBufferDecoder(result.output, max_length=64).teacher_forced(ids, 12).astype(np.float32)
+    assert float((a[:, 1:].argmax(-1) == c[:, 1:].argmax(-1)).mean()) >= 0.9
+    for kw, says in ((dict(cache="concat"), "in-place cache form only"), (dict(offsets=False), "contradict")):
+        with pytest.raises(RewriteError, match=says):
+            export(exported(name), PRESET, tmp_path / "refused.onnx", value_scales=True, progress=False, **kw)
