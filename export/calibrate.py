@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
-import tempfile
 
 import numpy as np
 
@@ -141,10 +139,10 @@ def _unmerge(model) -> None:
         return
 
 
-def _query_probe(model_path, plan_args: dict, layers: list[int], folder: pathlib.Path) -> tuple[pathlib.Path, dict[int, tuple[str, int]]]:
-    """A copy of the model (a merged decoder unmerged first) that also outputs, as float32, the
-    queries of the given layers' attention. Returns its path and, per layer, (output name, query
-    heads or 0 for 4-D queries)."""
+def _query_probe(model_path, plan_args: dict, layers: list[int]) -> tuple[bytes, dict[int, tuple[str, int]]]:
+    """The model (a merged decoder unmerged first) that also outputs, as float32, the queries of the
+    given layers' attention, serialized with its weights left in the model's own data files.
+    Returns it and, per layer, (output name, query heads or 0 for 4-D queries)."""
     import onnx_ir as ir
 
     from .forms import locate
@@ -164,10 +162,7 @@ def _query_probe(model_path, plan_args: dict, layers: list[int], folder: pathlib
         out.name, out.dtype = f"tq_calibration_q_{i}", ir.DataType.FLOAT
         probe.graph.outputs.append(out)
         found[i] = (out.name, int(site.q_num_heads or 0))
-    path = folder / "probe.onnx"
-    # weights beside it, read from wherever the model keeps them (its own external data included)
-    ir.save(probe, path, external_data="probe.onnx.data")
-    return path, found
+    return ir.to_proto(probe).SerializeToString(), found
 
 
 def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], source: str, *, plan_args: dict | None = None,
@@ -178,30 +173,33 @@ def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], s
     from tqdm import tqdm
 
     from turboquant.decoder import DecoderSession
+    from turboquant.ort import session_options_beside
 
     ids, window, starts = windows(ids, window, max_windows)
-    with tempfile.TemporaryDirectory(prefix="turboquant-calibration-") as tmp:
-        queries: dict[int, tuple[str, int]] = {}
-        path = model_path
-        if plan_args is not None:
-            path, queries = _query_probe(model_path, plan_args, layers, pathlib.Path(tmp))
-        sess = DecoderSession(path)
-        sums = {name: {} for name in ("k", "k2", "v", "q2")}
-        count, q_heads = 0, {}
-        for s in tqdm(starts, desc="calibrating", unit="window", disable=not progress):
-            outs = sess.run_all(ids[None, s:s + window], sess.empty_cache(1), 0)
-            for layer in layers:
-                k = add_cache_sums(sums, outs, sess, layer)
-                if layer in queries:
-                    name, heads = queries[layer]
-                    q = np.asarray(outs[name], np.float64)
-                    if q.ndim == 3:  # [B, S, Hq * D] -> [B, Hq, S, D]
-                        q = q.reshape(q.shape[0], q.shape[1], heads, -1).transpose(0, 2, 1, 3)
-                    hkv = k.shape[1]
-                    q_heads[layer] = q.shape[1]
-                    q2 = (q * q).sum(axis=(0, 2)).reshape(hkv, q.shape[1] // hkv, -1).sum(1) / (q.shape[1] // hkv)
-                    _add(sums["q2"], layer, q2)
-            count += window
+    queries: dict[int, tuple[str, int]] = {}
+    if plan_args is not None:
+        # from memory, its weights read from the model's own files: a copy would be another 16 GB
+        # written at the 8B shape
+        probe, queries = _query_probe(model_path, plan_args, layers)
+        sess = DecoderSession(probe, options=session_options_beside(model_path))
+    else:
+        sess = DecoderSession(model_path)
+    sums = {name: {} for name in ("k", "k2", "v", "q2")}
+    count, q_heads = 0, {}
+    for s in tqdm(starts, desc="calibrating", unit="window", disable=not progress):
+        outs = sess.run_all(ids[None, s:s + window], sess.empty_cache(1), 0)
+        for layer in layers:
+            k = add_cache_sums(sums, outs, sess, layer)
+            if layer in queries:
+                name, heads = queries[layer]
+                q = np.asarray(outs[name], np.float64)
+                if q.ndim == 3:  # [B, S, Hq * D] -> [B, Hq, S, D]
+                    q = q.reshape(q.shape[0], q.shape[1], heads, -1).transpose(0, 2, 1, 3)
+                hkv = k.shape[1]
+                q_heads[layer] = q.shape[1]
+                q2 = (q * q).sum(axis=(0, 2)).reshape(hkv, q.shape[1] // hkv, -1).sum(1) / (q.shape[1] // hkv)
+                _add(sums["q2"], layer, q2)
+        count += window
     mean_k = {i: sums["k"][i] / count for i in layers}
     scales = {i: key_scale(sums["k2"][i] / count - mean_k[i] ** 2, sums["q2"][i] / count) for i in sums["q2"]}
     vscales = {i: value_scale(sums["v2"][i] / count) for i in layers} if value_scales else {}

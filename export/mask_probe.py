@@ -10,7 +10,6 @@ masks must allow exactly the keys j with attention_mask[b, j] = 1 and j <= PAST 
 
 from __future__ import annotations
 
-import pathlib
 
 import numpy as np
 import onnx_ir as ir
@@ -48,7 +47,7 @@ def probe(model_path, plan_args: dict) -> tuple[dict[int, int], dict[int, str]]:
     """(query heads per layer, the reason each layer whose mask lengths cannot replace) from one run."""
     import onnxruntime as ort
 
-    from turboquant.ort import session_options
+    from turboquant.ort import session_options_beside
 
     model = ir.load(model_path)
     plans, layers = plan_layers(model, **plan_args)
@@ -73,10 +72,8 @@ def probe(model_path, plan_args: dict) -> tuple[dict[int, int], dict[int, str]]:
         outputs[plan.index] = (cast.outputs[0].name, mask, int(site.q_num_heads or 0), site.is_causal)
     # from memory, its weights still read from the model's own data files: a copy would be another
     # 16 GB written at the 8B shape
-    options = session_options(None)
-    options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                     str(pathlib.Path(model_path).resolve().parent))
-    sess = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(ir.to_proto(model).SerializeToString(), session_options_beside(model_path),
+                                providers=["CPUExecutionProvider"])
     feeds = _feeds(sess)
     names = [o.name for o in sess.get_outputs()]
     values = dict(zip(names, sess.run(None, feeds)))

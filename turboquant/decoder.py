@@ -29,13 +29,16 @@ def _layer_kind(m: re.Match) -> tuple[int, str]:
 class DecoderSession:
     shares_buffers = False  # past and present bound to one buffer (SharedBufferDecoder)
 
-    def __init__(self, model: str | os.PathLike, providers: Sequence = ("CPUExecutionProvider",),
+    def __init__(self, model: str | os.PathLike | bytes, providers: Sequence = ("CPUExecutionProvider",),
                  threads: int | None = None, options: ort.SessionOptions | None = None):
+        """model: a path, or a serialized model (its external data found through `options`)."""
         names = [p if isinstance(p, str) else p[0] for p in providers]  # a provider may come with options
         if "CUDAExecutionProvider" in names and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # onnxruntime-gpu finds the CUDA libraries of an installed torch
         so = options or session_options(threads)
-        self.session = ort.InferenceSession(os.fspath(model), so, providers=list(providers))
+        self.session = ort.InferenceSession(model if isinstance(model, bytes) else os.fspath(model), so,
+                                            providers=list(providers))
+        model = "the model" if isinstance(model, bytes) else model  # for the messages below
         meta = self.session.get_modelmeta().custom_metadata_map
         if meta.get("turboquant.cache") == "in-place" and not self.shares_buffers:
             raise ValueError(f"{model}: its caches are buffers written in place (rewritten with --cache in-place); "

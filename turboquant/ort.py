@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pathlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,6 +22,15 @@ def session_options(threads: int | None = None, *, library: str | None = None) -
     so.register_custom_ops_library(library or ort_library_path())
     if threads:
         so.intra_op_num_threads = int(threads)
+    return so
+
+
+def session_options_beside(model_path: str | os.PathLike, threads: int | None = None) -> ort.SessionOptions:
+    """session_options for a model given as bytes whose external data stays in model_path's folder
+    (a changed copy of a model run from memory, its weights not written again)."""
+    so = session_options(threads)
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                str(pathlib.Path(model_path).resolve().parent))
     return so
 
 

@@ -87,3 +87,26 @@ def test_data_free_calibration_is_the_default_for_lloyd_max_keys(biased_model, t
         assert {k: m.get(k) for k in none} == none  # said, not left out
     with pytest.raises(RewriteError, match="contradict"):
         export(src, "turboquant_4bit_nc", tmp_path / "x.onnx", calibrate=d / "calib.npy", offsets=False)
+
+
+def test_calibration_reads_a_models_external_data_in_place(biased_model, tmp_path, monkeypatch):
+    """The query probe runs from memory with its weights read from the model's own data file (no copy
+    is written), from any working folder: the same offsets and scales as from embedded weights."""
+    import onnx_ir as ir
+
+    from turboquant.export.calibrate import collect
+
+    cfg, src, _ = biased_model
+    ext = tmp_path / "ext" / "model.onnx"
+    ext.parent.mkdir()
+    ir.save(ir.load(src), ext, external_data="model.onnx.data", size_threshold_bytes=0)
+    monkeypatch.chdir(tmp_path)  # relative data locations must not resolve against the working folder
+    ids = np.random.default_rng(3).integers(0, cfg.vocab, 512)
+    args = dict(preset="turboquant_4bit_nc", boundary=1, skip_layers=None, keep_layers=None)
+    a = collect(src, ids, [1, 2], "ids", plan_args=args, progress=False)
+    b = collect(ext, ids, [1, 2], "ids", plan_args=args, progress=False)
+    assert (ext.parent / "model.onnx.data").stat().st_size > 10**5 and sorted(p.name for p in ext.parent.iterdir()) == [
+        "model.onnx", "model.onnx.data"]
+    for i in (1, 2):
+        np.testing.assert_allclose(a.keys[i], b.keys[i], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a.key_scales[i], b.key_scales[i], rtol=1e-5)
