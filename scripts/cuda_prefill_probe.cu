@@ -1,7 +1,7 @@
 // Developer probe: the first-prompt attention kernel (ops/cuda/prefill.cu) alone, against a float64
 // reference on sampled rows, and its time per call (CUDA events, median).
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_prefill_probe.cu \
-//        ops/cuda/prefill.cu -o /tmp/prefill_probe
+//        ops/cuda/prefill.cu ops/cuda/split_plan.cpp -o /tmp/prefill_probe
 //   /tmp/prefill_probe B Hq Hkv S D [bf16] [causal] [iters]     (Q, K, V as [B, S, H * D])
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -91,7 +91,7 @@ int main(int argc, char** argv) {
     std::printf("refused: prefill_supported is false\n");
     return 1;
   }
-  CHECK(cuda::detail::launch_prefill(p, dq, dk, dv, nullptr, dy, nullptr));
+  CHECK(cuda::detail::launch_prefill(p, dq, dk, dv, nullptr, dy, nullptr, nullptr));
   CHECK(cudaDeviceSynchronize());
   CHECK(cudaMemcpy(hy.data(), dy, hy.size() * 2, cudaMemcpyDeviceToHost));
 
@@ -150,7 +150,7 @@ int main(int argc, char** argv) {
   std::vector<float> ms;
   for (int it = 0; it < iters + 3; ++it) {
     CHECK(cudaEventRecord(e0));
-    CHECK(cuda::detail::launch_prefill(p, dq, dk, dv, nullptr, dy, nullptr));
+    CHECK(cuda::detail::launch_prefill(p, dq, dk, dv, nullptr, dy, nullptr, nullptr));
     CHECK(cudaEventRecord(e1));
     CHECK(cudaEventSynchronize(e1));
     float t;

@@ -54,7 +54,7 @@ fi
 if [ "$step" = prefill ]; then  # the first-prompt kernel alone (its probe), then the op bench's prefill rows
   cd /tmp
   /usr/local/cuda/bin/nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -I/tmp/tqsrc/ops/include \
-    /tmp/tqsrc/scripts/cuda_prefill_probe.cu /tmp/tqsrc/ops/cuda/prefill.cu -o /tmp/prefill_probe > "$OUT/prefill_probe.log" 2>&1
+    /tmp/tqsrc/scripts/cuda_prefill_probe.cu /tmp/tqsrc/ops/cuda/prefill.cu /tmp/tqsrc/ops/cuda/split_plan.cpp -o /tmp/prefill_probe > "$OUT/prefill_probe.log" 2>&1
   for a in "1 32 8 4096 128 0 1 20" "8 32 8 2048 128 0 1 20" "1 24 8 16384 128 0 1 10" "2 8 2 300 128 1 1 3" "1 32 8 8192 64 0 1 10"; do
     timeout 60 /tmp/prefill_probe $a
   done 2>&1 | tee -a "$OUT/prefill_probe.log"

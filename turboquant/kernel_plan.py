@@ -16,7 +16,7 @@ import functools
 from ._libs import ort_library_path
 from .config import ALL_FORMATS
 
-KERNELS = ("tc_bulk", "tc_mma", "cuda_core", "none")
+KERNELS = ("tc_bulk", "tc_mma", "cuda_core", "tc_chunk", "none")
 DTYPES = ("float32", "float16", "bfloat16")
 MASKS = (None, "bool", "float32", "float16", "bfloat16")
 
@@ -46,6 +46,8 @@ class SplitPlan:
     warps: int  # tc_bulk's warps per block, else 0
     smem: int  # dynamic shared memory of the split launch, bytes
     workspace: int  # bytes of partial results
+    new_part: bool  # a call over a past whose new tokens' part prefill.cu writes on tensor cores (a continuation chunk)
+    new_part_offset: int  # where that part starts in the workspace, bytes
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,10 +63,11 @@ def _library() -> ctypes.CDLL:
 def plan_split(*, batch: int, q_heads: int, kv_heads: int, past_len: int, head_dim: int, key_format: str,
                value_format: str, q_len: int = 1, new_len: int | None = None, v_head_dim: int | None = None,
                dtype: str = "float16", mask: str | None = None, is_causal: bool = False, key_row_bytes: int = 0,
-               value_row_bytes: int = 0, aligned16: bool = True, device: Device = H200) -> SplitPlan:
+               value_row_bytes: int = 0, aligned16: bool = True, buffer_rows: int = 0, device: Device = H200) -> SplitPlan:
     """The planner's choice for one call. new_len defaults to q_len, v_head_dim to head_dim; row bytes
     0 mean the formats' packed sizes (a shared buffer's rows may be wider); aligned16: the past caches
-    start at multiples of 16 bytes."""
+    start at multiples of 16 bytes; buffer_rows: rows per (b, head) of preallocated caches
+    (TQGroupQueryAttention's shared buffers, the in-place form), 0 for dense ones."""
     for name, value, allowed in (("key_format", key_format, ALL_FORMATS), ("value_format", value_format, ALL_FORMATS),
                                  ("dtype", dtype, DTYPES), ("mask", mask, MASKS)):
         if value not in allowed:
@@ -72,17 +75,18 @@ def plan_split(*, batch: int, q_heads: int, kv_heads: int, past_len: int, head_d
     new_len = q_len if new_len is None else new_len
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     shape = (batch, q_heads, kv_heads, q_len, new_len, past_len, head_dim, v_head_dim, int(is_causal), key_row_bytes,
-             value_row_bytes, int(aligned16))
+             value_row_bytes, int(aligned16), buffer_rows)
     props = (device.sms, device.smem_optin, device.cc_major, device.cc_minor)
-    out = (ctypes.c_int64 * 7)()
+    out = (ctypes.c_int64 * 9)()
     name = _library().turboquant_split_plan(key_format.encode(), value_format.encode(), dtype.encode(),
-                                            (mask or "none").encode(), (ctypes.c_int64 * 12)(*shape),
+                                            (mask or "none").encode(), (ctypes.c_int64 * 13)(*shape),
                                             (ctypes.c_int64 * 4)(*props), out)
     if name is None:
         raise ValueError(f"the planner refused these shapes: batch, q_heads, kv_heads, q_len, new_len, past_len, "
                          f"head_dim, v_head_dim, is_causal, key_row_bytes, value_row_bytes, aligned16 = {shape} "
                          "(negative, heads not a multiple of kv_heads, or an unsupported head size)")
-    return SplitPlan(name.decode(), *(int(x) for x in out))
+    values = [int(x) for x in out]
+    return SplitPlan(name.decode(), *values[:7], bool(values[7]), values[8])
 
 
 def last_split_kernel() -> str:

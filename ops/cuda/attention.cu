@@ -9,9 +9,12 @@
 //    the codebook centroids, without dequantizing; fp8/raw16 keys against q. A block-wide online
 //    softmax follows, then every thread owns head-size columns and adds the tile's values,
 //    dequantized in registers. It writes (max, sum, acc[Dv]) per row and split.
-// 3. finish_kernel: one block per query row merges the splits with log-sum-exp, adds the new tokens
-//    exactly (float K/V, key offset removed), restores the value offset and writes Y; in the same
-//    launch, other blocks pack the new tokens into the present caches (pack_warp_per_vector.cuh).
+// 3. For a continuation chunk (several query rows over a past), prefill.cu attends the new tokens on
+//    tensor cores and writes their part as one more partial result per row.
+// 4. finish_kernel: one block per query row merges the splits with log-sum-exp, adds the new tokens
+//    exactly (float K/V, key offset removed; or their part from step 3), restores the value offset
+//    and writes Y; in the same launch, other blocks pack the new tokens into the present caches
+//    (pack_warp_per_vector.cuh).
 // On sm_90 the tensor-core split kernel and the finish kernel are programmatic dependent launches
 // (split_common.cuh): each may start while the launch before it runs, and waits for it before
 // reading what it wrote.
@@ -440,10 +443,11 @@ __device__ inline float load_value(DType dt, const void* base, int64_t i) {
 // decode step's merge is what is left after the split kernel, so everything that needs only the
 // op's inputs (the query row, the new tokens' exact scores and values) comes before the wait for
 // the split kernel's partial results, which are then read 8 splits at a time (a log-sum-exp over
-// each chunk, rescaling the running result between chunks).
+// each chunk, rescaling the running result between chunks). new_part: the new tokens' part of every
+// row, written by prefill.cu (a launch before this one), instead of their scores here.
 __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q,
-                          const void* k, const void* v, const void* mask, const float* partial, void* y, int64_t gr,
-                          float* red, float* qrow, float* krow, bool after_split) {
+                          const void* k, const void* v, const void* mask, const float* partial, const float* new_part,
+                          void* y, int64_t gr, float* red, float* qrow, float* krow, bool after_split) {
   TQ_PHASE(gr == 0, 8);
   if (!after_split) grid_dependency_wait();
   const int64_t bh = gr / l.rows, row = gr % l.rows;
@@ -472,13 +476,20 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
     }
   };
   if (rotary) __syncthreads();  // krow rotated
-  if (p.new_len > 0) load_new(0);
+  const int64_t new_len = new_part ? 0 : p.new_len;  // the new tokens this block scores
+  if (new_len > 0) load_new(0);
 
   // 1. the new tokens, exactly: an online softmax of their scores
   float m = -INFINITY, sum = 0.0f, acc[kMaxCols];
   for (int c = 0; c < kMaxCols; ++c) acc[c] = 0.0f;
   __syncthreads();  // qrow
-  for (int64_t n = 0; n < p.new_len; ++n) {
+  float key_shift = 0.0f;  // new_part's scores are of the keys as given; the past's and these of keys - offset
+  if (new_part && koff) {
+    float part = 0.0f;
+    for (int i = tid; i < d; i += kThreads) part += qrow[i] * koff[i];
+    key_shift = block_sum(part, red) * p.scale;
+  }
+  for (int64_t n = 0; n < new_len; ++n) {
     float part = 0.0f, vc[kMaxCols];
 #pragma unroll
     for (int c = 0; c < kMaxCols; ++c) {
@@ -486,7 +497,7 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
       if (i < d) part += qrow[i] * kn[c];
       vc[c] = vn[c];
     }
-    if (n + 1 < p.new_len) load_new(n + 1);
+    if (n + 1 < new_len) load_new(n + 1);
     const float dot = block_sum(part, red) * p.scale;
     bool ok;
     const float add = mask_value(p, mask, b, hq, pos, past + n, &ok);
@@ -509,6 +520,15 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
   TQ_PHASE(gr == 0, 9);
   grid_dependency_wait();
   TQ_PHASE(gr == 0, 10);
+  if (new_part) {
+    const float* np = new_part + (bh * l.rows + row) * partial_stride(dv);
+    m = np[0] == -INFINITY ? -INFINITY : np[0] - key_shift;
+    sum = np[1];
+    for (int c = 0; c < kMaxCols; ++c) {
+      const int col = tid + c * kThreads;
+      acc[c] = col < dv ? np[2 + col] : 0.0f;
+    }
+  }
   if (past > 0) {
     const float* part = partial + (bh * l.rows + row) * l.splits * partial_stride(dv);
     const float* voff = p.value_offset ? p.value_offset + hkv * dv : nullptr;
@@ -581,7 +601,8 @@ static_assert(kThreads == kPackThreads, "the finish kernel's merge and packing b
 template <Format FK, Format FV, bool kAny>
 __global__ void __launch_bounds__(kThreads)
     finish_kernel(AttentionParams p, RotaryParams rot, Layout l, const void* q, const void* k, const void* v,
-                  const void* mask, const float* partial, void* y, PackJob kj, PackJob vj, bool after_split) {
+                  const void* mask, const float* partial, const float* new_part, void* y, PackJob kj, PackJob vj,
+                  bool after_split) {
   __shared__ float red[kThreads / 32];
   __shared__ float qrow[kMaxHeadDim];
   __shared__ float z[kPackWarps][kMaxHeadDim];
@@ -591,7 +612,7 @@ __global__ void __launch_bounds__(kThreads)
   TQ_BLOCK(0);
   const uint32_t block = blockIdx.x, packs = static_cast<uint32_t>(kj.blocks + vj.blocks);
   if (block >= packs) {
-    merge_row(p, rot, l, q, k, v, mask, partial, y, block - packs, red, qrow, z[0], after_split);
+    merge_row(p, rot, l, q, k, v, mask, partial, new_part, y, block - packs, red, qrow, z[0], after_split);
     TQ_BLOCK(1);
     return;
   }
@@ -727,17 +748,18 @@ PackJob new_token_job(const AttentionParams& p, Format fmt, int d, int64_t row_b
 
 template <Format FK, Format FV, bool kAny = false>
 cudaError_t launch_finish(unsigned blocks, const AttentionParams& p, const RotaryParams& rot, const Layout& l,
-                          const void* q, const void* k, const void* v, const void* mask, const float* partial, void* y,
-                          bool after_split, const PackJob& kj, const PackJob& vj, cudaStream_t stream) {
+                          const void* q, const void* k, const void* v, const void* mask, const float* partial,
+                          const float* new_part, void* y, bool after_split, const PackJob& kj, const PackJob& vj,
+                          cudaStream_t stream) {
   return launch_dependent(finish_kernel<FK, FV, kAny>, dim3(blocks), dim3(kThreads), 0, stream, p, rot, l, q, k, v,
-                          mask, partial, y, kj, vj, after_split);
+                          mask, partial, new_part, y, kj, vj, after_split);
 }
 
 // The merge of the query rows and the packing of the new tokens, in one launch: a kernel
 // specialised for the presets' format pairs, a general one for the others.
 cudaError_t finish(const AttentionParams& p, const RotaryParams& rot, const Layout& l, const void* q, const void* k,
-                   const void* v, const void* mask, const float* partial, void* y, uint8_t* present_key,
-                   uint8_t* present_value, bool after_split, cudaStream_t stream) {
+                   const void* v, const void* mask, const float* partial, const float* new_part, void* y,
+                   uint8_t* present_key, uint8_t* present_value, bool after_split, cudaStream_t stream) {
   PackJob kj = new_token_job(p, p.key_format, p.head_dim, p.key_row(), p.k, k, p.key_offset, present_key);
   kj.rot = rot;  // the new keys rotated as they are packed (fused), or no rotary
   const PackJob vj = new_token_job(p, p.value_format, p.v_head_dim, p.value_row(), p.v, v, p.value_offset, present_value);
@@ -749,12 +771,12 @@ cudaError_t finish(const AttentionParams& p, const RotaryParams& rot, const Layo
   const auto n = static_cast<unsigned>(blocks);
   using F = Format;
   const F kf = p.key_format, vf = p.value_format;
-  if (kf == F::kMse4 && vf == F::kUint4) return launch_finish<F::kMse4, F::kUint4>(n, p, rot, l, q, k, v, mask, partial, y, a, kj, vj, stream);
-  if (kf == F::kFp8 && vf == F::kUint4) return launch_finish<F::kFp8, F::kUint4>(n, p, rot, l, q, k, v, mask, partial, y, a, kj, vj, stream);
-  if (kf == F::kMse3 && vf == F::kUint4) return launch_finish<F::kMse3, F::kUint4>(n, p, rot, l, q, k, v, mask, partial, y, a, kj, vj, stream);
-  if (kf == F::kMse3 && vf == F::kUint3) return launch_finish<F::kMse3, F::kUint3>(n, p, rot, l, q, k, v, mask, partial, y, a, kj, vj, stream);
-  if (kf == F::kRaw16 && vf == F::kRaw16) return launch_finish<F::kRaw16, F::kRaw16>(n, p, rot, l, q, k, v, mask, partial, y, a, kj, vj, stream);
-  return launch_finish<F::kMse4, F::kUint4, true>(n, p, rot, l, q, k, v, mask, partial, y, a, kj, vj, stream);
+  if (kf == F::kMse4 && vf == F::kUint4) return launch_finish<F::kMse4, F::kUint4>(n, p, rot, l, q, k, v, mask, partial, new_part, y, a, kj, vj, stream);
+  if (kf == F::kFp8 && vf == F::kUint4) return launch_finish<F::kFp8, F::kUint4>(n, p, rot, l, q, k, v, mask, partial, new_part, y, a, kj, vj, stream);
+  if (kf == F::kMse3 && vf == F::kUint4) return launch_finish<F::kMse3, F::kUint4>(n, p, rot, l, q, k, v, mask, partial, new_part, y, a, kj, vj, stream);
+  if (kf == F::kMse3 && vf == F::kUint3) return launch_finish<F::kMse3, F::kUint3>(n, p, rot, l, q, k, v, mask, partial, new_part, y, a, kj, vj, stream);
+  if (kf == F::kRaw16 && vf == F::kRaw16) return launch_finish<F::kRaw16, F::kRaw16>(n, p, rot, l, q, k, v, mask, partial, new_part, y, a, kj, vj, stream);
+  return launch_finish<F::kMse4, F::kUint4, true>(n, p, rot, l, q, k, v, mask, partial, new_part, y, a, kj, vj, stream);
 }
 
 }  // namespace
@@ -807,6 +829,7 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
     switch (plan.kernel) {
       case SplitKernel::kTensorCoreBulk: e = launch_tc_split(p, rot, plan, q, past_key, past_value, part, stream); break;
       case SplitKernel::kTensorCoreMma: e = launch_mma_split(p, plan, q, past_key, past_value, part, stream); break;
+      case SplitKernel::kTensorCoreChunk: e = launch_chunk_split(p, plan, q, past_key, past_value, part, stream); break;
       default: {
         const dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads), l.splits, l.row_blocks);
         switch (l.rows_per_block) {
@@ -819,14 +842,19 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
     }
     if (e != cudaSuccess) return e;
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  } else if (prefill_supported(p, q, k, v, mask, y)) {  // a first prompt: its rows on tensor cores
-    if ((e = launch_prefill(p, q, k, v, mask, y, stream)) != cudaSuccess) return e;
+    if (plan.new_part && prefill_supported(p, q, k, v, mask, y)) {  // a continuation chunk's new tokens on tensor cores
+      float* new_part = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + plan.new_part_offset);
+      if ((e = launch_prefill(p, q, k, v, mask, y, new_part, stream)) != cudaSuccess) return e;
+      return finish(p, rot, l, q, k, v, mask, part, new_part, y, present_key, present_value, false, stream);
+    }
+  } else if (p.past_len == 0 && prefill_supported(p, q, k, v, mask, y)) {  // a first prompt: its rows on tensor cores
+    if ((e = launch_prefill(p, q, k, v, mask, y, nullptr, stream)) != cudaSuccess) return e;
     Layout packs_only = l;
     packs_only.rows = 0;  // the finish kernel then only packs the new tokens
-    return finish(p, rot, packs_only, q, k, v, mask, nullptr, y, present_key, present_value, false, stream);
+    return finish(p, rot, packs_only, q, k, v, mask, nullptr, nullptr, y, present_key, present_value, false, stream);
   }
-  return finish(p, rot, l, q, k, v, mask, static_cast<const float*>(workspace), y, present_key, present_value, split,
-                stream);
+  return finish(p, rot, l, q, k, v, mask, static_cast<const float*>(workspace), nullptr, y, present_key, present_value,
+                split, stream);
 }
 
 #ifdef TQ_PHASES

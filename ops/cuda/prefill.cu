@@ -1,8 +1,10 @@
-// The new tokens' own attention for a call with no past (a first prompt): ordinary causal (or
-// unmasked) attention over exact K/V, flash-attention style. Tiles of 16 query rows per warp
-// against tiles of 64 keys in shared memory, scores and P.V on tensor cores (mma.sync m16n8k16,
-// fp32 accumulators), an online softmax in registers; no [Sq x Skv] buffer. The finish kernel of
-// attention.cu then packs the new K/V into present, as for any call.
+// The new tokens' own attention of a call with several query rows: ordinary causal (or unmasked)
+// attention over exact K/V, flash-attention style. Tiles of 16 query rows per warp against tiles of
+// 64 keys in shared memory, scores and P.V on tensor cores (mma.sync m16n8k16, fp32 accumulators),
+// an online softmax in registers; no [Sq x Skv] buffer. With no past (a first prompt) it writes Y;
+// over a packed past (a continuation chunk) it writes each row's (max, sum, acc) as one more partial
+// result, which the finish kernel of attention.cu merges with the split kernel's by log-sum-exp. The
+// finish kernel also packs the new K/V into present, as for any call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -12,13 +14,16 @@
 #include <cstdint>
 
 #include "prefill.cuh"
-#include "ptx.cuh"
+#include "flash_tile.cuh"
+#include "turboquant/split_plan.h"
 
 namespace turboquant::cuda::detail {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kKeys = 64;  // keys per tile
+using flash::kKeys;
+using flash::kWarps;
+using flash::Mma;
+using flash::tile_offset;
 // 16-row m-tiles per warp, which share each K and V fragment: two at head size 128 (fewer shared
 // memory reads per product), one at 64 and with a mask (whose indexing would spill the second's
 // registers); docs/performance.md, prefill
@@ -29,42 +34,6 @@ constexpr int mtiles() {
 template <int D, bool kMask>
 constexpr int block_rows() {
   return 16 * mtiles<D, kMask>() * kWarps;
-}
-
-template <typename T>
-struct Mma;
-template <>
-struct Mma<__half> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return pack_half2(lo, hi); }
-  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    mma16816_f16(c, a, b0, b1);
-  }
-};
-template <>
-struct Mma<__nv_bfloat16> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return pack_bf162(lo, hi); }
-  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    mma16816_bf16(c, a, b0, b1);
-  }
-};
-
-// Byte offset of 16-byte chunk c of row r in a tile of D-element rows: chunks XOR-swizzled by the
-// row so that the 8 rows an ldmatrix phase reads fall in 8 different bank groups.
-template <int D>
-__device__ __forceinline__ uint32_t tile_offset(int r, int c) {
-  return static_cast<uint32_t>((r * (D / 8) + (c ^ (r & 7))) * 16);
-}
-
-// rows x D elements from g (row r at g + r * stride) into the tile at smem; rows at or past `valid`
-// are zero-filled.
-template <int D, typename T>
-__device__ __forceinline__ void load_tile(uint32_t smem, const T* g, int64_t stride, int rows, int valid) {
-  constexpr int kChunks = D / 8;
-  for (int i = threadIdx.x; i < rows * kChunks; i += kWarps * 32) {
-    const int r = i / kChunks, c = i % kChunks;
-    const bool on = r < valid;
-    cp_async16(smem + tile_offset<D>(r, c), on ? g + r * stride + c * 8 : g, on ? 16 : 0);
-  }
 }
 
 // Whether row i sees key t by the attention mask, and the mask's term added to its score: element
@@ -82,7 +51,7 @@ __device__ __forceinline__ bool mask_term(const AttentionParams& p, const void* 
 
 template <int D, typename T, bool kMask>
 __global__ void __launch_bounds__(kWarps * 32)
-    prefill_kernel(AttentionParams p, const T* q, const T* k, const T* v, const void* mask, T* y) {
+    prefill_kernel(AttentionParams p, const T* q, const T* k, const T* v, const void* mask, T* y, float* part) {
   extern __shared__ __align__(128) uint8_t smem[];
   constexpr int kMt = mtiles<D, kMask>(), kRows = block_rows<D, kMask>(), kTileBytes = kKeys * D * 2;
   constexpr bool kQInRegisters = kMt == 1;  // two m-tiles' fragments would not fit beside their accumulators
@@ -94,6 +63,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int tq = p.is_causal ? tiles_q - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
   const int64_t q0 = static_cast<int64_t>(tq) * kRows;
   const int64_t diag = p.new_len - p.q_len;  // key t is visible to row i when t <= i + diag
+  const int64_t mask_col = kMask ? p.past_of(b) : 0;  // the mask's column of new key 0
   int64_t kv_end = p.new_len;
   if (p.is_causal) kv_end = std::min<int64_t>(kv_end, q0 + kRows + diag);
   const int tiles = kv_end > 0 ? static_cast<int>((kv_end + kKeys - 1) / kKeys) : 0;
@@ -101,11 +71,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   const T* qg = q + b * p.q.b + hq * p.q.h + q0 * p.q.s;
   const T* kg = k + b * p.k.b + hkv * p.k.h;
   const T* vg = v + b * p.v.b + hkv * p.v.h;
-  load_tile<D>(q_at, qg, p.q.s, kRows, static_cast<int>(std::min<int64_t>(kRows, p.q_len - q0)));
+  flash::load_tile<D>(q_at, qg, p.q.s, kRows, static_cast<int>(std::min<int64_t>(kRows, p.q_len - q0)));
   if (tiles > 0) {
     const int valid = static_cast<int>(std::min<int64_t>(kKeys, p.new_len));
-    load_tile<D>(k_at, kg, p.k.s, kKeys, valid);
-    load_tile<D>(v_at, vg, p.v.s, kKeys, valid);
+    flash::load_tile<D>(k_at, kg, p.k.s, kKeys, valid);
+    flash::load_tile<D>(v_at, vg, p.v.s, kKeys, valid);
   }
   cp_async_commit();
 
@@ -123,8 +93,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (j + 1 < tiles) {
       const int64_t t0 = static_cast<int64_t>(j + 1) * kKeys;
       const int valid = static_cast<int>(std::min<int64_t>(kKeys, p.new_len - t0));
-      load_tile<D>(k_at + (buf ^ 1) * kTileBytes, kg + t0 * p.k.s, p.k.s, kKeys, valid);
-      load_tile<D>(v_at + (buf ^ 1) * kTileBytes, vg + t0 * p.v.s, p.v.s, kKeys, valid);
+      flash::load_tile<D>(k_at + (buf ^ 1) * kTileBytes, kg + t0 * p.k.s, p.k.s, kKeys, valid);
+      flash::load_tile<D>(v_at + (buf ^ 1) * kTileBytes, vg + t0 * p.v.s, p.v.s, kKeys, valid);
       cp_async_commit();
     }
     if constexpr (kQInRegisters) {
@@ -134,27 +104,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
     const uint32_t kt = k_at + buf * kTileBytes, vt = v_at + buf * kTileBytes;
-    float s[kMt][kKeys / 8][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t a[kMt][4];
-#pragma unroll
-      for (int mt = 0; mt < kMt; ++mt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a[mt][i] = kQInRegisters ? qf[kQInRegisters ? ks : 0][i] : 0u;
-        if constexpr (!kQInRegisters) ldmatrix_x4(a[mt], q_at + tile_offset<D>(warp_row + mt * 16 + lane % 16, 2 * ks + lane / 16));
-      }
-#pragma unroll
-      for (int np = 0; np < kKeys / 16; ++np) {
-        uint32_t r[4];
-        ldmatrix_x4(r, kt + tile_offset<D>(np * 16 + (lane / 16) * 8 + lane % 8, 2 * ks + (lane / 8) % 2));
-#pragma unroll
-        for (int mt = 0; mt < kMt; ++mt) {
-          Mma<T>::run(s[mt][2 * np], a[mt], r[0], r[1]);
-          Mma<T>::run(s[mt][2 * np + 1], a[mt], r[2], r[3]);
-        }
-      }
-    }
+    float s[kMt][kKeys / 8][4];
+    flash::scores<D, kMt, kQInRegisters, T>(s, qf, q_at, kt, warp_row, lane);
     const int64_t t0 = static_cast<int64_t>(j) * kKeys;
     const bool edge = kMask || t0 + kKeys > p.new_len || (p.is_causal && t0 + kKeys - 1 > q0 + warp_row + diag);
 #pragma unroll
@@ -165,77 +116,38 @@ __global__ void __launch_bounds__(kWarps * 32)
         for (int e = 0; e < 4; ++e) {
           float x = s[mt][nt][e] * scale;
           if (edge) {
-            const int64_t t = t0 + nt * 8 + (lane % 4) * 2 + (e & 1);
-            const int64_t row = q0 + warp_row + mt * 16 + lane / 4 + (e >> 1) * 8;
+            const int64_t t = t0 + flash::key_of(nt, e, lane), row = q0 + warp_row + flash::row_of(mt, e, lane);
             float add = 0.0f;
             if (t >= p.new_len || (p.is_causal && t > row + diag)) {
               x = -INFINITY;
             } else if (kMask && row < p.q_len) {  // rows past the prompt are not written: no mask element to read
-              x = mask_term(p, mask, b, hq, row, t, &add) ? x + add * 1.4426950408889634f : -INFINITY;
+              x = mask_term(p, mask, b, hq, row, mask_col + t, &add) ? x + add * 1.4426950408889634f : -INFINITY;
             }
           }
           s[mt][nt][e] = x;
         }
       }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = m[mt][h];
-#pragma unroll
-        for (int nt = 0; nt < kKeys / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float base = mx == -INFINITY ? 0.0f : mx;  // a row that sees no key yet stays empty
-        const float alpha = fast_exp2(m[mt][h] - base);
-        float sum = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < kKeys / 8; ++nt) {
-          s[mt][nt][2 * h] = fast_exp2(s[mt][nt][2 * h] - base);
-          s[mt][nt][2 * h + 1] = fast_exp2(s[mt][nt][2 * h + 1] - base);
-          sum += s[mt][nt][2 * h] + s[mt][nt][2 * h + 1];
-        }
-        l[mt][h] = l[mt][h] * alpha + sum;
-        m[mt][h] = mx;
-#pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt) {
-          o[mt][nt][2 * h] *= alpha;
-          o[mt][nt][2 * h + 1] *= alpha;
-        }
-      }
     }
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {  // P as the A operand: the score tiles' layout is its layout
-      uint32_t a[kMt][4];
-#pragma unroll
-      for (int mt = 0; mt < kMt; ++mt) {
-        a[mt][0] = Mma<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = Mma<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = Mma<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = Mma<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int np = 0; np < D / 16; ++np) {
-        uint32_t r[4];
-        ldmatrix_x4_trans(r, vt + tile_offset<D>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, 2 * np + lane / 16));
-#pragma unroll
-        for (int mt = 0; mt < kMt; ++mt) {
-          Mma<T>::run(o[mt][2 * np], a[mt], r[0], r[1]);
-          Mma<T>::run(o[mt][2 * np + 1], a[mt], r[2], r[3]);
-        }
-      }
-    }
+    float alpha[kMt][2];
+    flash::softmax_step<D, kMt>(s, m, l, o, alpha);
+    flash::add_values<D, kMt, T>(o, s, vt, lane);
   }
 
   cp_async_wait<0>();  // with no key tile (rows that see no key) the Q tile's copy is still in flight
 
+  const int64_t group = p.q_heads / p.kv_heads;
 #pragma unroll
   for (int mt = 0; mt < kMt; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float sum = l[mt][h];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int64_t row = q0 + warp_row + mt * 16 + lane / 4 + h * 8;
+      const float sum = flash::quad_sum(l[mt][h]);
+      const int64_t row = q0 + warp_row + flash::row_of(mt, 2 * h, lane);
       if (row >= p.q_len) continue;
+      if (part != nullptr) {  // row (b, hkv, row * group + hq % group) of the split kernels' partial results
+        flash::store_partial<D, kMt>(part + ((b * p.kv_heads + hkv) * p.q_len * group + row * group + hq % group) * (2 + D),
+                                     o, m[mt][h], sum, mt, h, lane);
+        continue;
+      }
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row that sees no key: zeros
       T* yr = y + b * p.y.b + hq * p.y.h + row * p.y.s;
 #pragma unroll
@@ -268,7 +180,7 @@ cudaError_t raise_shared(int bytes) {
 
 template <int D, typename T, bool kMask>
 cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask, void* y,
-                   cudaStream_t stream) {
+                   float* part, cudaStream_t stream) {
   auto* kernel = prefill_kernel<D, T, kMask>;
   constexpr int bytes = smem_bytes<D, kMask>();
   cudaError_t e = raise_shared<D, T, kMask>(bytes);
@@ -276,7 +188,7 @@ cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const
   const dim3 grid(static_cast<unsigned>((p.q_len + block_rows<D, kMask>() - 1) / block_rows<D, kMask>()), static_cast<unsigned>(p.q_heads),
                   static_cast<unsigned>(p.batch));
   kernel<<<grid, kWarps * 32, bytes, stream>>>(p, static_cast<const T*>(q), static_cast<const T*>(k),
-                                               static_cast<const T*>(v), mask, static_cast<T*>(y));
+                                               static_cast<const T*>(v), mask, static_cast<T*>(y), part);
   return cudaGetLastError();
 }
 
@@ -287,26 +199,24 @@ bool rows16(const BhsStrides& st) { return st.b % 8 == 0 && st.h % 8 == 0 && st.
 
 bool prefill_supported(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
                        const void* y) {
-  const bool half = p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16;
-  const bool shape = (p.head_dim == 64 || p.head_dim == 128) && p.v_head_dim == p.head_dim;
   const bool grid = p.batch <= 65535 && p.q_heads <= 65535 && (p.q_len + 63) / 64 <= INT32_MAX;
   const bool y_pairs = (reinterpret_cast<uintptr_t>(y) & 3) == 0 && p.y.b % 2 == 0 && p.y.h % 2 == 0 && p.y.s % 2 == 0;
   const bool masked = p.mask_type != MaskType::kNone;
-  return half && shape && grid && p.past_len == 0 && p.q_len > 1 && p.new_len > 0 && masked == (mask != nullptr) &&
-         aligned16(q) && aligned16(k) && aligned16(v) && rows16(p.q) && rows16(p.k) && rows16(p.v) && y_pairs;
+  return new_tokens_on_tensor_cores(p) && grid && masked == (mask != nullptr) && aligned16(q) && aligned16(k) &&
+         aligned16(v) && rows16(p.q) && rows16(p.k) && rows16(p.v) && y_pairs;
 }
 
 cudaError_t launch_prefill(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
-                           void* y, cudaStream_t stream) {
+                           void* y, float* part, cudaStream_t stream) {
   using H = __half;
   using B = __nv_bfloat16;
   const bool bf16 = p.dtype == DType::kBFloat16;
   if (mask != nullptr) {
-    if (p.head_dim == 64) return bf16 ? launch<64, B, true>(p, q, k, v, mask, y, stream) : launch<64, H, true>(p, q, k, v, mask, y, stream);
-    return bf16 ? launch<128, B, true>(p, q, k, v, mask, y, stream) : launch<128, H, true>(p, q, k, v, mask, y, stream);
+    if (p.head_dim == 64) return bf16 ? launch<64, B, true>(p, q, k, v, mask, y, part, stream) : launch<64, H, true>(p, q, k, v, mask, y, part, stream);
+    return bf16 ? launch<128, B, true>(p, q, k, v, mask, y, part, stream) : launch<128, H, true>(p, q, k, v, mask, y, part, stream);
   }
-  if (p.head_dim == 64) return bf16 ? launch<64, B, false>(p, q, k, v, mask, y, stream) : launch<64, H, false>(p, q, k, v, mask, y, stream);
-  return bf16 ? launch<128, B, false>(p, q, k, v, mask, y, stream) : launch<128, H, false>(p, q, k, v, mask, y, stream);
+  if (p.head_dim == 64) return bf16 ? launch<64, B, false>(p, q, k, v, mask, y, part, stream) : launch<64, H, false>(p, q, k, v, mask, y, part, stream);
+  return bf16 ? launch<128, B, false>(p, q, k, v, mask, y, part, stream) : launch<128, H, false>(p, q, k, v, mask, y, part, stream);
 }
 
 }  // namespace turboquant::cuda::detail

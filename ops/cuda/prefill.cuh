@@ -1,4 +1,4 @@
-// The new tokens' own attention on tensor cores for calls with no past (prefill.cu).
+// The new tokens' own attention on tensor cores for calls of several query rows (prefill.cu).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -7,13 +7,15 @@
 
 namespace turboquant::cuda::detail {
 
-// Whether launch_prefill computes Y for these parameters and tensors: no past, several query rows,
-// fp16 or bf16, head size 64 or 128, rows at 16-byte boundaries (any mask TQAttention takes).
+// Whether launch_prefill takes these parameters and tensors: the planner's shapes
+// (new_tokens_on_tensor_cores), rows at 16-byte boundaries (any mask TQAttention takes).
 bool prefill_supported(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
                        const void* y);
-// Y of every query row over the call's new K/V (causal when p.is_causal, masked by mask where given),
-// as the merge of the finish kernel would write it.
+// Every query row's attention over the call's new K/V (causal when p.is_causal, masked by mask where
+// given, its columns after each sequence's past): Y, as the finish kernel's merge would write it, when
+// part is null; else (max, sum, acc[Dv]) per row at part, laid out as the split kernels' partial
+// results of one split (the finish kernel merges them with the past's).
 cudaError_t launch_prefill(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
-                           void* y, cudaStream_t stream);
+                           void* y, float* part, cudaStream_t stream);
 
 }  // namespace turboquant::cuda::detail

@@ -35,6 +35,12 @@ cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, c
 cudaError_t launch_mma_split(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
                              const uint8_t* past_value, float* partial, cudaStream_t stream);
 
+// A continuation chunk's query rows over the packed past in 64-row tiles (past_chunk.cu; plan.kernel
+// kTensorCoreChunk): MSE keys with uint values, head size 64 or 128, fp16 or bf16, no mask, every past
+// token visible to every row. It writes the same partials as split_kernel.
+cudaError_t launch_chunk_split(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
+                               const uint8_t* past_value, float* partial, cudaStream_t stream);
+
 #ifdef __CUDACC__
 // Programmatic dependent launch (sm_90; no-ops before): a kernel launched with
 // cudaLaunchAttributeProgrammaticStreamSerialization may start while the launch before it runs, once

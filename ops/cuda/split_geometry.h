@@ -106,4 +106,15 @@ TQ_HD int dynamic_bytes(int kb, int vb, int dv, int dp) {
 
 }  // namespace mma_geometry
 
+// ---- past_chunk.cu ------------------------------------------------------------------------------
+namespace chunk_geometry {
+
+constexpr int kRows = 64;  // query rows per block: 4 warps of one m-tile
+constexpr int kKeys = 64;  // past tokens per tile
+// Q, K and V tiles of d-element 16-bit rows, then per token the key scale, value scale and zero, and
+// the 16 centroids.
+TQ_HD constexpr int smem_bytes(int d) { return kRows * d * 2 + 2 * kKeys * d * 2 + 3 * kKeys * 4 + 16 * 4; }
+
+}  // namespace chunk_geometry
+
 }  // namespace turboquant::cuda::detail

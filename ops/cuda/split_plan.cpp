@@ -93,6 +93,23 @@ bool mma_takes(const AttentionParams& p, const DeviceProps& dev) {
   return p.dtype != DType::kFloat32;  // as the bulk kernel: fp16 weights
 }
 
+// Whether the chunk kernel takes this call: a continuation chunk of at least one block of 64 rows per
+// KV head, MSE keys with uint values, head size 64 or 128, fp16 or bf16, no mask, every past token
+// visible to every row, rows of even size (2-byte scales), within the device's shared memory; and
+// preallocated caches (TQGroupQueryAttention's buffers): over dense ones (TQAttention's past) it
+// measured slower than the bulk kernel at B = 1 (docs/performance.md, CUDA prefill).
+bool chunk_takes(const AttentionParams& p, const DeviceProps& dev) {
+  if (!is_mse(p.key_format) || !is_uint(p.value_format) || p.present_rows == 0) return false;
+  if (dev.cc_major < 8 || p.mask_type != MaskType::kNone) return false;
+  if (p.is_causal && p.new_len < p.q_len) return false;
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
+  if ((p.head_dim != 64 && p.head_dim != 128) || p.v_head_dim != p.head_dim) return false;
+  if (p.key_row() % 2 != 0 || p.value_row() % 2 != 0) return false;
+  const int64_t group = p.kv_heads > 0 ? p.q_heads / p.kv_heads : 1;
+  if (p.q_len * group < detail::chunk_geometry::kRows) return false;
+  return detail::chunk_geometry::smem_bytes(p.head_dim) <= dev.smem_optin;
+}
+
 // The query rows' blocks, the same for every kernel (the finish kernel merges the rows by them).
 SplitLayout row_layout(const AttentionParams& p) {
   SplitLayout l;
@@ -121,11 +138,17 @@ void split_past(const AttentionParams& p, int64_t target, int64_t unit, SplitLay
 
 }  // namespace
 
+bool new_tokens_on_tensor_cores(const AttentionParams& p) {
+  const bool half = p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16;
+  return half && (p.head_dim == 64 || p.head_dim == 128) && p.v_head_dim == p.head_dim && p.q_len > 1 && p.new_len > 0;
+}
+
 const char* split_kernel_name(SplitKernel k) {
   switch (k) {
     case SplitKernel::kTensorCoreBulk: return "tc_bulk";
     case SplitKernel::kTensorCoreMma: return "tc_mma";
     case SplitKernel::kCudaCore: return "cuda_core";
+    case SplitKernel::kTensorCoreChunk: return "tc_chunk";
     default: return "none";
   }
 }
@@ -137,7 +160,14 @@ SplitPlan plan_split(const AttentionParams& p, bool caches_aligned16, const Devi
   if (p.q_len == 0 || p.past_len == 0 || p.batch == 0) return plan;  // the finish kernel alone
   const int64_t base = p.batch * p.kv_heads * l.row_blocks;
   const int sms = dev.sms > 0 ? dev.sms : 1;
-  if (const int warps = tc_bulk_warps(p, caches_aligned16, dev); warps > 0) {
+  if (chunk_takes(p, dev)) {
+    // 64-row tiles of the chunk's rows, and the past split until about four blocks per SM
+    plan.kernel = SplitKernel::kTensorCoreChunk;
+    l.rows_per_block = detail::chunk_geometry::kRows;
+    l.row_blocks = static_cast<int>((l.rows + l.rows_per_block - 1) / l.rows_per_block);
+    plan.smem = detail::chunk_geometry::smem_bytes(p.head_dim);
+    split_past(p, 4LL * sms, detail::chunk_geometry::kKeys, &l);
+  } else if (const int warps = tc_bulk_warps(p, caches_aligned16, dev); warps > 0) {
     // 16 (or 8) warps of 32-token tiles per block and one wave of blocks, one per SM, each walking a
     // long slice of at least a tile per warp (at B=1, S=4096, 256-token splits left half of the
     // warps idle and twice the partial results to merge)
@@ -153,7 +183,13 @@ SplitPlan plan_split(const AttentionParams& p, bool caches_aligned16, const Devi
     l.buffers = l.stage_bytes > 0 && l.split_len > kCudaCoreTile ? 2 : 1;  // double-buffer when a block takes several tiles
     plan.smem = plan.kernel == SplitKernel::kTensorCoreMma ? mma_dynamic_bytes(p) : l.buffers * l.stage_bytes;
   }
-  plan.workspace = static_cast<size_t>(p.batch * p.kv_heads * l.rows * l.splits * (2 + p.v_head_dim)) * sizeof(float);
+  const size_t row_bytes = static_cast<size_t>(2 + p.v_head_dim) * sizeof(float), rows = static_cast<size_t>(p.batch * p.kv_heads * l.rows);
+  plan.workspace = rows * l.splits * row_bytes;
+  plan.new_part = new_tokens_on_tensor_cores(p);
+  if (plan.new_part) {
+    plan.new_part_offset = (plan.workspace + 255) / 256 * 256;
+    plan.workspace = plan.new_part_offset + rows * row_bytes;
+  }
   return plan;
 }
 

@@ -29,9 +29,10 @@ bool parse_mask(const char* s, turboquant::MaskType* m) {
 }  // namespace
 
 // shape: batch, q_heads, kv_heads, q_len, new_len, past_len, head_dim, v_head_dim, is_causal,
-// key_row_bytes, value_row_bytes (0: the formats' sizes), caches 16-byte aligned (0/1);
+// key_row_bytes, value_row_bytes (0: the formats' sizes), caches 16-byte aligned (0/1), rows of the
+// preallocated buffers (0: dense caches);
 // device: sms, smem_optin, cc_major, cc_minor; out: splits, split_len, rows_per_block, row_blocks,
-// warps, smem, workspace. Returns the kernel's name, or nullptr for a name it does not know
+// warps, smem, workspace, new_part (0/1), new_part_offset. Returns the kernel's name, or nullptr for a name it does not know
 // (format, dtype, mask) or shapes out of range.
 extern "C" __attribute__((visibility("default"))) const char* turboquant_split_plan(
     const char* key_format, const char* value_format, const char* dtype, const char* mask, const int64_t* shape,
@@ -42,7 +43,7 @@ extern "C" __attribute__((visibility("default"))) const char* turboquant_split_p
   p.value_format = parse_format(value_format);
   if (p.key_format == Format::kInvalid || p.value_format == Format::kInvalid) return nullptr;
   if (!parse_dtype(dtype, &p.dtype) || !parse_mask(mask, &p.mask_type)) return nullptr;
-  for (int i = 0; i < 11; ++i) {
+  for (int i = 0; i < 13; ++i) {
     if (shape[i] < 0) return nullptr;
   }
   p.batch = shape[0], p.q_heads = shape[1], p.kv_heads = shape[2], p.q_len = shape[3], p.new_len = shape[4];
@@ -52,12 +53,14 @@ extern "C" __attribute__((visibility("default"))) const char* turboquant_split_p
   p.head_dim = static_cast<int>(shape[6]), p.v_head_dim = static_cast<int>(shape[7]);
   p.is_causal = shape[8] != 0;
   p.key_row_bytes = shape[9], p.value_row_bytes = shape[10];
+  p.past_rows = p.present_rows = shape[12];
   cuda::DeviceProps dev;
   dev.sms = static_cast<int>(device[0]), dev.smem_optin = static_cast<int>(device[1]);
   dev.cc_major = static_cast<int>(device[2]), dev.cc_minor = static_cast<int>(device[3]);
   const cuda::SplitPlan plan = cuda::plan_split(p, shape[11] != 0, dev);
   out[0] = plan.layout.splits, out[1] = plan.layout.split_len, out[2] = plan.layout.rows_per_block;
   out[3] = plan.layout.row_blocks, out[4] = plan.warps, out[5] = plan.smem, out[6] = static_cast<int64_t>(plan.workspace);
+  out[7] = plan.new_part ? 1 : 0, out[8] = static_cast<int64_t>(plan.new_part_offset);
   return cuda::split_kernel_name(plan.kernel);
 }
 

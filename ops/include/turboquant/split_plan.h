@@ -17,8 +17,9 @@ enum class SplitKernel : int {
   kTensorCoreBulk,  // attention_tc.cu: one block per SM, warps on 32-token tiles (bulk copies on sm_90)
   kTensorCoreMma,   // attention_mma.cu: MSE keys and uint values the first does not take
   kCudaCore,        // attention.cu's split_kernel: every call (masks, float32, any format pair)
+  kTensorCoreChunk,  // past_chunk.cu: a continuation chunk's rows (64 or more per KV head) in 64-row tiles
 };
-// "none", "tc_bulk", "tc_mma", "cuda_core": the names tests and logs use.
+// "none", "tc_bulk", "tc_mma", "cuda_core", "tc_chunk": the names tests and logs use.
 const char* split_kernel_name(SplitKernel k);
 
 // What the plan needs of the device (the launchers ask the driver for them once per device).
@@ -30,7 +31,7 @@ struct DeviceProps {
 
 // How the past is split among the blocks of a split kernel (and the finish kernel's query rows).
 struct SplitLayout {
-  int rows_per_block = 1;  // 1, 2, 4 or 8: the query rows a split block scores together
+  int rows_per_block = 1;  // 1, 2, 4 or 8 (64 for the chunk kernel): the query rows a split block scores together
   int stage_bytes = 0;  // CUDA-core kernel: shared memory staging a tile's packed K and V (0: none)
   int buffers = 1;  // CUDA-core kernel: 2 when the next tile is fetched while this one is computed
   int group = 1;  // Hq / Hkv
@@ -45,8 +46,18 @@ struct SplitPlan {
   SplitLayout layout;
   int warps = 0;  // tensor-core bulk kernel: warps per block (16, 8 or 4)
   int smem = 0;   // dynamic shared memory of the split launch, in bytes
-  size_t workspace = 0;  // bytes of partial results the split kernel writes and the finish kernel merges
+  // The new tokens' part of a call over a past (a continuation chunk) is one more partial result that
+  // prefill.cu writes after the split kernel's, where new_tokens_on_tensor_cores (else the finish
+  // kernel attends each row's new tokens itself); its rows follow the split kernel's in the workspace.
+  bool new_part = false;
+  size_t new_part_offset = 0;  // bytes into the workspace
+  size_t workspace = 0;  // bytes of partial results the split kernel (and prefill.cu) write and the finish kernel merges
 };
+
+// Whether the new tokens' own attention of a call runs on tensor cores (prefill.cu), by its shapes:
+// several query rows, fp16 or bf16, head size 64 or 128 for keys and values alike. (The launcher also
+// needs the tensors' rows at 16-byte boundaries.)
+bool new_tokens_on_tensor_cores(const AttentionParams& p);
 
 // caches_aligned16: past_key and past_value start at multiples of 16 bytes (the tensor-core bulk
 // kernel copies fp8 and raw16 rows in swizzled 16-byte chunks).

@@ -111,6 +111,38 @@ def test_causal_prompt_chunks_over_a_past_keep_the_cuda_core_kernel():
     assert plan_split(**base, q_len=4, new_len=2).kernel == "cuda_core"
 
 
+def test_continuation_chunks_take_the_new_tokens_part_from_tensor_cores():
+    """Several query rows over a past: their new tokens attended by prefill.cu (fp16 or bf16, head size
+    64 or 128), each row's part one more partial result; a decode step's one new token, float32 and
+    other head sizes by the finish kernel's merge."""
+    chunk = dict(PRESET, batch=1, key_format="mse4", value_format="uint4", is_causal=True, q_len=512)
+    assert plan_split(**chunk).new_part and plan_split(**{**chunk, "dtype": "bfloat16"}).new_part
+    assert plan_split(**chunk, mask="bool").new_part
+    assert not plan_split(**{**chunk, "q_len": 1}).new_part
+    assert not plan_split(**{**chunk, "dtype": "float32"}).new_part
+    assert not plan_split(**{**chunk, "head_dim": 80}).new_part
+
+
+def test_chunks_of_a_tile_of_rows_take_the_chunk_kernel():
+    """64 or more query rows per KV head over a past in preallocated buffers, MSE keys with uint values
+    at head size 64 or 128: the chunk kernel's 64-row tiles, the past split until about four blocks per
+    SM; else the split kernels (dense caches, fewer rows, fp8 keys, masks, float32, causal rows over
+    fewer new tokens)."""
+    chunk = dict(PRESET, batch=1, key_format="mse4", value_format="uint4", is_causal=True, q_len=512, buffer_rows=33280)
+    assert plan_split(**{**chunk, "buffer_rows": 0}).kernel == "tc_bulk"
+    plan = plan_split(**chunk)
+    assert (plan.kernel, plan.rows_per_block, plan.row_blocks) == ("tc_chunk", 64, 512 * 4 // 64)
+    assert plan.split_len % 64 == 0 and plan.splits * plan.split_len >= 32768 and plan.splits * 8 * plan.row_blocks >= 4 * 132
+    assert plan_split(**{**chunk, "head_dim": 64, "key_format": "mse3", "value_format": "uint3"}).kernel == "tc_chunk"
+    assert plan_split(**{**chunk, "q_len": 16}).kernel == "tc_chunk"  # 64 rows
+    assert plan_split(**{**chunk, "q_len": 15}).kernel == "tc_bulk"
+    assert plan_split(**{**chunk, "key_format": "fp8"}).kernel == "tc_bulk"
+    assert plan_split(**chunk, mask="bool").kernel == "cuda_core"
+    assert plan_split(**{**chunk, "dtype": "float32"}).kernel == "cuda_core"
+    assert plan_split(**{**chunk, "new_len": 100}).kernel == "cuda_core"
+    assert plan_split(**{**chunk, "head_dim": 80}).kernel == "tc_mma"
+
+
 def test_smaller_devices():
     """sm_80's 163 KiB take 8-warp mse4 blocks; sm_89's 99 KiB none (the mma kernel instead); the
     fp8 pair's smaller buffers fit 16 warps on sm_80."""
@@ -163,7 +195,14 @@ def test_every_plan_covers_the_past_in_whole_units(batch, kv_heads, group, q_len
     assert plan.split_len % unit == 0 and plan.splits * plan.split_len >= past_len
     assert (plan.splits - 1) * plan.split_len < past_len
     rows = q_len * group
-    assert plan.row_blocks * plan.rows_per_block >= rows and plan.workspace == batch * kv_heads * rows * plan.splits * (2 + head_dim) * 4
+    part_bytes = batch * kv_heads * rows * (2 + head_dim) * 4
+    assert plan.row_blocks * plan.rows_per_block >= rows
+    assert plan.new_part == (q_len > 1 and dtype != "float32" and head_dim in (64, 128))
+    if plan.new_part:  # the new tokens' part after the splits', at a 256-byte boundary
+        assert plan.new_part_offset % 256 == 0 and plan.splits * part_bytes <= plan.new_part_offset < plan.splits * part_bytes + 256
+        assert plan.workspace == plan.new_part_offset + part_bytes
+    else:
+        assert plan.workspace == plan.splits * part_bytes
     limit = 48 * 1024 - 10400 if plan.kernel == "tc_mma" else device.smem_optin - 1024
     assert 0 <= plan.smem <= limit
     if dtype == "float32":

@@ -170,6 +170,42 @@ def test_first_prompt(ort_session, device, sq, d, dtype, layout, causal, kf, vf,
     check_case(ort_session, c, device=device)
 
 
+@pytest.mark.parametrize("sq, sp, d, dtype, layout, causal, kf, vf, mask, mask_shape", [
+    (300, 777, 128, TensorProto.FLOAT16, "bsd", True, "mse4", "uint4", None, "full"),
+    (257, 100, 64, TensorProto.BFLOAT16, "bhsd", True, "mse3", "uint3", None, "full"),
+    (130, 513, 128, TensorProto.BFLOAT16, "bsd", False, "fp8", "uint4", None, "full"),
+    (200, 1000, 128, TensorProto.FLOAT16, "bsd", True, "mse4", "uint4", "float", "b1qk"),
+    (150, 31, 64, TensorProto.FLOAT16, "bsd", False, "mse4", "uint4", "bool", "full"),
+    (129, 64, 128, TensorProto.BFLOAT16, "bhsd", True, "raw16", "raw16", "float16", "k"),
+])
+def test_continuation_chunk(ort_session, device, sq, sp, d, dtype, layout, causal, kf, vf, mask, mask_shape):
+    """A chunk of many new tokens over a packed past, with key and value offsets (on CUDA the new
+    tokens' part on tensor cores, one more partial result merged with the past's, whose scores are of
+    the keys less their offset), with and without masks (a mask's columns after the past)."""
+    c = dict(b=2, hkv=2, group=4, sq=sq, sp=sp, d=d, kf=kf, vf=vf, dtype=dtype, layout=layout, mask=mask,
+             mask_shape=mask_shape, causal=causal, scale=None, offsets=True, nc=True, values="normal", seed=sq + sp)
+    check_case(ort_session, c, device=device)
+
+
+@pytest.mark.parametrize("change, want", [
+    ({}, "tc_bulk"),
+    ({"kf": "mse3", "vf": "uint3", "d": 64, "dtype": TensorProto.BFLOAT16}, "tc_bulk"),
+    ({"vf": "uint3", "causal": False}, "tc_mma"),
+    ({"kf": "fp8"}, "tc_bulk"),
+    ({"sq": 15}, "tc_bulk"),
+    ({"mask": "bool"}, "cuda_core"),
+])
+def test_continuation_chunks_run_the_planned_kernel_on_cuda(ort_session, cuda_ready, split_kernel_ran, change, want):
+    """A chunk of many new tokens over a dense past of 1000 on the GPU: its output equals the
+    reference's and the split kernel that ran is the planner's (the decode kernels: the chunk kernel
+    takes preallocated caches only, test_tq_gqa.py)."""
+    c = {**dict(b=2, hkv=2, group=4, sq=200, sp=1000, d=128, kf="mse4", vf="uint4", dtype=TensorProto.FLOAT16,
+                layout="bsd", mask=None, mask_shape="full", causal=True, scale=None, offsets=True, nc=True,
+                values="normal", seed=5), **change}
+    check_case(ort_session, c, device="cuda")
+    split_kernel_ran(want, **planned_call(c))
+
+
 @pytest.mark.parametrize("change, want", [
     ({}, "tc_bulk"),
     ({"kf": "fp8"}, "tc_bulk"),

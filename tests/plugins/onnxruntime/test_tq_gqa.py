@@ -132,7 +132,7 @@ def planned_call(c, feeds):
     past = 0 if c["first"] else int(feeds["total_sequence_length"]) - c["s"]
     return dict(batch=c["b"], q_heads=c["hkv"] * c["group"], kv_heads=c["hkv"], q_len=c["s"], past_len=past,
                 head_dim=c["d"], key_format=kf, value_format=vf, dtype=DTYPE_NAMES[c["dtype"]], is_causal=True,
-                key_row_bytes=width, value_row_bytes=width)
+                key_row_bytes=width, value_row_bytes=width, buffer_rows=feeds["past_key"].shape[2])
 
 
 def run_shared(session, feeds, device):
@@ -298,6 +298,28 @@ def test_first_prompt_of_several_tiles(ort_session, device, b, s, d, formats, ro
              offsets=False, seed=s)
     model, feeds = make(c)
     y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
+    check_outputs(c, y, pk, pv, reference(c, feeds))
+
+
+@pytest.mark.parametrize("b, s, d, formats, rotary, dtype, offsets, want", [
+    (3, 300, 128, ("mse4", "uint4"), 64, TensorProto.FLOAT16, True, "tc_chunk"),
+    (1, 257, 64, ("mse3", "uint3"), 0, TensorProto.FLOAT16, False, "tc_chunk"),
+    (2, 130, 128, ("fp8", "uint4"), 128, TensorProto.FLOAT16, True, "tc_bulk"),
+    (2, 200, 128, ("raw16", "raw16"), 0, TensorProto.FLOAT16, False, "tc_bulk"),
+])
+def test_continuation_chunk_of_several_tiles(ort_session, device, split_kernel_ran, b, s, d, formats, rotary, dtype,
+                                             offsets, want):
+    """A chunk of many new tokens over pasts of different lengths (on CUDA the past by the chunk
+    kernel's 64-row tiles where it takes the formats, the new tokens' part on tensor cores, merged by
+    log-sum-exp), with key and value offsets; the new rows and outputs equal the reference's."""
+    lengths = [s + 700 - 311 * i for i in range(b)]
+    c = dict(b=b, s=s, first=False, capacity=s + 709, lengths=lengths, d=d, hkv=2, group=4, formats=formats, pad=0,
+             packed=False, rotary=rotary, interleaved=False, position_ids=False, dtype=dtype, nc=True, offsets=offsets,
+             seed=s)
+    model, feeds = make(c)
+    y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
+    if device == "cuda":
+        split_kernel_ran(want, **planned_call(c, feeds))
     check_outputs(c, y, pk, pv, reference(c, feeds))
 
 

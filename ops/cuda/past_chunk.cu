@@ -1,0 +1,266 @@
+// A continuation chunk's query rows over the packed past on tensor cores (plan kTensorCoreChunk):
+// flash-attention tiles of 64 query rows (the GQA group's heads at consecutive positions, all of one
+// KV head) against 64-token tiles of the past, decoded once per block into shared memory and shared
+// by its rows. MSE keys are scored in the rotated domain: the block rotates its query rows once
+// (q H / sqrt(Dp)), the key tile holds the codebook's centroids and each token's scale (s / sqrt(Dp))
+// multiplies its score; uint values enter as their codes, each token's value scale multiplying its
+// weight and its zero adding weight x zero to every column. Each block takes one slice (split) of the
+// past and writes the split kernels' partial results, which the finish kernel merges with the new
+// tokens' part (prefill.cu).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "flash_tile.cuh"
+#include "split_common.cuh"
+#include "split_geometry.h"
+#include "turboquant/vector_codec.h"
+
+namespace turboquant::cuda::detail {
+namespace {
+
+using namespace flash;  // the tile steps shared with prefill.cu
+
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = chunk_geometry::kRows;  // one m-tile per warp: room for the next tile's bytes in registers
+static_assert(kRows == 16 * kWarps && chunk_geometry::kKeys == kKeys, "the planner's geometry is the kernel's");
+
+template <int D>
+constexpr int tile_bytes() {
+  return kKeys * D * 2;
+}
+template <int D>
+constexpr int smem_bytes() {
+  return chunk_geometry::smem_bytes(D);
+}
+
+// Bytes [at, at + n) of a packed row (n <= 4) as a little-endian word: one load where `words`.
+template <int kBytes>
+__device__ __forceinline__ uint32_t load_word(const uint8_t* at, bool words) {
+  if (kBytes == 4 && words) return __ldg(reinterpret_cast<const uint32_t*>(at));
+  uint32_t w = 0;
+#pragma unroll
+  for (int u = 0; u < kBytes; ++u) w |= static_cast<uint32_t>(__ldg(at + u)) << (8 * u);
+  return w;
+}
+__device__ __forceinline__ float load_half(const uint8_t* at) {
+  return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(at))));
+}
+
+// One thread's share of a tile's packed bytes, loaded a tile ahead: 8 codes of one row per item.
+template <int D>
+struct Raw {
+  static constexpr int kItems = kKeys * (D / 8) / kThreads;
+  uint32_t k[kItems], v[kItems];
+  float ks = 0.0f, vs = 0.0f, vz = 0.0f;  // thread t < kKeys: token t's key scale, value scale, zero
+};
+
+template <int D, int KB, int VB, typename T>
+__global__ void __launch_bounds__(kThreads)
+    past_chunk_kernel(AttentionParams p, Layout l, const T* q, const uint8_t* past_key, const uint8_t* past_value,
+                      float* partial, bool q_vectors, bool key_words, bool value_words) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t q_at = smem_u32(smem), k_at = q_at + kRows * D * 2, v_at = k_at + tile_bytes<D>();
+  float* key_scale = reinterpret_cast<float*>(smem + kRows * D * 2 + 2 * tile_bytes<D>());
+  float* value_scale = key_scale + kKeys;
+  float* value_zero = value_scale + kKeys;
+  float* centroid = value_zero + kKeys;
+  uint8_t* k_tile = smem + kRows * D * 2;
+  uint8_t* v_tile = k_tile + tile_bytes<D>();
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t bh = blockIdx.z, b = bh / p.kv_heads, hkv = bh % p.kv_heads;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const int split = blockIdx.y;
+  const int64_t past = p.past_of(b), begin = split * l.split_len;
+  const int64_t end = min(past, begin + l.split_len);
+  const int tiles = end > begin ? static_cast<int>((end - begin + kKeys - 1) / kKeys) : 0;
+  const int64_t kb = p.key_row(), vb = p.value_row();
+  const uint8_t* keys = past_key + (bh * p.past_rows_or_len() + begin) * kb;
+  const uint8_t* vals = past_value + (bh * p.past_rows_or_len() + begin) * vb;
+  constexpr int kCodeBytes = D * KB / 8, kValueBytes = D * VB / 8;
+
+  grid_dependency_wait();  // the past may be the copy kernel's present
+  if (tid < (1 << KB)) centroid[tid] = static_cast<float>(codec::centroids(KB)[tid]);
+
+  // the query rows: row r is head hkv * group + r % group at position r / group
+  for (int i = tid; i < kRows * (D / 8); i += kThreads) {
+    const int r = i / (D / 8), c = i % (D / 8);
+    const int64_t row = r0 + r, pos = row / l.group, hq = hkv * l.group + row % l.group;
+    uint4 w = make_uint4(0, 0, 0, 0);
+    if (row < l.rows) {
+      const T* src = q + b * p.q.b + hq * p.q.h + pos * p.q.s + c * 8;
+      if (q_vectors) {
+        w = *reinterpret_cast<const uint4*>(src);
+      } else {
+        T e[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) e[u] = src[u];
+        w = *reinterpret_cast<const uint4*>(e);
+      }
+    }
+    *reinterpret_cast<uint4*>(smem + tile_offset<D>(r, c)) = w;
+  }
+  __syncthreads();
+  // rotated in place, a warp per row: lane holds kE consecutive elements; the butterflies below kE
+  // in registers, the others across lanes (codec::fwht_inplace's order), then scaled by 1/sqrt(Dp)
+  constexpr int kE = D / 32;
+  for (int r = warp; r < kRows; r += kWarps) {
+    uint8_t* at = smem + tile_offset<D>(r, lane * kE / 8) + (lane * kE % 8) * 2;
+    float x[kE];
+#pragma unroll
+    for (int u = 0; u < kE; ++u) x[u] = static_cast<float>(reinterpret_cast<T*>(at)[u]);
+#pragma unroll
+    for (int h = 1; h < kE; h <<= 1) {
+#pragma unroll
+      for (int u = 0; u < kE; ++u) {
+        if ((u & h) == 0) {
+          const float a = x[u], c = x[u + h];
+          x[u] = a + c;
+          x[u + h] = a - c;
+        }
+      }
+    }
+#pragma unroll
+    for (int h = kE; h < D; h <<= 1) {
+      const int mask = h / kE;
+#pragma unroll
+      for (int u = 0; u < kE; ++u) {
+        const float other = __shfl_xor_sync(0xffffffffu, x[u], mask);
+        x[u] = (lane & mask) ? other - x[u] : x[u] + other;
+      }
+    }
+    constexpr float kNorm = D == 128 ? 0.08838834764831845f : 0.125f;  // 1 / sqrt(D)
+#pragma unroll
+    for (int u = 0; u < kE; ++u) reinterpret_cast<T*>(at)[u] = static_cast<T>(x[u] * kNorm);
+  }
+  __syncthreads();
+  constexpr bool kQInRegisters = D == 64;  // at 128 its 32 registers would spill beside the next tile's bytes
+  uint32_t qf[kQInRegisters ? D / 16 : 1][4];
+  if constexpr (kQInRegisters) {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qf[ks], q_at + tile_offset<D>(warp * 16 + lane % 16, 2 * ks + lane / 16));
+  }
+
+  Raw<D> raw;
+  const auto fetch = [&](int j) {  // tile j's bytes into registers; tokens at or past `end` as zeros
+    const int64_t t0 = static_cast<int64_t>(j) * kKeys;
+#pragma unroll
+    for (int u = 0; u < Raw<D>::kItems; ++u) {
+      const int i = tid + u * kThreads, t = i / (D / 8), c = i % (D / 8);
+      const bool on = begin + t0 + t < end;
+      raw.k[u] = on ? load_word<KB>(keys + (t0 + t) * kb + c * KB, key_words) : 0u;
+      raw.v[u] = on ? load_word<VB>(vals + (t0 + t) * vb + c * VB, value_words) : 0u;
+    }
+    if (tid < kKeys) {
+      const bool on = begin + t0 + tid < end;
+      const uint8_t* kr = keys + (t0 + tid) * kb;
+      const uint8_t* vr = vals + (t0 + tid) * vb;
+      raw.ks = on ? load_half(kr + kCodeBytes) * (D == 128 ? 0.08838834764831845f : 0.125f) : 0.0f;
+      raw.vs = on ? load_half(vr + kValueBytes) : 0.0f;
+      raw.vz = on ? load_half(vr + kValueBytes + 2) : 0.0f;
+    }
+  };
+  if (tiles > 0) fetch(0);
+
+  const float scale = p.scale * 1.4426950408889634f;  // scores in log2 units: exp2 instead of exp
+  float o[1][D / 8][4] = {};
+  float m[1][2] = {{-INFINITY, -INFINITY}}, lsum[1][2] = {{0.0f, 0.0f}}, zsum[2] = {0.0f, 0.0f};
+  constexpr uint32_t kKeyMask = (1u << KB) - 1, kValueMask = (1u << VB) - 1;
+  for (int j = 0; j < tiles; ++j) {
+    __syncthreads();  // every warp is done with tile j - 1
+#pragma unroll
+    for (int u = 0; u < Raw<D>::kItems; ++u) {
+      const int i = tid + u * kThreads, t = i / (D / 8), c = i % (D / 8);
+      uint32_t kh[4], vh[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        kh[e] = Mma<T>::pack(centroid[(raw.k[u] >> (KB * 2 * e)) & kKeyMask], centroid[(raw.k[u] >> (KB * (2 * e + 1))) & kKeyMask]);
+        vh[e] = Mma<T>::pack(static_cast<float>((raw.v[u] >> (VB * 2 * e)) & kValueMask),
+                             static_cast<float>((raw.v[u] >> (VB * (2 * e + 1))) & kValueMask));
+      }
+      *reinterpret_cast<uint4*>(k_tile + tile_offset<D>(t, c)) = make_uint4(kh[0], kh[1], kh[2], kh[3]);
+      *reinterpret_cast<uint4*>(v_tile + tile_offset<D>(t, c)) = make_uint4(vh[0], vh[1], vh[2], vh[3]);
+    }
+    if (tid < kKeys) key_scale[tid] = raw.ks, value_scale[tid] = raw.vs, value_zero[tid] = raw.vz;
+    const int64_t t0 = static_cast<int64_t>(j) * kKeys;
+    if (j + 1 < tiles) fetch(j + 1);  // in flight while this tile is computed
+    __syncthreads();
+
+    float s[1][kKeys / 8][4];
+    flash::scores<D, 1, kQInRegisters, T>(s, qf, q_at, k_at, warp * 16, lane);
+#pragma unroll
+    for (int nt = 0; nt < kKeys / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = flash::key_of(nt, e, lane);
+        s[0][nt][e] = begin + t0 + t < end ? s[0][nt][e] * key_scale[t] * scale : -INFINITY;
+      }
+    }
+    float alpha[1][2];
+    flash::softmax_step<D, 1>(s, m, lsum, o, alpha);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) zsum[h] *= alpha[0][h];
+#pragma unroll
+    for (int nt = 0; nt < kKeys / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = flash::key_of(nt, e, lane);
+        zsum[e >> 1] += s[0][nt][e] * value_zero[t];
+        s[0][nt][e] *= value_scale[t];
+      }
+    }
+    flash::add_values<D, 1, T>(o, s, v_at, lane);
+  }
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float sum = flash::quad_sum(lsum[0][h]), zero = flash::quad_sum(zsum[h]);
+    const int64_t row = r0 + warp * 16 + flash::row_of(0, 2 * h, lane);
+    if (row >= l.rows) continue;
+    flash::store_partial<D, 1>(partial + ((bh * l.rows + row) * l.splits + split) * partial_stride(D), o, m[0][h], sum, 0,
+                               h, lane, zero);
+  }
+}
+
+template <int D, int KB, int VB, typename T>
+cudaError_t launch(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
+                   const uint8_t* past_value, float* partial, cudaStream_t stream) {
+  auto* kernel = past_chunk_kernel<D, KB, VB, T>;
+  static SharedMemoryOptIn opt_in;
+  cudaError_t e = opt_in.raise(reinterpret_cast<const void*>(kernel), smem_bytes<D>());
+  if (e != cudaSuccess) return e;
+  const Layout& l = plan.layout;
+  const auto aligned = [](const void* ptr, int bytes) { return (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0; };
+  const bool q_vectors = aligned(q, 16) && p.q.b % 8 == 0 && p.q.h % 8 == 0 && p.q.s % 8 == 0;
+  const bool key_words = aligned(past_key, 4) && p.key_row() % 4 == 0 && KB == 4;
+  const bool value_words = aligned(past_value, 4) && p.value_row() % 4 == 0 && VB == 4;
+  const dim3 grid(static_cast<unsigned>(l.row_blocks), static_cast<unsigned>(l.splits), static_cast<unsigned>(p.batch * p.kv_heads));
+  return launch_dependent(kernel, grid, dim3(kThreads), smem_bytes<D>(), stream, p, l, static_cast<const T*>(q), past_key,
+                          past_value, partial, q_vectors, key_words, value_words);
+}
+
+template <int D, typename T>
+cudaError_t launch_formats(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
+                           const uint8_t* past_value, float* partial, cudaStream_t stream) {
+  const int kb = format_bits(p.key_format), vb = format_bits(p.value_format);
+  if (kb == 4 && vb == 4) return launch<D, 4, 4, T>(p, plan, q, past_key, past_value, partial, stream);
+  if (kb == 3 && vb == 4) return launch<D, 3, 4, T>(p, plan, q, past_key, past_value, partial, stream);
+  if (kb == 3 && vb == 3) return launch<D, 3, 3, T>(p, plan, q, past_key, past_value, partial, stream);
+  return launch<D, 4, 3, T>(p, plan, q, past_key, past_value, partial, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_chunk_split(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
+                               const uint8_t* past_value, float* partial, cudaStream_t stream) {
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  if (p.head_dim == 64) {
+    return bf16 ? launch_formats<64, __nv_bfloat16>(p, plan, q, past_key, past_value, partial, stream)
+                : launch_formats<64, __half>(p, plan, q, past_key, past_value, partial, stream);
+  }
+  return bf16 ? launch_formats<128, __nv_bfloat16>(p, plan, q, past_key, past_value, partial, stream)
+              : launch_formats<128, __half>(p, plan, q, past_key, past_value, partial, stream);
+}
+
+}  // namespace turboquant::cuda::detail
