@@ -34,7 +34,7 @@ for v in base $variants; do
   name=${v%%:*}
   [[ $v == *:* ]] && IFS=, read -r -a vflags <<< "${v#*:}"
   mkdir -p "$tmp/$name"
-  for f in ops/cuda/attention.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/gqa.cu ops/cuda/prefill.cu ops/cuda/past_chunk.cu scripts/cuda_attention_probe.cu; do
+  for f in ops/cuda/attention.cu ops/cuda/attention_split.cu ops/cuda/finish.cu ops/cuda/copy.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/gqa.cu ops/cuda/prefill.cu ops/cuda/past_chunk.cu scripts/cuda_attention_probe.cu; do
     "$nvcc" "${flags[@]}" "${vflags[@]}" -c "$f" -o "$tmp/$name/$(basename "$f" .cu).o" &
   done
   # the planner sizes the kernels' launches: built with the same flags (TQ_TC_WARPS)

@@ -3,7 +3,7 @@
 // scales), one new token, fp16 Q/K/V; any format pair (raw16 raw16: genai's boundary layers). Prints
 // the split kernel that ran and the planner's layout.
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/split_plan.cpp \
-//        ops/cuda/attention.cu ops/cuda/prefill.cu ops/cuda/past_chunk.cu ops/cuda/pack.cu ops/cpu/attention.cpp ops/cpu/pack.cpp -o /tmp/probe
+//        ops/cuda/attention.cu ops/cuda/attention_split.cu ops/cuda/finish.cu ops/cuda/copy.cu ops/cuda/prefill.cu ops/cuda/past_chunk.cu ops/cuda/pack.cu ops/cpu/attention.cpp ops/cpu/pack.cpp -o /tmp/probe
 //   /tmp/probe B S key_format value_format [iters] [pad] [width] [inplace] [rotary] [shift]
 //   pad: rows of capacity past S in the past caches; width: bytes per cache row (0: the packed
 //   sizes); inplace 1: past and present share buffers of S + pad + 1 rows, as TQGroupQueryAttention

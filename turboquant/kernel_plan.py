@@ -4,7 +4,8 @@
 on machines without a GPU) what it chooses for given shapes and device properties; `last_split_kernel`
 names the kernel the process's latest CUDA attention call ran. Kernel names: "tc_bulk" (the
 tensor-core kernel of ops/cuda/attention_tc.cu), "tc_mma" (attention_mma.cu), "cuda_core"
-(attention.cu's split kernel) and "none" (no past or no query rows: no split kernel).
+(attention_split.cu's split kernel), "tc_chunk" (past_chunk.cu) and "none" (no past or no query rows:
+no split kernel).
 """
 
 from __future__ import annotations

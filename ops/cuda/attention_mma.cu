@@ -1,5 +1,5 @@
 // The first split-KV attention kernel on tensor cores, for MSE keys and uint values: the same blocks
-// and partial results as split_kernel (attention.cu), fewer instructions per token. The presets'
+// and partial results as split_kernel (attention_split.cu), fewer instructions per token. The presets'
 // usual shapes go to attention_tc.cu; this one keeps what that one does not take (head sizes 80
 // and 96, where the padded key length differs from the value head size; MSE 4-bit keys with uint3
 // values).

@@ -1,6 +1,6 @@
 // The split-KV decode kernel for the presets' format pairs on tensor cores: MSE 4-bit, MSE 3-bit or
 // fp8 keys with uint4 values, MSE 3-bit keys with uint3 values, key and value head size 64, 128 or
-// 256. It writes the same partial results as split_kernel (attention.cu); the finish kernel merges
+// 256. It writes the same partial results as split_kernel (attention_split.cu); the finish kernel merges
 // them.
 //
 // Tokens are the M dimension of every product, so a 16-token tile fills the m16n8k16 rows and the

@@ -1,5 +1,5 @@
 // Packing of vectors on the GPU, one warp per vector, shared by TQPack (pack.cu) and the packing
-// of the new tokens into the present cache (attention.cu): the same operations in the same order as
+// of the new tokens into the present cache (finish.cu): the same operations in the same order as
 // the CPU codec (turboquant/vector_codec.h), the butterflies of the rotation spread over the lanes,
 // the norm's sum of squares as lane partial sums and a shuffle butterfly, the order the codec
 // fixes; so the bytes are identical to the CPU kernels'.

@@ -3,7 +3,7 @@
 // 64 keys in shared memory, scores and P.V on tensor cores (mma.sync m16n8k16, fp32 accumulators),
 // an online softmax in registers; no [Sq x Skv] buffer. With no past (a first prompt) it writes Y;
 // over a packed past (a continuation chunk) it writes each row's (max, sum, acc) as one more partial
-// result, which the finish kernel of attention.cu merges with the split kernel's by log-sum-exp. The
+// result, which the finish kernel (finish.cu) merges with the split kernel's by log-sum-exp. The
 // finish kernel also packs the new K/V into present, as for any call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,6 +1,6 @@
-// What the split-KV attention kernels share (ops/cuda/attention.cu, attention_mma.cu and
-// attention_tc.cu): how the past is split into blocks, and the partial results the merge kernel
-// combines.
+// What the split-KV attention kernels share (ops/cuda/attention_split.cu, attention_mma.cu,
+// attention_tc.cu and past_chunk.cu): how the past is split into blocks, and the partial results the
+// merge kernel combines.
 #pragma once
 
 #include <cuda_pipeline.h>
@@ -34,6 +34,12 @@ cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, c
 // partials as split_kernel.
 cudaError_t launch_mma_split(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
                              const uint8_t* past_value, float* partial, cudaStream_t stream);
+
+// The CUDA-core split kernel (attention_split.cu): every call the others do not take (masks, float32,
+// any format pair), up to 8 query rows per block (plan.layout.rows_per_block).
+cudaError_t launch_cuda_core_split(const AttentionParams& p, const SplitPlan& plan, const void* q, const void* mask,
+                                   const uint8_t* past_key, const uint8_t* past_value, float* partial,
+                                   cudaStream_t stream);
 
 // A continuation chunk's query rows over the packed past in 64-row tiles (past_chunk.cu; plan.kernel
 // kTensorCoreChunk): MSE keys with uint values, head size 64 or 128, fp16 or bf16, no mask, every past

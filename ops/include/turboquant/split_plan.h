@@ -16,7 +16,7 @@ enum class SplitKernel : int {
   kNone = 0,        // no split kernel: no past or no query rows (the finish kernel does it all)
   kTensorCoreBulk,  // attention_tc.cu: one block per SM, warps on 32-token tiles (bulk copies on sm_90)
   kTensorCoreMma,   // attention_mma.cu: MSE keys and uint values the first does not take
-  kCudaCore,        // attention.cu's split_kernel: every call (masks, float32, any format pair)
+  kCudaCore,        // attention_split.cu's split_kernel: every call (masks, float32, any format pair)
   kTensorCoreChunk,  // past_chunk.cu: a continuation chunk's rows (64 or more per KV head) in 64-row tiles
 };
 // "none", "tc_bulk", "tc_mma", "cuda_core", "tc_chunk": the names tests and logs use.
