@@ -111,12 +111,9 @@ __device__ void decode8(Format fmt, int d, const uint8_t* v, int cg, int nb, flo
   }
 }
 
-// Blocks per SM the register allocation must leave room for. The kernel is latency-bound: left to
-// itself ptxas gives the 4-row variant 124-135 registers (4 blocks, 25% occupancy); capped for 5
-// blocks (96 registers, no spills) it ran 10-16% faster on the H200 (scripts/cuda_attention_probe.cu,
-// B=8 S=32768: mse4/uint4 902 -> 811 us, fp8/uint4 1335 -> 1176, mse3/uint3 837 -> 733; B=1 and
-// B=32 alike), 6 blocks was no better and 8 spilled and ran slower. The 8-row variant would spill
-// under that cap, so it keeps the 3 blocks it had.
+// Blocks per SM the register allocation must leave room for: the kernel is latency-bound, and 5
+// blocks of the 4-row variant (96 registers, no spills) beat ptxas's own choice of 4 (docs/
+// performance.md, kept choices); the 8-row variant would spill under that cap, so it keeps 3.
 constexpr int split_min_blocks(int rows) { return rows <= 4 ? 5 : 3; }
 
 template <int kRows>

@@ -48,8 +48,8 @@ namespace turboquant::cuda::detail {
 namespace {
 
 using namespace tc_geometry;
-// Tiles per warp brought into L2 at a block's start (split kernel below). H200, B=8 S=32768 step
-// alone 84.8 -> 84.1 us, B=32 S=8192 93.6 -> 90.7 (2 rounds: 84.2, 91.4; 4: 85.6, 94.7).
+// Tiles per warp brought into L2 at a block's start (split kernel below); one round measured best
+// (docs/performance.md, kept choices).
 #ifndef TQ_PREFETCH_ROUNDS
 #define TQ_PREFETCH_ROUNDS 1  // (developer A/B builds set others: scripts/build_probe.sh)
 #endif
@@ -88,9 +88,8 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 // converged warp (elect.sync): issued from a lane-0 branch, the compiler wraps each copy in a loop
 // over the lanes' operands (they must be uniform), some 50 instructions per tile. The caches are
 // read once per step, so their lines are marked the first for L2 to evict: the step's other data
-// (queries, partial results, a model's weights) is not pushed out for them. Measured B=8, S=32768:
-// 86.2 -> 84.8 us per step alone, B=32, S=8192: 95.6 -> 92.9; which of those reads gained is not
-// established.
+// (queries, partial results, a model's weights) is not pushed out for them (faster at every
+// measured size: docs/performance.md, kept choices).
 __device__ __forceinline__ void bulk_copy_tile(uint32_t bar, uint32_t kdst, const void* ksrc, uint32_t kbytes,
                                                uint32_t vdst, const void* vsrc, uint32_t vbytes) {
   asm volatile(
@@ -256,7 +255,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const uint8_t* vals = past_value + (bh * p.past_rows_or_len() + begin) * vb;
 #ifdef TQ_BULK_COPY
   // The split's first rows (the warps' first kPrefetchRounds tiles) into L2 now, by one lane:
-  // DRAM would otherwise idle through the set-up below (~2 us). Up to the batch's longest past
+  // DRAM would otherwise idle through the set-up below. Up to the batch's longest past
   // (a parameter: this sequence's own length is a load away), not the buffer's capacity.
   if (kPrefetchRounds > 0 && warp == kWarps - 1 && lane == 0) {
     const int64_t rows = min(min(l.split_len, static_cast<int64_t>(kPrefetchRounds) * kWarps * kTok), p.past_len - begin);
@@ -409,9 +408,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
   if constexpr (!kRaw) if (!kFp8) {
     // The centroids as fp16, converted once, then copy `lane` of pairs warp, warp + kWarps, ...: 8
-    // to 32 stores a thread, unrolled, from broadcast reads (each entry converted its own two
-    // centroids from float64 before: the set-up up to here took 2.6-2.9 us, now 2.3-2.4, on the
-    // critical path wherever the launch before does not let this one start early).
+    // to 32 stores a thread, unrolled, from broadcast reads: the set-up is on the critical path
+    // wherever the launch before does not let this one start early.
     constexpr int kRowWords = table_row_bytes(kKeyBits, kD) / 4, kCodes = 1 << kKeyBits;
     __shared__ uint16_t centroid_h[kCodes];
     if (tid < kCodes) centroid_h[tid] = __half_as_ushort(__float2half_rn(centroid_immediate<kKeyBits == 3 ? 3 : 4>(tid)));
@@ -441,13 +439,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   static_assert(kWarps >= kRowsMax || kRowsMax % kWarps == 0, "query rows shared evenly by the warps");
   constexpr int kPer = kD / 32;
   float x[kPer];
-  // The query loads go first, then the first tiles' copies (every block's, ~9 MB at B=8, which
-  // fill DRAM's queues for ~2 us): with the key-bank fix below, B=8 S=32768 82.4 -> 78.5 us per
-  // step back to back. Every load of the row is issued before any is converted: with load_float (a
-  // dtype switch around each load and its conversion) the compiler waited for each load in turn, 4
-  // round trips to memory in 3.3 us (Nsight Compute: long-scoreboard stalls after each load). The
-  // first tile is now scored 2 us earlier; a B=8 step alone is only 0.3 us shorter (the DRAM stream
-  // bounds it), B=32 S=8192 1.4 us.
+  // The query loads go first, then the first tiles' copies (every block's, which fill DRAM's
+  // queues): the queries would otherwise wait behind them. Every load of the row is issued before
+  // any is converted: with load_float (a dtype switch around each load and its conversion) the
+  // compiler waited for each load in turn (docs/performance.md, kept choices).
   auto load_row = [&](int qr) {  // query row qr of the block into x
     const int64_t row = row0 + qr, pos = row / l.group, hq = hkv * l.group + row % l.group;
     const int64_t at = b * p.q.b + hq * p.q.h + pos * p.q.s;
@@ -560,8 +555,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // bytes (4-bit keys, head size 128) the 8 rows of one load start at words floor((kdelta + 66 u) /
   // 4), u in {0, 1, 8, 9, ...}, alternately 4-byte aligned and not: when kdelta = 2 mod 4 (every
   // other (b, head) region of an odd capacity) those starts are 0, 17, 4, 21, ..., 29 mod 32 banks,
-  // and the last row's fourth lane meets the first row's first: 2 wavefronts per load (the blocks
-  // of those regions were ~10% slower at B=8, S=32768). There the aligned rows, which need one word,
+  // and the last row's fourth lane meets the first row's first: 2 wavefronts per load (those
+  // regions' blocks ran measurably slower). There the aligned rows, which need one word,
   // read it as the second (the first load one word earlier, shift 32): banks 1-16 and 17-32 for the
   // second load, 0-15 and 16-31 for the first. (Other head sizes and 3-bit keys have the same
   // conflicts at every phase.)

@@ -137,10 +137,10 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
       const int col = tid + c * kThreads;
       off[c] = voff && col < dv ? voff[col] : 0.0f;
     }
-    // kChunk splits at a time: all their loads in flight at once, then their largest maximum and
-    // weighted sums (an online merge of one split after the other waited for each split's loads:
-    // its last merge ended 1.3-3.4 us later in a B = 1 step alone); 2 at a time for up to 2 splits,
-    // where 8 cost more (predicated slots) than they save
+    // kChunk splits at a time: all their loads in flight at once (a merge of one split after the
+    // other waits for each split's loads), then their largest maximum and weighted sums; 2 at a time
+    // for up to 2 splits, where 8 cost more (predicated slots) than they save (docs/performance.md,
+    // kept choices)
     const auto merge_splits = [&](auto chunk) {
       constexpr int kChunk = decltype(chunk)::value;
       for (int s0 = 0; s0 < l.splits; s0 += kChunk) {

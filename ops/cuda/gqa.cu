@@ -1,7 +1,7 @@
 // TQGroupQueryAttention on the GPU: past lengths read from seqlens_k where they are used, the rotary
 // embedding of Q and the new K into workspace, then the TQAttention launcher; for a decode step
-// (fuses_rotary) the attention kernels rotate Q and K themselves, without the rotary launch (which
-// cost ~10 us of a B = 8 step on an H200: it, then the wait for it).
+// (fuses_rotary) the attention kernels rotate Q and K themselves, without the rotary launch and the
+// wait for it (docs/performance.md, kept choices).
 #include "split_common.cuh"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/rotary.h"
@@ -22,8 +22,8 @@ struct RotaryJob {
 };
 
 // One warp per (b, s, head) of Q, then of the new K (one launch for both), its lanes on the
-// rotation's pairs (a thread per head walking its elements one after the other took 41-57 us alone
-// in Nsight Compute at B = 1 to 8; this takes 6-7). The attention kernels that follow are
+// rotation's pairs (a thread per head walking its elements in turn was several times slower). The
+// attention kernels that follow are
 // programmatic dependent launches; they may start (and build their tables) as soon as this launch
 // has, and wait for it before they read anything.
 __global__ void rotary_kernel(AttentionParams p, RotaryParams rot, RotaryJob jq, RotaryJob jk) {

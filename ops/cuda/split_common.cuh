@@ -183,10 +183,9 @@ __device__ inline void load_query_rows(const AttentionParams& p, const void* q, 
 // out + r * row_stride: max, sum, acc + zero sum): first a half-warp per row, lane w holding warp
 // w's state, works out the row's largest max by shuffles, each warp's factor exp(max_w - max) and
 // the row's weighted sums, and stores the max and the sum; then the columns, as sums of the warps'
-// accumulators times their factors. (One thread per row walking the warps in turn, and every column
-// summing the zero points again, took 1.5-1.8 us at the end of every tensor-core split block, on
-// the critical path of a step, whether or not its code was cold; this takes 0.85-0.9 us.) Ends
-// with the block's threads only reading ws.
+// accumulators times their factors (one thread per row walking the warps in turn took twice as long,
+// at the end of every block, on the critical path of a step). Ends with the block's threads only
+// reading ws.
 constexpr int kStateWarpsMax = 16, kStateRowsMax = 8;
 __device__ inline void store_warp_states(const float* ws, int warps, int rows_max, int rows, int dv, float* out,
                                          int64_t row_stride) {

@@ -15,8 +15,7 @@ constexpr int kRowsMax = 8;   // query rows per block: the N of the products
 constexpr int kWindow = 65536;
 constexpr int kDynStartMax = 4096;  // where the dynamic part starts in the window at most: 1 KiB reserved + static arrays
 constexpr int kStaticBytesMax = 1024;  // the kernel's static shared memory, at most
-// The wide blocks' warps. H200, B=8 S=32768 step alone: 16 warps 84.9 us, 12 85.4, 14 94.0, 10
-// 97.8 (12 streams faster back to back, 76.7 against 80.4, but its steps alone end no earlier).
+// The wide blocks' warps: 16 measured best for a step alone (docs/performance.md, kept choices).
 #ifndef TQ_TC_WARPS
 #define TQ_TC_WARPS 16  // (developer A/B builds set others: scripts/build_probe.sh)
 #endif
