@@ -92,11 +92,11 @@ def main(argv: list[str] | None = None) -> int:
 
         shapes = [(args.batch, s) for s in args.context] if args.context != [8192] or args.batch != 1 else \
             [(1, 4096), (1, 32768), (8, 32768), (32, 8192)]
-        rows = cuda.run(shapes, args.presets, args.repeat)
-        print(cuda.report(rows, args.presets))
+        runs = cuda.run(shapes, args.presets, args.repeat)
+        print(cuda.report(runs, args.presets))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+                json.dump([r.to_json() for r in runs], f, indent=1)
         return 0
     results = []
     for s in args.context:

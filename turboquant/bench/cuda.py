@@ -4,15 +4,15 @@ TQAttention (CUDA execution provider) for each preset against ORT's fp16 GroupQu
 present, with the achieved bandwidth (bytes of cache read / time) as a fraction of a
 device-to-device copy measured in the same run.
 
-Two times per step and candidate: `_us`, a step run and waited for (Run with IO binding, then the
-outputs synchronised: the per-call cost of ONNX Runtime's Run on a one-node graph included), and
-`_pipelined_us`, the GPU time of a step: steps run back to back without waiting in between (ORT's
-end-of-run stream synchronisation turned off, `disable_synchronize_execution_providers`), the
-union of their kernels' and copies' intervals / steps (gpu_time.py): what the kernels of a step
-take on the GPU, as the layers of a real model's step follow each other while the host runs ahead.
-Without torch (whose profiler records them), the wall time of the back-to-back steps / steps,
-which measures the host where its per-Run cost exceeds the step's GPU work. torch SDPA is timed
-the same way.
+Two times per step and candidate (cuda_record.Timing): `waited_us`, a step run and waited for (Run
+with IO binding, then the outputs synchronised: the per-call cost of ONNX Runtime's Run on a one-node
+graph included), and `back_to_back_us`, the GPU time of a step: steps run back to back without
+waiting in between (ORT's end-of-run stream synchronisation turned off,
+`disable_synchronize_execution_providers`), the union of their kernels' and copies' intervals / steps
+(gpu_time.py): what the kernels of a step take on the GPU, as the layers of a real model's step
+follow each other while the host runs ahead. Without torch (whose profiler records them), the wall
+time of the back-to-back steps / steps, which measures the host where its per-Run cost exceeds the
+step's GPU work. torch SDPA is timed back to back only.
 
 Note: TQAttention has ONNX Attention's semantics, so each call also writes a new present cache
 (past ++ new): a copy of the whole packed cache, which its time includes. TQGroupQueryAttention
@@ -21,6 +21,7 @@ Note: TQAttention has ONNX Attention's semantics, so each call also writes a new
 
 from __future__ import annotations
 
+import json
 import time
 
 import ml_dtypes
@@ -33,6 +34,7 @@ from ..config import TurboQuantConfig, packed_size
 from ..ort import session_options
 from ..reference import formats
 from . import baselines, gpu_time
+from .cuda_record import GQA_FP16, GQA_ROTARY, INPLACE, ROTARY, TORCH_SDPA, ShapeRun
 
 
 def _device_value(a: np.ndarray, device: str = "cuda") -> ort.OrtValue:
@@ -246,132 +248,103 @@ def copy_bandwidth() -> float | None:
     return 2 * x.numel() * 10 / (st.elapsed_time(en) / 1e3)
 
 
-def _record(row: dict, name: str, times: tuple[float, float], nbytes: int, bw: float | None) -> None:
-    """name_us and name_pipelined_us, the bytes read, and the bandwidth fractions."""
-    for suffix, t in zip(("", "_pipelined"), times):
-        row[f"{name}{suffix}_us"] = t * 1e6
-        if bw:
-            row[f"{name}{suffix}_bw_fraction"] = nbytes / t / bw
-    row[f"{name}_bytes"] = nbytes
-    row[f"{name}_pipelined_bytes"] = nbytes
-
-
-def _ratios(row: dict, name: str) -> None:
-    """name_x_vs_gqa[_cache][_pipelined]: ORT GQA's time / ours, same timing, same run."""
-    for suffix in ("", "_pipelined"):
-        for cache in ("fp16", *baselines.QUANT_CACHES):
-            base = row.get(f"ort_gqa_{cache}{suffix}_us")
-            if base:
-                tail = "" if cache == "fp16" else f"_{cache}"
-                row[f"{name}_x_vs_gqa{tail}{suffix}"] = base / row[f"{name}{suffix}_us"]
-
-
 def rotary_preset(presets: list[str]) -> list[str]:
     """The preset the rotary comparison times: turboquant_4bit_nc (the issue's target preset) when it
     is among them, else the first."""
     return ["turboquant_4bit_nc"] if "turboquant_4bit_nc" in presets else presets[:1]
 
 
-def _rotary_ratios(row: dict, name: str) -> None:
-    """name_x_vs_gqa[_pipelined] for a candidate with the rotary embedding: against ORT's fp16 GQA
-    with its rotary embedding."""
-    for suffix in ("", "_pipelined"):
-        row[f"{name}_x_vs_gqa{suffix}"] = row[f"ort_gqa_rotary{suffix}_us"] / row[f"{name}{suffix}_us"]
-
-
-def run(shapes, presets, iters: int = 50, seed: int = 0) -> list[dict]:
+def run(shapes, presets, iters: int = 50, seed: int = 0) -> list[ShapeRun]:
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     rng = np.random.default_rng(seed)
     bw = copy_bandwidth()
-    rows = []
+    runs = []
     for b, s in shapes:
         hq, hkv, d = 32, 8, 128
-        row = {"B": b, "S": s, "copy_GBps": bw / 1e9 if bw else None}
-        _record(row, "ort_gqa_fp16", *gqa_step(b, hq, hkv, d, s, iters, rng), bw)
+        run_ = ShapeRun(b, s, bw / 1e9 if bw else None)
+        run_.add("ort_gqa_fp16", *gqa_step(b, hq, hkv, d, s, iters, rng))
         for cache in baselines.QUANT_CACHES:  # ORT's own quantized caches, where this build has them on CUDA
             try:
-                _record(row, f"ort_gqa_{cache}", *gqa_step(b, hq, hkv, d, s, iters, rng, cache), bw)
+                run_.add(f"ort_gqa_{cache}", *gqa_step(b, hq, hkv, d, s, iters, rng, cache))
             except Exception as e:  # noqa: BLE001 - reported, not fatal
-                row[f"ort_gqa_{cache}_error"] = str(e).splitlines()[0][:160]
+                run_.fail(f"ort_gqa_{cache}", e)
         ts = torch_step(b, hq, hkv, d, s, iters)
         if ts:
-            row["torch_sdpa_pipelined_us"] = ts[0] * 1e6
-            row["torch_sdpa_pipelined_bytes"] = ts[1]
+            run_.add(TORCH_SDPA, (None, ts[0]), ts[1])
         for preset in presets:
-            _record(row, preset, *tq_step(preset, b, hq, hkv, d, s, iters, rng), bw)
-            _ratios(row, preset)
-            _record(row, f"{preset}_inplace", *tq_gqa_step(preset, b, hq, hkv, d, s, iters, rng), bw)
-            _ratios(row, f"{preset}_inplace")
+            run_.add(preset, *tq_step(preset, b, hq, hkv, d, s, iters, rng))
+            run_.add(f"{preset}{INPLACE}", *tq_gqa_step(preset, b, hq, hkv, d, s, iters, rng))
         # with the rotary embedding in the op (do_rotary=1), as onnxruntime-genai's models run it: one
         # preset (rotary_preset) against ORT's fp16 GQA
-        _record(row, "ort_gqa_rotary", *gqa_step(b, hq, hkv, d, s, iters, rng, rotary=True), bw)
+        run_.add(GQA_ROTARY, *gqa_step(b, hq, hkv, d, s, iters, rng, rotary=True))
         for preset in rotary_preset(presets):
-            name = f"{preset}_rotary"
-            _record(row, name, *tq_gqa_step(preset, b, hq, hkv, d, s, iters, rng, rotary=True), bw)
-            _rotary_ratios(row, name)
+            run_.add(f"{preset}{ROTARY}", *tq_gqa_step(preset, b, hq, hkv, d, s, iters, rng, rotary=True))
         if presets:  # raw16 rows, a masked step and CUDA graphs, for the same preset
             from . import cuda_variants
 
-            cuda_variants.measure(row, b, s, rotary_preset(presets)[0], iters, rng, bw)
-        rows.append(row)
-        print(row, flush=True)
-    return rows
+            cuda_variants.measure(run_, b, s, rotary_preset(presets)[0], iters, rng)
+        runs.append(run_)
+        print(json.dumps(run_.to_json()), flush=True)
+    return runs
 
 
-def _cell(row: dict, name: str, suffix: str) -> str:
-    us = row.get(f"{name}{suffix}_us")
+def _cell(run_: ShapeRun, name: str, back_to_back: bool, bases: tuple[str, ...] = ()) -> str:
+    """us per step, then its ratio to each base (ORT's fp16 GQA first, int4 GQA labelled) and the
+    bandwidth fraction."""
+    us = run_.us(name, back_to_back)
     if us is None:
         return "n/a"
-    parts = [f"{row.get(f'{name}_x_vs_gqa{suffix}'):.2f}x"] if f"{name}_x_vs_gqa{suffix}" in row else []
-    if f"{name}_x_vs_gqa_int4{suffix}" in row:
-        parts.append(f"{row[f'{name}_x_vs_gqa_int4{suffix}']:.2f}x int4")
-    if f"{name}{suffix}_bw_fraction" in row:
-        parts.append(f"bw {row[f'{name}{suffix}_bw_fraction']:.2f}")
+    parts = []
+    for base in bases:
+        x = run_.ratio(name, base, back_to_back)
+        if x is not None:
+            parts.append(f"{x:.2f}x" + ("" if base in (GQA_FP16, GQA_ROTARY) else f" {base.removeprefix('ort_gqa_')}"))
+    if (f := run_.bw_fraction(name, back_to_back)) is not None:
+        parts.append(f"bw {f:.2f}")
     return f"{us:.0f}" + (f" ({', '.join(parts)})" if parts else "")
 
 
-def report(rows: list[dict], presets: list[str]) -> str:
+def report(runs: list[ShapeRun], presets: list[str]) -> str:
     """Markdown tables of a run: microseconds per decode step, our ratio to ORT's fp16 and int4 GQA
     (their time / ours, same timing) and the bandwidth on the bytes read as a fraction of the copy
     rate; waited-for steps and back-to-back steps, TQGroupQueryAttention (in place) and TQAttention
     (which also copies the cache into its present output)."""
-    if not rows:
+    if not runs:
         return "no measurements"
     caches = ["fp16", *baselines.QUANT_CACHES]
-    out = [f"copy rate {rows[0]['copy_GBps']:.0f} GB/s (read + write, same run)" if rows[0].get("copy_GBps") else ""]
-    for suffix, what in (("", "steps run and waited for"), ("_pipelined", "steps run back to back (GPU time)")):
-        for variant, title in (("_inplace", "TQGroupQueryAttention, in place"), ("", "TQAttention, present copied")):
+    out = [f"copy rate {runs[0].copy_gbps:.0f} GB/s (read + write, same run)" if runs[0].copy_gbps else ""]
+    for back_to_back, what in ((False, "steps run and waited for"), (True, "steps run back to back (GPU time)")):
+        for variant, title in ((INPLACE, "TQGroupQueryAttention, in place"), ("", "TQAttention, present copied")):
             out.append(f"\n{title}, {what}: us per step (x vs ORT GQA fp16, x vs GQA int4, bw fraction)")
-            head = ["B", "S", *(f"GQA {c}" for c in caches)] + (["torch SDPA"] if suffix else [])
+            head = ["B", "S", *(f"GQA {c}" for c in caches)] + (["torch SDPA"] if back_to_back else [])
             out.append("| " + " | ".join(head + [p.removeprefix("turboquant_") for p in presets]) + " |")
             out.append("|" + "---:|" * (len(head) + len(presets)))
-            for r in rows:
-                cells = [str(r["B"]), str(r["S"])]
-                cells += [_cell(r, f"ort_gqa_{c}", suffix) if f"ort_gqa_{c}_error" not in r else "n/a" for c in caches]
-                if suffix:
-                    cells.append(_cell(r, "torch_sdpa", suffix))
-                cells += [_cell(r, f"{p}{variant}", suffix) for p in presets]
+            for r in runs:
+                cells = [str(r.batch), str(r.context)]
+                cells += [_cell(r, f"ort_gqa_{c}", back_to_back) for c in caches]
+                if back_to_back:
+                    cells.append(_cell(r, TORCH_SDPA, back_to_back))
+                cells += [_cell(r, f"{p}{variant}", back_to_back, (GQA_FP16, "ort_gqa_int4")) for p in presets]
                 out.append("| " + " | ".join(cells) + " |")
-    if presets and any("ort_gqa_rotary_us" in r for r in rows):
+    if presets and any(GQA_ROTARY in r.timings for r in runs):
         preset = rotary_preset(presets)[0]
-        name, short = f"{preset}_rotary", preset.removeprefix("turboquant_")
+        name, short = f"{preset}{ROTARY}", preset.removeprefix("turboquant_")
         out.append("\nWith the rotary embedding in the op (do_rotary=1), TQGroupQueryAttention in place: us per step "
                    "(x vs ORT GQA fp16 with rotary, bw fraction)")
         out.append(f"| B | S | GQA fp16, waited | {short}, waited | GQA fp16, GPU time | {short}, GPU time |")
         out.append("|---:|---:|---:|---:|---:|---:|")
-        for r in rows:
-            cells = [str(r["B"]), str(r["S"])]
-            for suffix in ("", "_pipelined"):
-                cells += [_cell(r, "ort_gqa_rotary", suffix), _cell(r, name, suffix)]
+        for r in runs:
+            cells = [str(r.batch), str(r.context)]
+            for back_to_back in (False, True):
+                cells += [_cell(r, GQA_ROTARY, back_to_back), _cell(r, name, back_to_back, (GQA_ROTARY,))]
             out.append("| " + " | ".join(cells) + " |")
     if presets:
         from . import cuda_variants
 
-        out.append(cuda_variants.report(rows, rotary_preset(presets)[0]))
+        out.append(cuda_variants.report(runs, rotary_preset(presets)[0]))
     for c in baselines.QUANT_CACHES:
-        errors = {r.get(f"ort_gqa_{c}_error") for r in rows} - {None}
+        errors = {r.errors.get(f"ort_gqa_{c}") for r in runs} - {None}
         if errors:
             out.append(f"ORT GQA on its {c} cache unavailable: {errors.pop()}")
     return "\n".join(out)
-

@@ -12,6 +12,7 @@ import json
 import pathlib
 
 from ..config import TQ_PRESETS
+from .cuda_record import INPLACE, ROTARY
 
 
 @dataclasses.dataclass
@@ -39,11 +40,12 @@ def measure(device: str, contexts: list[int], batches: list[int], presets: list[
 
         if (q_heads, kv_heads, head_dim) != (32, 8, 128):
             raise ValueError("the CUDA benchmark runs docs/design.md's decode shape: 32 query heads, 8 kv heads, head_dim 128")
-        for row in cuda.run(grid, presets, repeat):
-            for key, us in row.items():
-                if key.endswith("_us"):
-                    name = key[:-3]
-                    points.append(Point("cuda", row["B"], row["S"], name, us / 1e3, row.get(f"{name}_bytes")))
+        for run in cuda.run(grid, presets, repeat):
+            for name, t in run.timings.items():
+                for back_to_back in (False, True):
+                    if (us := t.us(back_to_back)) is not None:
+                        label = f"{name}{PIPELINED}" if back_to_back else name
+                        points.append(Point("cuda", run.batch, run.context, label, us / 1e3, t.bytes_read))
         return points
     from .attention import Shape, run_cpu
 
@@ -54,9 +56,7 @@ def measure(device: str, contexts: list[int], batches: list[int], presets: list[
     return points
 
 
-INPLACE = "_inplace"  # the CUDA bench's TQGroupQueryAttention (shared buffer) variant of a preset
-PIPELINED = "_pipelined"  # the CUDA bench's back-to-back timing of a candidate
-ROTARY = "_rotary"  # the CUDA bench's candidates with the rotary embedding in the op
+PIPELINED = "_pipelined"  # a point of a candidate's back-to-back timing
 
 
 def is_baseline(name: str) -> bool:
