@@ -2,7 +2,7 @@
 # On the GPU machine (see the device tool): build the package with its CUDA kernels (build), run the
 # ORT op tests on the CUDA execution provider, the TensorRT plugins' enqueue tests and the genai test
 # (test), compute-sanitizer on the op tests (check) and on the kernel probes (check-probes), the
-# first-prompt kernel's probe and the op bench's prefill rows (prefill), the CUDA
+# first-prompt kernels' probe (probe; prefill adds the op bench's prefill rows), the CUDA
 # benchmarks, the report's table and plots and a kernel profile (bench), the issue's headline size
 # again in a process of its own (repeat), TQPack's developer variants against the default kernels in
 # the pack probe (pack-ab; pack-ab-build builds its probes alone, e.g. in the background). One step
@@ -10,12 +10,21 @@
 # pack-ab's PACK_VARIANTS: NAME:FLAGS ... as in scripts/build_probe.sh; PACK_BASELINE: a source tree
 # under the repo root whose pack probe joins the rounds (e.g. `git archive COMMIT ops scripts`
 # extracted into .carry/baseline and carried with pack-ab-build's call).
-# Expects onnxruntime-gpu under /tmp/site (shared/device/prepare-ortgpu.sh) and the ONNX Runtime
-# headers in third_party/ (scripts/fetch_headers.sh). Logs go to $OUT.
+# Expects onnxruntime-gpu under /tmp/site (`ort`, from the parts scripts/carry_ort.sh makes, or
+# shared/device/prepare-ortgpu.sh's) and the ONNX Runtime headers in third_party/
+# (scripts/fetch_headers.sh). Logs go to $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:/tmp/tqsite PYTHONUNBUFFERED=1
 root=$(pwd)
 step=${1:-all}
+if [ "$step" = ort ]; then  # onnxruntime-gpu and onnxruntime-genai-cuda from /tmp/parts (scripts/carry_ort.sh)
+  mkdir -p /tmp/site
+  cat /tmp/parts/ortp* | xz -dc | tar -x -C /tmp/site && echo "onnxruntime-gpu unpacked into /tmp/site"
+  for w in /tmp/parts/onnxruntime_genai*.whl; do
+    [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w"
+  done
+  python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())"
+fi
 if [ "$step" = build ] || [ "$step" = all ]; then
   rm -rf /tmp/tqsrc && cp -r "$root" /tmp/tqsrc
   ( cd /tmp/tqsrc && CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DORT_INCLUDE_DIR=/tmp/tqsrc/third_party/onnxruntime/include" \
@@ -51,13 +60,17 @@ if [ "$step" = check ]; then  # compute-sanitizer on every CUDA op test, after `
     echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/$tool.log" | tr '\n' ' ')"
   done
 fi
-if [ "$step" = prefill ]; then  # the first-prompt kernel alone (its probe), then the op bench's prefill rows
+if [ "$step" = prefill ] || [ "$step" = probe ]; then  # the first-prompt kernels alone (their probe; needs no ORT)
   cd /tmp
-  /usr/local/cuda/bin/nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -I/tmp/tqsrc/ops/include \
-    /tmp/tqsrc/scripts/cuda_prefill_probe.cu /tmp/tqsrc/ops/cuda/prefill.cu /tmp/tqsrc/ops/cuda/split_plan.cpp -o /tmp/prefill_probe > "$OUT/prefill_probe.log" 2>&1
-  for a in "1 32 8 4096 128 0 1 20" "8 32 8 2048 128 0 1 20" "1 24 8 16384 128 0 1 10" "2 8 2 300 128 1 1 3" "1 32 8 8192 64 0 1 10"; do
+  /usr/local/cuda/bin/nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DTQ_SM90A=1 --expt-relaxed-constexpr \
+    -I"$root/ops/include" "$root/scripts/cuda_prefill_probe.cu" "$root/ops/cuda/prefill.cu" "$root/ops/cuda/prefill_sm90.cu" \
+    "$root/ops/cuda/split_plan.cpp" -o /tmp/prefill_probe > "$OUT/prefill_probe.log" 2>&1
+  for a in "1 32 8 4096 128 0 1 20" "8 32 8 2048 128 0 1 20" "1 24 8 16384 128 0 1 10" "2 8 2 300 128 1 1 3" \
+           "1 32 8 8192 64 0 1 10" "3 12 4 777 64 1 1 3" "1 32 8 4096 128 0 0 10" "2 4 4 129 128 0 0 3"; do
     timeout 60 /tmp/prefill_probe $a
   done 2>&1 | tee -a "$OUT/prefill_probe.log"
+fi
+if [ "$step" = prefill ]; then  # then the op bench's prefill rows
   timeout "${PREFILL_LIMIT:-240}" python3 -m turboquant.bench prefill --device cuda ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
     > "$OUT/prefill.log" 2>&1
   echo "bench prefill rc=$?"; grep -v "^{" "$OUT/prefill.log" | tail -40

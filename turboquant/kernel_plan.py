@@ -1,11 +1,14 @@
-"""Which CUDA split-KV decode kernel serves a TQAttention / TQGroupQueryAttention call.
+"""Which CUDA kernels serve a TQAttention / TQGroupQueryAttention call.
 
 `plan_split` asks the custom-op library's planner (host code, present in every build, so it answers
-on machines without a GPU) what it chooses for given shapes and device properties; `last_split_kernel`
-names the kernel the process's latest CUDA attention call ran. Kernel names: "tc_bulk" (the
-tensor-core kernel of ops/cuda/attention_tc.cu), "tc_mma" (attention_mma.cu), "cuda_core"
-(attention_split.cu's split kernel), "tc_chunk" (past_chunk.cu) and "none" (no past or no query rows:
-no split kernel).
+on machines without a GPU) which split-KV kernel attends the past for given shapes and device
+properties; `last_split_kernel` names the one the process's latest CUDA attention call ran. Kernel
+names: "tc_bulk" (the tensor-core kernel of ops/cuda/attention_tc.cu), "tc_mma" (attention_mma.cu),
+"cuda_core" (attention_split.cu's split kernel), "tc_chunk" (past_chunk.cu) and "none" (no past or no
+query rows: no split kernel). `plan_prefill` and `last_prefill_kernel` do the same for the kernel
+that attends a call's new tokens when it has several query rows (a first prompt, a continuation
+chunk): "wgmma" (ops/cuda/prefill_sm90.cu, Hopper's warpgroup products), "mma" (prefill.cu) or "none"
+(the finish kernel attends each row).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from ._libs import ort_library_path
 from .config import ALL_FORMATS
 
 KERNELS = ("tc_bulk", "tc_mma", "cuda_core", "tc_chunk", "none")
+PREFILL_KERNELS = ("wgmma", "mma", "none")
 DTYPES = ("float32", "float16", "bfloat16")
 MASKS = (None, "bool", "float32", "float16", "bfloat16")
 
@@ -30,9 +34,10 @@ class Device:
     smem_optin: int  # bytes of shared memory a block may opt in to
     cc_major: int
     cc_minor: int = 0
+    sm90a: bool = False  # the custom-op library holds sm_90a kernels this device runs
 
 
-H200 = Device(sms=132, smem_optin=232448, cc_major=9)  # sm_90: 227 KiB per block
+H200 = Device(sms=132, smem_optin=232448, cc_major=9, sm90a=True)  # sm_90: 227 KiB per block
 A100 = Device(sms=108, smem_optin=166912, cc_major=8)  # sm_80: 163 KiB
 L4 = Device(sms=58, smem_optin=101376, cc_major=8, cc_minor=9)  # sm_89: 99 KiB
 
@@ -58,6 +63,12 @@ def _library() -> ctypes.CDLL:
     lib.turboquant_split_plan.argtypes = [ctypes.c_char_p] * 4 + [ctypes.POINTER(ctypes.c_int64)] * 3
     lib.turboquant_last_split_kernel.restype = ctypes.c_char_p
     lib.turboquant_last_split_kernel.argtypes = []
+    lib.turboquant_prefill_plan.restype = ctypes.c_char_p
+    lib.turboquant_prefill_plan.argtypes = [ctypes.c_char_p] * 2 + [ctypes.POINTER(ctypes.c_int64)] * 2
+    lib.turboquant_last_prefill_kernel.restype = ctypes.c_char_p
+    lib.turboquant_last_prefill_kernel.argtypes = []
+    lib.turboquant_sm90a_compiled.restype = ctypes.c_int
+    lib.turboquant_sm90a_compiled.argtypes = []
     return lib
 
 
@@ -90,6 +101,25 @@ def plan_split(*, batch: int, q_heads: int, kv_heads: int, past_len: int, head_d
     return SplitPlan(name.decode(), *values[:7], bool(values[7]), values[8])
 
 
+def plan_prefill(*, q_len: int, head_dim: int, new_len: int | None = None, v_head_dim: int | None = None,
+                 dtype: str = "float16", mask: str | None = None, device: Device = H200) -> str:
+    """The kernel that attends a call's new tokens (with several query rows) on tensor cores, or
+    "none"; new_len defaults to q_len, v_head_dim to head_dim."""
+    for name, value, allowed in (("dtype", dtype, DTYPES), ("mask", mask, MASKS)):
+        if value not in allowed:
+            raise ValueError(f"{name} is {value!r}; expected one of {', '.join(str(a) for a in allowed)}")
+    shape = (q_len, q_len if new_len is None else new_len, head_dim, head_dim if v_head_dim is None else v_head_dim)
+    props = (device.sms, device.smem_optin, device.cc_major, device.cc_minor, int(device.sm90a))
+    return _library().turboquant_prefill_plan(dtype.encode(), (mask or "none").encode(), (ctypes.c_int64 * 4)(*shape),
+                                              (ctypes.c_int64 * 5)(*props)).decode()
+
+
+def last_prefill_kernel() -> str:
+    """The kernel that attended the new tokens of the process's latest CUDA call with several query
+    rows on tensor cores ("none" before any, or in a build without CUDA kernels)."""
+    return _library().turboquant_last_prefill_kernel().decode()
+
+
 def last_split_kernel() -> str:
     """The split kernel the process's latest CUDA attention call ran ("none" before any, or in a
     build without CUDA kernels)."""
@@ -109,4 +139,6 @@ def cuda_device(index: int = 0) -> Device:
             raise RuntimeError(f"cuDeviceGetAttribute({code}) failed for device {index}")
         return value.value
 
-    return Device(sms=attribute(16), smem_optin=attribute(97), cc_major=attribute(75), cc_minor=attribute(76))
+    major, minor = attribute(75), attribute(76)
+    sm90a = bool(_library().turboquant_sm90a_compiled()) and (major, minor) == (9, 0)
+    return Device(sms=attribute(16), smem_optin=attribute(97), cc_major=major, cc_minor=minor, sm90a=sm90a)

@@ -69,7 +69,7 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
   if (split) {
     float* part = static_cast<float*>(workspace);
     switch (plan.kernel) {
-      case SplitKernel::kTensorCoreBulk: e = launch_tc_split(p, rot, plan, q, past_key, past_value, part, stream); break;
+      case SplitKernel::kTensorCoreBulk: e = launch_tc_split(p, rot, plan, q, mask, past_key, past_value, part, stream); break;
       case SplitKernel::kTensorCoreMma: e = launch_mma_split(p, plan, q, past_key, past_value, part, stream); break;
       case SplitKernel::kTensorCoreChunk: e = launch_chunk_split(p, plan, q, past_key, past_value, part, stream); break;
       default: e = launch_cuda_core_split(p, plan, q, mask, past_key, past_value, part, stream); break;

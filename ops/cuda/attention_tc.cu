@@ -10,7 +10,9 @@
 //    rotated queries, split into fp16 high and low parts (two products) so that only the keys are
 //    rounded: the centroids to fp16 (relative 2^-12, what an fp16 cache does to its keys). The byte
 //    table has 32 copies, one per lane, so its lookups never conflict.
-// 2. Online softmax per query row on the accumulators (a row is a column here: 8 lanes x 4 tokens).
+// 2. Online softmax per query row on the accumulators (a row is a column here: 8 lanes x 4 tokens),
+//    after TQAttention's mask where it has one (its element per token and row, read from global
+//    memory: an additive term, or -inf where a bool mask is false).
 // 3. O^T += V^T P^T. A = the tile's value codes as fp16 subnormals: one byte permute pairs two
 //    tokens' bytes, and a mask leaves the low nibble (code * 2^-24, exact) or the high one in place
 //    (code * 2^-20); the powers of two come back when the accumulators are stored. B = the softmax
@@ -33,6 +35,7 @@
 #include <utility>
 
 #include "device_attributes.h"
+#include "mask.cuh"
 #include "ptx.cuh"
 #include "split_common.cuh"
 #include "split_geometry.h"
@@ -203,10 +206,11 @@ __host__ __device__ constexpr uint32_t window(int byte) {  // bytes byte, byte+1
 // raw16: the head size) and the value head size.
 // kKeyWords4: every key row starts 4-byte aligned in shared memory (rows of a multiple of 4 bytes,
 // as onnxruntime-genai's shared buffers have), so code groups are read without funnel shifts.
-template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps>
+// kMasked: TQAttention's mask is applied (a variant of its own: the others hold no register for it).
+template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps, bool kMasked>
 __global__ void __launch_bounds__(kWarps * 32, 1)
     tc_split_kernel(AttentionParams p, RotaryParams rot, Layout l, const void* q, const uint8_t* past_key,
-                    const uint8_t* past_value, float* partial) {
+                    const uint8_t* past_value, float* partial, const void* mask) {
   constexpr int kThreads = kWarps * 32;
   constexpr bool kFp8 = kKeyBits == 8;
   // raw16 rows (fp16 bits, 2 kD bytes): both caches copied as swizzled 16-byte chunks (as fp8 keys
@@ -222,6 +226,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   constexpr int kPairs = kKeyBits == 3 ? 64 : 256;    // code pairs the table holds
   constexpr int kKeyPayload = kD * kKeyBits / 8, kValPayload = kD * kValBits / 8;
   __shared__ float row_factor[kRowsMax];
+  // the mask's element of each query row of the block at past token 0 (-1: no row)
+  __shared__ int64_t mask_row[kMasked ? kRowsMax : 1];
   constexpr bool kPermuted = permuted_table(kKeyBits, kD);
   TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 0);
   TQ_BLOCK(0);
@@ -507,6 +513,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0) row_factor[qr] = m;
   };
+  if (kMasked && tid < kRowsMax) {
+    const int64_t row = row0 + tid;
+    mask_row[tid] = tid < rows ? mask_at(p, b, hkv * l.group + row % l.group, row / l.group, 0) : -1;
+  }
   if (warp < kRowsMax) load_row(warp);
   if (warp * kTok < len) fetch(warp * kTok, 0);  // the first tile, while the queries are set up
   TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 15);
@@ -542,6 +552,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
   // Scores are kept in base 2 (log2 e folded into the factors) for ex2.approx.
   const float l2fac[2] = {fac[0] * 1.44269504f, fac[1] * 1.44269504f};
+
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f}, z_run[2] = {0.0f, 0.0f};
   float o[kMt][4];  // O^T: rows = value columns (see the store below), columns 2t, 2t+1 = query rows
 #pragma unroll
@@ -717,6 +728,22 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     } else {
       scale_scores(std::true_type{});
     }
+    if constexpr (kMasked) {  // the mask's term (or -inf) on each score of a row the block holds
+#pragma unroll
+      for (int nu = 0; nu < 2; ++nu)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t key = begin + r0 + tile_token(g + 8 * e, nu);
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int64_t at = mask_row[2 * t + c];
+            if (at < 0 || sc[nu][2 * e + c] == -INFINITY) continue;  // no row, or past the tile's end
+            float add;
+            const bool allowed = mask_allows(p, mask, at + key * p.mask_stride[3], &add);
+            sc[nu][2 * e + c] = allowed ? sc[nu][2 * e + c] + add * 1.44269504f : -INFINITY;
+          }
+        }
+    }
     float rescale[2], m_use[2];
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
@@ -853,12 +880,13 @@ int tc_kd(const AttentionParams& p) {
   return p.key_format == Format::kFp8 || p.key_format == Format::kRaw16 ? p.head_dim : padded_dim(p.head_dim);
 }
 
-template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps>
+template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps, bool kMasked>
 cudaError_t launch(const AttentionParams& p, const RotaryParams& rot, const SplitPlan& plan, const void* q,
-                   const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream) {
+                   const void* mask, const uint8_t* past_key, const uint8_t* past_value, float* partial,
+                   cudaStream_t stream) {
   // Beyond 48 KiB per block (static + dynamic) a kernel has to opt in: per device, for the largest
   // size asked there so far
-  auto kernel = tc_split_kernel<kKeyBits, kValBits, kD, kKeyWords4, kWarps>;
+  auto kernel = tc_split_kernel<kKeyBits, kValBits, kD, kKeyWords4, kWarps, kMasked>;
   static SharedMemoryOptIn opt_in;
   const cudaError_t e = opt_in.raise(reinterpret_cast<const void*>(kernel), plan.smem);
   if (e != cudaSuccess) return e;
@@ -868,49 +896,67 @@ cudaError_t launch(const AttentionParams& p, const RotaryParams& rot, const Spli
   kp.key_row_bytes = p.key_row();
   kp.value_row_bytes = p.value_row();
   return launch_dependent(kernel, grid, dim3(kWarps * 32), plan.smem, stream, kp, rot, l, q, past_key, past_value,
-                          partial);
+                          partial, mask);
+}
+
+// A mask is taken by the wide blocks (the presets' head sizes 64 and 128) and raw16's: masked_tc_bulk.
+template <int kKeyBits, int kValBits, int kD, bool kKeyWords4, int kWarps>
+cudaError_t launch_m(const AttentionParams& p, const RotaryParams& rot, const SplitPlan& plan, const void* q,
+                     const void* mask, const uint8_t* past_key, const uint8_t* past_value, float* partial,
+                     cudaStream_t stream) {
+  if (mask == nullptr) {
+    return launch<kKeyBits, kValBits, kD, kKeyWords4, kWarps, false>(p, rot, plan, q, nullptr, past_key, past_value,
+                                                                     partial, stream);
+  }
+  if constexpr (kWarps == kWideWarps || kKeyBits == 16) {
+    return launch<kKeyBits, kValBits, kD, kKeyWords4, kWarps, true>(p, rot, plan, q, mask, past_key, past_value,
+                                                                    partial, stream);
+  }
+  return cudaErrorInvalidValue;  // plan_split gives these the CUDA-core kernel
 }
 
 template <int kKeyBits, int kValBits, bool kKeyWords4 = false>
 cudaError_t launch_d(const AttentionParams& p, const RotaryParams& rot, const SplitPlan& plan, const void* q,
-                     const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream) {
+                     const void* mask, const uint8_t* past_key, const uint8_t* past_value, float* partial,
+                     cudaStream_t stream) {
   constexpr int kWide = kWideWarps;
   const bool wide = plan.warps == kWide;
   switch (tc_kd(p)) {
     case 64:
-      return wide ? launch<kKeyBits, kValBits, 64, kKeyWords4, kWide>(p, rot, plan, q, past_key, past_value, partial, stream)
-                  : launch<kKeyBits, kValBits, 64, kKeyWords4, 8>(p, rot, plan, q, past_key, past_value, partial, stream);
+      return wide ? launch_m<kKeyBits, kValBits, 64, kKeyWords4, kWide>(p, rot, plan, q, mask, past_key, past_value, partial, stream)
+                  : launch_m<kKeyBits, kValBits, 64, kKeyWords4, 8>(p, rot, plan, q, mask, past_key, past_value, partial, stream);
     case 128:
-      return wide ? launch<kKeyBits, kValBits, 128, kKeyWords4, kWide>(p, rot, plan, q, past_key, past_value, partial, stream)
-                  : launch<kKeyBits, kValBits, 128, kKeyWords4, 8>(p, rot, plan, q, past_key, past_value, partial, stream);
-    default: return launch<kKeyBits, kValBits, 256, kKeyWords4, 8>(p, rot, plan, q, past_key, past_value, partial, stream);
+      return wide ? launch_m<kKeyBits, kValBits, 128, kKeyWords4, kWide>(p, rot, plan, q, mask, past_key, past_value, partial, stream)
+                  : launch_m<kKeyBits, kValBits, 128, kKeyWords4, 8>(p, rot, plan, q, mask, past_key, past_value, partial, stream);
+    default: return launch_m<kKeyBits, kValBits, 256, kKeyWords4, 8>(p, rot, plan, q, mask, past_key, past_value, partial, stream);
   }
 }
 
 }  // namespace
 
 cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, const SplitPlan& plan, const void* q,
-                            const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream) {
+                            const void* mask, const uint8_t* past_key, const uint8_t* past_value, float* partial,
+                            cudaStream_t stream) {
   if (plan.kernel != SplitKernel::kTensorCoreBulk) return cudaErrorInvalidValue;
   if (p.key_format == Format::kRaw16) {  // raw16 pairs: 8 warps at head size 64, 4 at 128 (their buffers' size)
     const uintptr_t a = reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value);
     if ((a & 15) != 0 || p.key_row() % 16 != 0 || p.value_row() % 16 != 0) return cudaErrorMisalignedAddress;
-    if (tc_kd(p) == 64 && plan.warps == 8) return launch<16, 16, 64, false, 8>(p, rot, plan, q, past_key, past_value, partial, stream);
-    if (tc_kd(p) == 128 && plan.warps == 4) return launch<16, 16, 128, false, 4>(p, rot, plan, q, past_key, past_value, partial, stream);
+    if (tc_kd(p) == 64 && plan.warps == 8) return launch_m<16, 16, 64, false, 8>(p, rot, plan, q, mask, past_key, past_value, partial, stream);
+    if (tc_kd(p) == 128 && plan.warps == 4) return launch_m<16, 16, 128, false, 4>(p, rot, plan, q, mask, past_key, past_value, partial, stream);
     return cudaErrorInvalidValue;
   }
   if (p.key_format == Format::kFp8) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value);
     if ((a & 15) != 0) return cudaErrorMisalignedAddress;  // plan_split routes these to the other kernels
-    return launch_d<8, 4>(p, rot, plan, q, past_key, past_value, partial, stream);
+    return launch_d<8, 4>(p, rot, plan, q, mask, past_key, past_value, partial, stream);
   }
   if (p.key_format == Format::kMse4) {
     const bool words = p.key_row() % 4 == 0 && (reinterpret_cast<uintptr_t>(past_key) & 3) == 0;
-    return words ? launch_d<4, 4, true>(p, rot, plan, q, past_key, past_value, partial, stream)
-                 : launch_d<4, 4>(p, rot, plan, q, past_key, past_value, partial, stream);
+    return words ? launch_d<4, 4, true>(p, rot, plan, q, mask, past_key, past_value, partial, stream)
+                 : launch_d<4, 4>(p, rot, plan, q, mask, past_key, past_value, partial, stream);
   }
-  return p.value_format == Format::kUint4 ? launch_d<3, 4>(p, rot, plan, q, past_key, past_value, partial, stream)
-                                          : launch_d<3, 3>(p, rot, plan, q, past_key, past_value, partial, stream);
+  return p.value_format == Format::kUint4 ? launch_d<3, 4>(p, rot, plan, q, mask, past_key, past_value, partial, stream)
+                                          : launch_d<3, 3>(p, rot, plan, q, mask, past_key, past_value, partial, stream);
 }
 
 }  // namespace turboquant::cuda::detail

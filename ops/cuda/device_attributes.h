@@ -13,6 +13,13 @@ namespace turboquant::cuda::detail {
 
 constexpr int kMaxDevices = 64;
 
+// Whether this build holds the sm_90a kernels (CMake defines TQ_SM90A where it compiles them).
+#ifdef TQ_SM90A
+constexpr bool kSm90aCode = true;
+#else
+constexpr bool kSm90aCode = false;
+#endif
+
 // The current device's value of kAttr; 0 if it cannot be asked.
 template <cudaDeviceAttr kAttr>
 int device_attribute() {
@@ -34,6 +41,7 @@ inline DeviceProps current_device_props(int sms = 0) {
   d.smem_optin = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
   d.cc_major = device_attribute<cudaDevAttrComputeCapabilityMajor>();
   d.cc_minor = device_attribute<cudaDevAttrComputeCapabilityMinor>();
+  d.sm90a = kSm90aCode && d.cc_major == 9 && d.cc_minor == 0;
   return d;
 }
 

@@ -13,8 +13,10 @@
 #include <cmath>
 #include <cstdint>
 
-#include "prefill.cuh"
+#include "device_attributes.h"
 #include "flash_tile.cuh"
+#include "mask.cuh"
+#include "prefill.cuh"
 #include "turboquant/split_plan.h"
 
 namespace turboquant::cuda::detail {
@@ -34,19 +36,6 @@ constexpr int mtiles() {
 template <int D, bool kMask>
 constexpr int block_rows() {
   return 16 * mtiles<D, kMask>() * kWarps;
-}
-
-// Whether row i sees key t by the attention mask, and the mask's term added to its score: element
-// (b, hq, i, t) of a bool or additive mask through p.mask_stride (0 where it broadcasts).
-__device__ __forceinline__ bool mask_term(const AttentionParams& p, const void* mask, int64_t b, int64_t hq, int64_t i,
-                                          int64_t t, float* add) {
-  const int64_t at = b * p.mask_stride[0] + hq * p.mask_stride[1] + i * p.mask_stride[2] + t * p.mask_stride[3];
-  switch (p.mask_type) {
-    case MaskType::kBool: return static_cast<const uint8_t*>(mask)[at] != 0;
-    case MaskType::kFloat32: *add = static_cast<const float*>(mask)[at]; return true;
-    case MaskType::kFloat16: *add = __half2float(static_cast<const __half*>(mask)[at]); return true;
-    default: *add = __bfloat162float(static_cast<const __nv_bfloat16*>(mask)[at]); return true;
-  }
 }
 
 template <int D, typename T, bool kMask>
@@ -121,7 +110,8 @@ __global__ void __launch_bounds__(kWarps * 32)
             if (t >= p.new_len || (p.is_causal && t > row + diag)) {
               x = -INFINITY;
             } else if (kMask && row < p.q_len) {  // rows past the prompt are not written: no mask element to read
-              x = mask_term(p, mask, b, hq, row, mask_col + t, &add) ? x + add * 1.4426950408889634f : -INFINITY;
+              x = mask_allows(p, mask, mask_at(p, b, hq, row, mask_col + t), &add) ? x + add * 1.4426950408889634f
+                                                                                   : -INFINITY;
             }
           }
           s[mt][nt][e] = x;
@@ -193,6 +183,8 @@ cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+std::atomic<int> last_kernel{static_cast<int>(PrefillKernel::kNone)};
 bool rows16(const BhsStrides& st) { return st.b % 8 == 0 && st.h % 8 == 0 && st.s % 8 == 0; }  // 8 elements
 
 }  // namespace
@@ -207,7 +199,13 @@ bool prefill_supported(const AttentionParams& p, const void* q, const void* k, c
 }
 
 cudaError_t launch_prefill(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
-                           void* y, float* part, cudaStream_t stream) {
+                           void* y, float* part, cudaStream_t stream, PrefillKernel kernel) {
+  if (kernel == PrefillKernel::kNone) kernel = plan_prefill(p, current_device_props());
+  last_kernel.store(static_cast<int>(kernel));
+#ifdef TQ_SM90A
+  if (kernel == PrefillKernel::kWgmma && mask == nullptr) return launch_prefill_sm90(p, q, k, v, y, part, stream);
+#endif
+  if (kernel != PrefillKernel::kMma) return cudaErrorInvalidValue;
   using H = __half;
   using B = __nv_bfloat16;
   const bool bf16 = p.dtype == DType::kBFloat16;
@@ -220,3 +218,7 @@ cudaError_t launch_prefill(const AttentionParams& p, const void* q, const void* 
 }
 
 }  // namespace turboquant::cuda::detail
+
+namespace turboquant::cuda {
+PrefillKernel last_prefill_kernel() { return static_cast<PrefillKernel>(detail::last_kernel.load()); }
+}  // namespace turboquant::cuda

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include "turboquant/params.h"
+#include "turboquant/split_plan.h"
 
 namespace turboquant::cuda::detail {
 
@@ -15,7 +16,11 @@ bool prefill_supported(const AttentionParams& p, const void* q, const void* k, c
 // given, its columns after each sequence's past): Y, as the finish kernel's merge would write it, when
 // part is null; else (max, sum, acc[Dv]) per row at part, laid out as the split kernels' partial
 // results of one split (the finish kernel merges them with the past's).
+// The kernel is the planner's (plan_prefill) unless `kernel` names one (developer probes compare them).
 cudaError_t launch_prefill(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
-                           void* y, float* part, cudaStream_t stream);
+                           void* y, float* part, cudaStream_t stream, PrefillKernel kernel = PrefillKernel::kNone);
+// prefill_sm90.cu (in builds with sm_90a code): launch_prefill's wgmma kernel, without a mask.
+cudaError_t launch_prefill_sm90(const AttentionParams& p, const void* q, const void* k, const void* v, void* y,
+                                float* part, cudaStream_t stream);
 
 }  // namespace turboquant::cuda::detail

@@ -24,9 +24,11 @@ __host__ __device__ inline int64_t partial_stride(int dv) { return 2 + dv; }
 
 // Launches the tensor-core bulk split kernel (attention_tc.cu) where plan_split chose it (plan.kernel
 // kTensorCoreBulk: its warps, shared memory and layout). rot: the rotary embedding the kernel
-// applies to Q as it loads it (rot.rotary_dim 0: none; see fuses_rotary).
+// applies to Q as it loads it (rot.rotary_dim 0: none; see fuses_rotary). mask: TQAttention's
+// (p.mask_type), or null.
 cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, const SplitPlan& plan, const void* q,
-                            const uint8_t* past_key, const uint8_t* past_value, float* partial, cudaStream_t stream);
+                            const void* mask, const uint8_t* past_key, const uint8_t* past_value, float* partial,
+                            cudaStream_t stream);
 
 // The earlier tensor-core split kernel (attention_mma.cu), for MSE keys and uint values that
 // attention_tc.cu does not take (head sizes 80 and 96, MSE 4-bit keys with uint3 values): no mask,

@@ -56,7 +56,6 @@ int tc_bulk_warps(const AttentionParams& p, bool aligned16, const DeviceProps& d
                                          : (vf == Format::kUint3 && kf == Format::kMse3);
   if (!pair && !raw16) return 0;
   if (dev.cc_major < 8) return 0;  // mma.sync with bf16, cp.async
-  if (p.mask_type != MaskType::kNone) return 0;
   if (p.is_causal && p.new_len < p.q_len) return 0;  // a query could then miss some past tokens
   // The weights p * value scale enter the value product in fp16 (relative 2^-11): within the
   // tolerance of fp16/bf16 outputs, not of float32 ones, which keep the CUDA-core kernel.
@@ -64,6 +63,8 @@ int tc_bulk_warps(const AttentionParams& p, bool aligned16, const DeviceProps& d
   if (p.v_head_dim != p.head_dim && raw16) return 0;
   if (raw16) return raw16_warps(p, aligned16, dev);
   const int kd = tc_kd(p);
+  // masks: the wide blocks of head sizes 64 and 128 have a masked variant (attention_tc.cu's kMasked)
+  if (p.mask_type != MaskType::kNone && (kd > 128 || tc_warps(p, dev) != kWideWarps)) return 0;
   if (kd != 64 && kd != 128 && kd != 256) return 0;
   if (p.v_head_dim != kd) return 0;
   if (kf == Format::kFp8 && (p.key_row() != kd || !aligned16)) return 0;  // swizzled 16-byte chunks
@@ -141,6 +142,20 @@ void split_past(const AttentionParams& p, int64_t target, int64_t unit, SplitLay
 bool new_tokens_on_tensor_cores(const AttentionParams& p) {
   const bool half = p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16;
   return half && (p.head_dim == 64 || p.head_dim == 128) && p.v_head_dim == p.head_dim && p.q_len > 1 && p.new_len > 0;
+}
+
+PrefillKernel plan_prefill(const AttentionParams& p, const DeviceProps& dev) {
+  if (!new_tokens_on_tensor_cores(p)) return PrefillKernel::kNone;
+  const bool hopper = dev.sm90a && dev.cc_major == 9 && dev.cc_minor == 0;
+  return hopper && p.mask_type == MaskType::kNone ? PrefillKernel::kWgmma : PrefillKernel::kMma;
+}
+
+const char* prefill_kernel_name(PrefillKernel k) {
+  switch (k) {
+    case PrefillKernel::kMma: return "mma";
+    case PrefillKernel::kWgmma: return "wgmma";
+    default: return "none";
+  }
 }
 
 const char* split_kernel_name(SplitKernel k) {

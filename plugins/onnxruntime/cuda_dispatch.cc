@@ -14,6 +14,12 @@ namespace turboquant::ort {
 bool cuda_compiled() { return true; }
 
 const char* cuda_last_split_kernel() { return cuda::split_kernel_name(cuda::last_split_kernel()); }
+const char* cuda_last_prefill_kernel() { return cuda::prefill_kernel_name(cuda::last_prefill_kernel()); }
+#ifdef TQ_SM90A
+bool cuda_sm90a_compiled() { return true; }
+#else
+bool cuda_sm90a_compiled() { return false; }
+#endif
 
 namespace {
 

@@ -11,6 +11,11 @@ bool cuda_compiled();
 
 // The name of the split kernel the process's latest CUDA attention call ran ("none" without CUDA).
 const char* cuda_last_split_kernel();
+// The name of the kernel that attended the new tokens of the latest CUDA call with several query rows
+// on tensor cores ("none" without CUDA).
+const char* cuda_last_prefill_kernel();
+// Whether the library holds the sm_90a kernels (prefill_sm90.cu).
+bool cuda_sm90a_compiled();
 
 void cuda_pack(OrtKernelContext* context, Format fmt, int d, bool norm_correction, DType dt, const void* x, int64_t n,
                const Offset& offset, uint8_t* out);

@@ -7,6 +7,8 @@ namespace turboquant::ort {
 bool cuda_compiled() { return false; }
 
 const char* cuda_last_split_kernel() { return "none"; }
+const char* cuda_last_prefill_kernel() { return "none"; }
+bool cuda_sm90a_compiled() { return false; }
 
 namespace {
 [[noreturn]] void no_cuda(const char* op) { fail(op, "this build of libturboquant_ort has no CUDA kernels"); }

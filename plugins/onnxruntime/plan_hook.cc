@@ -1,6 +1,6 @@
-// Two C functions beside RegisterCustomOps, for tests and diagnostics (turboquant/kernel_plan.py
-// calls them through ctypes): the CUDA split-KV planner for given shapes and device properties
-// (host code, in every build), and the split kernel the process's latest CUDA attention call ran.
+// C functions beside RegisterCustomOps, for tests and diagnostics (turboquant/kernel_plan.py calls
+// them through ctypes): the CUDA planners for given shapes and device properties (host code, in every
+// build), and the kernels the process's latest CUDA attention calls ran.
 #include <cstdint>
 #include <cstring>
 
@@ -68,4 +68,33 @@ extern "C" __attribute__((visibility("default"))) const char* turboquant_split_p
 // no queries, or this build has no CUDA kernels).
 extern "C" __attribute__((visibility("default"))) const char* turboquant_last_split_kernel() {
   return turboquant::ort::cuda_last_split_kernel();
+}
+
+// shape: q_len, new_len, head_dim, v_head_dim; device: sms, smem_optin, cc_major, cc_minor, sm90a (0/1).
+// The kernel that attends the new tokens on tensor cores ("none", "mma", "wgmma"), or nullptr for a
+// dtype or mask it does not know.
+extern "C" __attribute__((visibility("default"))) const char* turboquant_prefill_plan(const char* dtype,
+                                                                                       const char* mask,
+                                                                                       const int64_t* shape,
+                                                                                       const int64_t* device) {
+  using namespace turboquant;
+  AttentionParams p;
+  if (!parse_dtype(dtype, &p.dtype) || !parse_mask(mask, &p.mask_type)) return nullptr;
+  p.q_len = shape[0], p.new_len = shape[1];
+  p.head_dim = static_cast<int>(shape[2]), p.v_head_dim = static_cast<int>(shape[3]);
+  cuda::DeviceProps dev;
+  dev.sms = static_cast<int>(device[0]), dev.smem_optin = static_cast<int>(device[1]);
+  dev.cc_major = static_cast<int>(device[2]), dev.cc_minor = static_cast<int>(device[3]);
+  dev.sm90a = device[4] != 0;
+  return cuda::prefill_kernel_name(cuda::plan_prefill(p, dev));
+}
+
+// "mma", "wgmma", or "none" (no such call yet, or this build has no CUDA kernels).
+extern "C" __attribute__((visibility("default"))) const char* turboquant_last_prefill_kernel() {
+  return turboquant::ort::cuda_last_prefill_kernel();
+}
+
+// 1 where the library holds sm_90a kernels.
+extern "C" __attribute__((visibility("default"))) int turboquant_sm90a_compiled() {
+  return turboquant::ort::cuda_sm90a_compiled() ? 1 : 0;
 }

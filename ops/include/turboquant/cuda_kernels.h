@@ -51,6 +51,9 @@ SplitPlan attention_plan(const AttentionParams& p, const uint8_t* past_key, cons
 // The split kernel of the process's latest attention() call (kNone: it had no past or no queries),
 // for tests that check which kernel ran.
 SplitKernel last_split_kernel();
+// The kernel of the new tokens of the process's latest call with several query rows on tensor cores
+// (kNone before any), for tests that check which kernel ran.
+PrefillKernel last_prefill_kernel();
 
 // TQAttention: present = past ++ pack(new); Y over the packed past (split-KV, merged with
 // log-sum-exp) and the exact new tokens. workspace: attention_workspace_bytes(p, num_sms) bytes.

@@ -27,6 +27,7 @@ struct DeviceProps {
   int sms = 0;         // multiprocessors
   int smem_optin = 0;  // the most shared memory a block may opt in to (227 KiB on sm_90)
   int cc_major = 0, cc_minor = 0;
+  bool sm90a = false;  // the library holds sm_90a code (prefill_sm90.cu) that this device runs
 };
 
 // How the past is split among the blocks of a split kernel (and the finish kernel's query rows).
@@ -58,6 +59,16 @@ struct SplitPlan {
 // several query rows, fp16 or bf16, head size 64 or 128 for keys and values alike. (The launcher also
 // needs the tensors' rows at 16-byte boundaries.)
 bool new_tokens_on_tensor_cores(const AttentionParams& p);
+
+// Which kernel attends a call's new tokens on tensor cores (where new_tokens_on_tensor_cores).
+enum class PrefillKernel : int {
+  kNone = 0,  // not on tensor cores: the finish kernel attends each query row
+  kMma,       // prefill.cu: mma.sync, 16-row tiles per warp, with any mask TQAttention takes
+  kWgmma,     // prefill_sm90.cu: Hopper's warpgroup products (sm_90a code), without a mask
+};
+// "none", "mma", "wgmma": the names tests and logs use.
+const char* prefill_kernel_name(PrefillKernel k);
+PrefillKernel plan_prefill(const AttentionParams& p, const DeviceProps& dev);
 
 // caches_aligned16: past_key and past_value start at multiples of 16 bytes (the tensor-core bulk
 // kernel copies fp8 and raw16 rows in swizzled 16-byte chunks).

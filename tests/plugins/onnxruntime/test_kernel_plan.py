@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turboquant.kernel_plan import A100, H200, L4, plan_split
+import dataclasses
+
+from turboquant.kernel_plan import A100, H200, L4, plan_prefill, plan_split
 
 # the presets' decode shape on an 8B model: B = 8, 32 query heads on 8 KV heads of 128, S = 32768
 PRESET = dict(batch=8, q_heads=32, kv_heads=8, past_len=32768, head_dim=128, dtype="float16")
@@ -32,18 +34,25 @@ def test_mse4_shared_memory_is_the_kernels_layout():
     assert plan.smem == 65536 + 65536 + 10 * 2 * (2144 + 2208)
 
 
-def test_a_mask_keeps_the_cuda_core_kernel_and_its_layout():
-    plan = plan_split(**PRESET, key_format="mse4", value_format="uint4", mask="float16")
-    assert plan.kernel == "cuda_core" and plan.warps == 0
-    # 8 blocks' worth per SM over 64 (b, head) pairs asks for 17 splits; in whole 128-token tiles
-    # 2048 tokens each, which 16 cover
-    assert (plan.splits, plan.split_len) == (16, 2048)
-    assert plan.smem == 2 * 128 * (66 + 68)  # two staged tiles of packed K and V
-
-
 @pytest.mark.parametrize("mask", ["bool", "float32", "float16", "bfloat16"])
-def test_every_mask_type_keeps_the_cuda_core_kernel(mask):
-    assert plan_split(**PRESET, key_format="fp8", value_format="uint4", mask=mask).kernel == "cuda_core"
+@pytest.mark.parametrize("kf, vf", [("mse4", "uint4"), ("fp8", "uint4"), ("mse3", "uint3"), ("raw16", "raw16")])
+def test_a_mask_keeps_the_bulk_kernel_and_its_layout(mask, kf, vf):
+    """The bulk kernel's masked variant: the same plan as without the mask."""
+    plan = plan_split(**PRESET, key_format=kf, value_format=vf, mask=mask)
+    assert plan == plan_split(**PRESET, key_format=kf, value_format=vf) and plan.kernel == "tc_bulk"
+
+
+@pytest.mark.parametrize("change, kf, vf", [
+    ({"head_dim": 256}, "mse4", "uint4"),  # the bulk kernel's 8-warp blocks have no masked variant
+    ({}, "mse4", "uint3"),  # tc_mma's pair
+    ({"head_dim": 80}, "mse4", "uint4"),
+])
+def test_masks_the_bulk_kernel_does_not_take_run_the_cuda_core_kernel(change, kf, vf):
+    plan = plan_split(**{**PRESET, **change}, key_format=kf, value_format=vf, mask="float16")
+    assert plan.kernel == "cuda_core" and plan.warps == 0
+    if not change:  # 8 blocks' worth per SM over 64 (b, head) pairs asks for 17 splits; in whole
+        # 128-token tiles 2048 tokens each, which 16 cover; two staged tiles of packed K and V
+        assert (plan.splits, plan.split_len, plan.smem) == (16, 2048, 2 * 128 * (66 + 52))
 
 
 def test_misaligned_fp8_caches_get_the_cuda_core_kernel_with_its_own_layout():
@@ -80,7 +89,7 @@ def test_raw16_runs_the_tensor_core_bulk_kernel():
 
 
 @pytest.mark.parametrize("change", [
-    {"mask": "bool"}, {"dtype": "float32"}, {"head_dim": 256}, {"head_dim": 80}, {"aligned16": False},
+    {"dtype": "float32"}, {"head_dim": 256}, {"head_dim": 80}, {"aligned16": False},
     {"key_row_bytes": 262, "value_row_bytes": 262},  # a shared buffer's rows, not whole 16-byte chunks
     {"q_len": 4, "new_len": 1, "is_causal": True},
 ])
@@ -126,8 +135,8 @@ def test_continuation_chunks_take_the_new_tokens_part_from_tensor_cores():
 def test_chunks_of_a_tile_of_rows_take_the_chunk_kernel():
     """64 or more query rows per KV head over a past in preallocated buffers, MSE keys with uint values
     at head size 64 or 128: the chunk kernel's 64-row tiles, the past split until about four blocks per
-    SM; else the split kernels (dense caches, fewer rows, fp8 keys, masks, float32, causal rows over
-    fewer new tokens)."""
+    SM; else the split kernels (dense caches, fewer rows, fp8 keys, masks (the bulk kernel's masked
+    variant), float32, causal rows over fewer new tokens)."""
     chunk = dict(PRESET, batch=1, key_format="mse4", value_format="uint4", is_causal=True, q_len=512, buffer_rows=33280)
     assert plan_split(**{**chunk, "buffer_rows": 0}).kernel == "tc_bulk"
     plan = plan_split(**chunk)
@@ -137,7 +146,7 @@ def test_chunks_of_a_tile_of_rows_take_the_chunk_kernel():
     assert plan_split(**{**chunk, "q_len": 16}).kernel == "tc_chunk"  # 64 rows
     assert plan_split(**{**chunk, "q_len": 15}).kernel == "tc_bulk"
     assert plan_split(**{**chunk, "key_format": "fp8"}).kernel == "tc_bulk"
-    assert plan_split(**chunk, mask="bool").kernel == "cuda_core"
+    assert plan_split(**chunk, mask="bool").kernel == "tc_bulk"
     assert plan_split(**{**chunk, "dtype": "float32"}).kernel == "cuda_core"
     assert plan_split(**{**chunk, "new_len": 100}).kernel == "cuda_core"
     assert plan_split(**{**chunk, "head_dim": 80}).kernel == "tc_mma"
@@ -209,3 +218,27 @@ def test_every_plan_covers_the_past_in_whole_units(batch, kv_heads, group, q_len
         assert plan.kernel == "cuda_core"
     if kf in ("fp8", "raw16") and not aligned:
         assert plan.kernel == "cuda_core"
+
+
+@pytest.mark.parametrize("call, dev, want", [
+    (dict(q_len=4096, head_dim=128), H200, "wgmma"),
+    (dict(q_len=2, head_dim=64, dtype="bfloat16"), H200, "wgmma"),
+    (dict(q_len=300, new_len=1300, head_dim=128), H200, "wgmma"),  # a continuation chunk's new tokens
+    (dict(q_len=4096, head_dim=128, mask="float16"), H200, "mma"),  # masks stay on the mma.sync kernel
+    (dict(q_len=4096, head_dim=128), dataclasses.replace(H200, sm90a=False), "mma"),  # a build without sm_90a code
+    (dict(q_len=4096, head_dim=128), A100, "mma"),
+    (dict(q_len=4096, head_dim=128), L4, "mma"),
+    (dict(q_len=1, head_dim=128), H200, "none"),  # a decode step: the finish kernel
+    (dict(q_len=4096, head_dim=128, dtype="float32"), H200, "none"),
+    (dict(q_len=4096, head_dim=96), H200, "none"),
+    (dict(q_len=4096, head_dim=128, v_head_dim=64), H200, "none"),
+])
+def test_prefill_kernel_choice(call, dev, want):
+    """Several query rows of fp16/bf16 at head size 64 or 128 run on tensor cores: Hopper's warpgroup
+    products where the library holds sm_90a code and the call has no mask, else the mma.sync kernel."""
+    assert plan_prefill(**call, device=dev) == want
+
+
+def test_prefill_plan_refuses_unknown_names():
+    with pytest.raises(ValueError, match="dtype is 'int8'"):
+        plan_prefill(q_len=8, head_dim=128, dtype="int8")

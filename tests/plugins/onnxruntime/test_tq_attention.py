@@ -130,6 +130,12 @@ def check_case(ort_session, c, threads=2, device="cpu"):
 DTYPE_NAMES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
 
 
+def planned_prefill(c):
+    """A case as turboquant.kernel_plan.plan_prefill's keywords."""
+    mask = {None: None, "bool": "bool", "float": "float32", "float16": "float16"}[c["mask"]]
+    return dict(q_len=c["sq"], head_dim=c["d"], dtype=DTYPE_NAMES[c["dtype"]], mask=mask)
+
+
 def planned_call(c):
     """A case as turboquant.kernel_plan.plan_split's keywords (what the op hands the planner)."""
     mask = {None: None, "bool": "bool", "float": "float32", "float16": "float16"}[c["mask"]]
@@ -161,13 +167,30 @@ def test_presets_every_head_dim(ort_session, device, d, kf, vf):
     (150, 64, TensorProto.FLOAT16, "bsd", False, "mse4", "uint4", "bool", "full"),
     (129, 128, TensorProto.BFLOAT16, "bhsd", False, "mse4", "uint4", "float16", "k"),
 ])
-def test_first_prompt(ort_session, device, sq, d, dtype, layout, causal, kf, vf, mask, mask_shape):
+def test_first_prompt(ort_session, device, prefill_kernel_ran, sq, d, dtype, layout, causal, kf, vf, mask, mask_shape):
     """A prompt with no past, long enough for several tiles of query rows and keys (on CUDA the
-    tensor-core prefill kernel, which the short hypothesis cases reach only with one tile), with and
-    without masks."""
+    tensor-core prefill kernels, which the short hypothesis cases reach only with one tile: Hopper's
+    warpgroup products without a mask, mma.sync with one), with and without masks."""
     c = dict(b=2, hkv=2, group=4, sq=sq, sp=0, d=d, kf=kf, vf=vf, dtype=dtype, layout=layout, mask=mask,
              mask_shape=mask_shape, causal=causal, scale=None, offsets=False, nc=True, values="normal", seed=sq)
     check_case(ort_session, c, device=device)
+    if device == "cuda":
+        prefill_kernel_ran("mma" if mask else "wgmma", **planned_prefill(c))
+
+
+@pytest.mark.parametrize("b, hkv, group, sq, d, dtype, causal", [
+    (1, 1, 1, 333, 128, TensorProto.FLOAT16, True), (3, 2, 3, 200, 128, TensorProto.FLOAT16, True),
+    (1, 1, 8, 129, 64, TensorProto.BFLOAT16, True), (2, 4, 2, 2, 128, TensorProto.FLOAT16, True),
+    (1, 2, 2, 511, 64, TensorProto.FLOAT16, False), (1, 8, 4, 1100, 128, TensorProto.BFLOAT16, True),
+])
+def test_first_prompt_shapes(ort_session, device, prefill_kernel_ran, b, hkv, group, sq, d, dtype, causal):
+    """First prompts of other group sizes, batches and lengths (one row over a tile, two rows, several
+    tiles of keys with a partial last one)."""
+    c = dict(b=b, hkv=hkv, group=group, sq=sq, sp=0, d=d, kf="mse4", vf="uint4", dtype=dtype, layout="bsd", mask=None,
+             mask_shape="full", causal=causal, scale=None, offsets=False, nc=True, values="normal", seed=sq + group)
+    check_case(ort_session, c, device=device)
+    if device == "cuda":
+        prefill_kernel_ran("wgmma", **planned_prefill(c))
 
 
 @pytest.mark.parametrize("sq, sp, d, dtype, layout, causal, kf, vf, mask, mask_shape", [
@@ -178,13 +201,16 @@ def test_first_prompt(ort_session, device, sq, d, dtype, layout, causal, kf, vf,
     (150, 31, 64, TensorProto.FLOAT16, "bsd", False, "mse4", "uint4", "bool", "full"),
     (129, 64, 128, TensorProto.BFLOAT16, "bhsd", True, "raw16", "raw16", "float16", "k"),
 ])
-def test_continuation_chunk(ort_session, device, sq, sp, d, dtype, layout, causal, kf, vf, mask, mask_shape):
+def test_continuation_chunk(ort_session, device, prefill_kernel_ran, sq, sp, d, dtype, layout, causal, kf, vf, mask,
+                            mask_shape):
     """A chunk of many new tokens over a packed past, with key and value offsets (on CUDA the new
     tokens' part on tensor cores, one more partial result merged with the past's, whose scores are of
     the keys less their offset), with and without masks (a mask's columns after the past)."""
     c = dict(b=2, hkv=2, group=4, sq=sq, sp=sp, d=d, kf=kf, vf=vf, dtype=dtype, layout=layout, mask=mask,
              mask_shape=mask_shape, causal=causal, scale=None, offsets=True, nc=True, values="normal", seed=sq + sp)
     check_case(ort_session, c, device=device)
+    if device == "cuda":
+        prefill_kernel_ran("mma" if mask else "wgmma", **planned_prefill(c))
 
 
 @pytest.mark.parametrize("change, want", [
@@ -193,7 +219,9 @@ def test_continuation_chunk(ort_session, device, sq, sp, d, dtype, layout, causa
     ({"vf": "uint3", "causal": False}, "tc_mma"),
     ({"kf": "fp8"}, "tc_bulk"),
     ({"sq": 15}, "tc_bulk"),
-    ({"mask": "bool"}, "cuda_core"),
+    ({"mask": "bool"}, "tc_bulk"),
+    ({"mask": "float16", "mask_shape": "b1qk", "kf": "fp8"}, "tc_bulk"),
+    ({"mask": "float", "d": 256}, "cuda_core"),
 ])
 def test_continuation_chunks_run_the_planned_kernel_on_cuda(ort_session, cuda_ready, split_kernel_ran, change, want):
     """A chunk of many new tokens over a dense past of 1000 on the GPU: its output equals the
@@ -210,8 +238,11 @@ def test_continuation_chunks_run_the_planned_kernel_on_cuda(ort_session, cuda_re
     ({}, "tc_bulk"),
     ({"kf": "fp8"}, "tc_bulk"),
     ({"kf": "mse3", "vf": "uint3", "dtype": TensorProto.BFLOAT16}, "tc_bulk"),
-    ({"mask": "bool"}, "cuda_core"),
-    ({"mask": "float16", "mask_shape": "b1qk"}, "cuda_core"),
+    ({"mask": "bool"}, "tc_bulk"),
+    ({"mask": "float16", "mask_shape": "b1qk"}, "tc_bulk"),
+    ({"mask": "float", "mask_shape": "k", "kf": "mse3", "vf": "uint3", "dtype": TensorProto.BFLOAT16}, "tc_bulk"),
+    ({"mask": "bool", "mask_shape": "1hqk", "kf": "fp8", "d": 64}, "tc_bulk"),
+    ({"mask": "float16", "mask_shape": "qk", "vf": "uint3"}, "cuda_core"),
     ({"dtype": TensorProto.FLOAT}, "cuda_core"),
     ({"d": 80}, "tc_mma"),
     ({"vf": "uint3"}, "tc_mma"),
@@ -220,7 +251,8 @@ def test_continuation_chunks_run_the_planned_kernel_on_cuda(ort_session, cuda_re
     ({"kf": "raw16", "vf": "raw16", "d": 64, "dtype": TensorProto.BFLOAT16}, "tc_bulk"),
     ({"kf": "raw16", "vf": "raw16", "dtype": TensorProto.FLOAT}, "cuda_core"),
     ({"kf": "raw16", "vf": "raw16", "d": 256}, "cuda_core"),
-    ({"kf": "raw16", "vf": "raw16", "mask": "bool"}, "cuda_core"),
+    ({"kf": "raw16", "vf": "raw16", "mask": "bool"}, "tc_bulk"),
+    ({"kf": "raw16", "vf": "raw16", "mask": "float16", "mask_shape": "b1qk", "d": 64}, "tc_bulk"),
     ({"sp": 0}, "none"),
 ])
 def test_the_planned_split_kernel_runs_on_cuda(ort_session, cuda_ready, split_kernel_ran, change, want):

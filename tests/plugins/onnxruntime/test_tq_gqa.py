@@ -288,7 +288,7 @@ def test_raw16_decode_step(ort_session, device, split_kernel_ran, b, d, group, l
     (2, 300, 128, ("mse4", "uint4"), 128, False), (1, 257, 64, ("mse3", "uint3"), 0, True),
     (3, 130, 128, ("fp8", "uint4"), 64, False), (1, 1000, 128, ("raw16", "raw16"), 0, False),
 ])
-def test_first_prompt_of_several_tiles(ort_session, device, b, s, d, formats, rotary, packed):
+def test_first_prompt_of_several_tiles(ort_session, device, prefill_kernel_ran, b, s, d, formats, rotary, packed):
     """A first prompt long enough for several tiles of query rows and keys (on CUDA the tensor-core
     prefill kernel), right padded, written into a buffer with rows to spare; the new rows and outputs
     equal the reference's."""
@@ -298,6 +298,8 @@ def test_first_prompt_of_several_tiles(ort_session, device, b, s, d, formats, ro
              offsets=False, seed=s)
     model, feeds = make(c)
     y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
+    if device == "cuda":
+        prefill_kernel_ran("wgmma", q_len=s, head_dim=d, dtype=DTYPE_NAMES[c["dtype"]])
     check_outputs(c, y, pk, pv, reference(c, feeds))
 
 
@@ -307,8 +309,8 @@ def test_first_prompt_of_several_tiles(ort_session, device, b, s, d, formats, ro
     (2, 130, 128, ("fp8", "uint4"), 128, TensorProto.FLOAT16, True, "tc_bulk"),
     (2, 200, 128, ("raw16", "raw16"), 0, TensorProto.FLOAT16, False, "tc_bulk"),
 ])
-def test_continuation_chunk_of_several_tiles(ort_session, device, split_kernel_ran, b, s, d, formats, rotary, dtype,
-                                             offsets, want):
+def test_continuation_chunk_of_several_tiles(ort_session, device, split_kernel_ran, prefill_kernel_ran, b, s, d, formats,
+                                             rotary, dtype, offsets, want):
     """A chunk of many new tokens over pasts of different lengths (on CUDA the past by the chunk
     kernel's 64-row tiles where it takes the formats, the new tokens' part on tensor cores, merged by
     log-sum-exp), with key and value offsets; the new rows and outputs equal the reference's."""
@@ -320,6 +322,7 @@ def test_continuation_chunk_of_several_tiles(ort_session, device, split_kernel_r
     y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
     if device == "cuda":
         split_kernel_ran(want, **planned_call(c, feeds))
+        prefill_kernel_ran("wgmma", q_len=s, head_dim=d, dtype=DTYPE_NAMES[c["dtype"]])
     check_outputs(c, y, pk, pv, reference(c, feeds))
 
 
