@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -70,7 +71,7 @@ class SharedBufferDecoder(DecoderSession):
         try:
             super().__init__(model, providers, threads, options)
         except Exception as e:
-            if cuda_graph and "graph capture" in str(e):  # ORT's refusal: nodes off the CUDA provider, control flow
+            if cuda_graph and re.search(r"graph capture|cuda graph", str(e), re.I):  # ORT's refusal: nodes off CUDA, control flow
                 raise ValueError(f"{self.model_name}: ONNX Runtime cannot run it from CUDA graphs: {e}") from e
             raise
         self.max_length = int(max_length)

@@ -112,6 +112,30 @@ def test_static_inputs_are_bound_once(models):
         dec.step(ids[:, :1], cache, 12, lengths=[14, 5])
 
 
+def test_graph_bookkeeping_on_the_cpu(models):
+    """cuda_graph's bookkeeping, driven on the CPU (a static-shape decoder told it replays graphs;
+    ORT's CPU provider takes the run options and captures nothing): one graph id per binding, prompts
+    with gpu_graph_id -1, empty_cache giving the bound buffers back so a second generation keeps the
+    graph, another batch a new id, and the tokens of the plain loop throughout."""
+    path = models("llama-torchscript")
+    dec = SharedBufferDecoder(path, MAX_LENGTH, static_shapes=True)
+    dec.cuda_graph = True
+    dec._prompt_options = ort.RunOptions()
+    dec._prompt_options.add_run_config_entry("gpu_graph_id", "-1")
+    ids = np.random.default_rng(3).integers(3, 320, (2, 30))
+    want = SharedBufferDecoder(path, MAX_LENGTH).generate(ids[:, :5], 8)
+    np.testing.assert_array_equal(dec.generate(ids[:, :5], 8), want)
+    first = dec._binding
+    assert first.graph_id == 1 and first.run_options.get_run_config_entry("gpu_graph_id") == "1" and first.ran
+    assert dec.empty_cache(2) == first.cache and dec.empty_cache(1) != first.cache
+    np.testing.assert_array_equal(dec.generate(ids[:, :5], 8), want)
+    assert dec._binding is first
+    dec.teacher_forced(ids[:1], 10)
+    assert dec._binding.graph_id == 2 and dec._binding.key[0] == 1
+    np.testing.assert_array_equal(dec.generate(ids[:, :5], 8), want)
+    assert dec._binding.graph_id == 3  # the batch of 2's buffers went with their binding: captured anew
+
+
 def test_static_shapes_refuse_exports_without_position_ids(models, tmp_path):
     """An exported decoder's in-place rewrite that takes no position_ids derives them from the mask
     or the past's length, which a mask as wide as the buffers would move: refused, naming the input."""
@@ -124,8 +148,16 @@ def test_static_shapes_refuse_exports_without_position_ids(models, tmp_path):
 
 
 def test_cuda_graph_refusals_name_the_provider(models):
-    """cuda_graph needs ORT's CUDA provider first: refused with the providers named on the CPU."""
+    """cuda_graph needs ORT's CUDA provider first: refused with the providers named on the CPU;
+    open_decoder refuses it (and static shapes) for a model whose caches grow, naming the model."""
+    from turboquant.decoder import open_decoder
+
     path = models("genai")
+    original = models("llama-torchscript").parent / "llama-torchscript.onnx"
+    for kw in ("cuda_graph", "static_shapes"):
+        with pytest.raises(ValueError, match=f"{original}: {kw} need caches written in place"):
+            open_decoder(original, MAX_LENGTH, **{kw: True})
+    assert open_decoder(models("llama-torchscript"), MAX_LENGTH, static_shapes=True).static_shapes
     with pytest.raises(ValueError, match=r"CUDAExecutionProvider as the first provider, got \['CPUExecutionProvider'\]"):
         SharedBufferDecoder(path, MAX_LENGTH, cuda_graph=True)
     with pytest.raises(ValueError, match="first provider"):
