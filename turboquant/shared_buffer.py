@@ -71,7 +71,8 @@ class SharedBufferDecoder(DecoderSession):
         try:
             super().__init__(model, providers, threads, options)
         except Exception as e:
-            if cuda_graph and re.search(r"graph capture|cuda graph", str(e), re.I):  # ORT's refusal: nodes off CUDA, control flow
+            # ORT's refusal of graphs: nodes off the CUDA provider (copies between them), control flow
+            if cuda_graph and re.search(r"graph capture|cuda graph", str(e), re.I):
                 raise ValueError(f"{self.model_name}: ONNX Runtime cannot run it from CUDA graphs: {e}") from e
             raise
         self.max_length = int(max_length)
@@ -101,11 +102,11 @@ class SharedBufferDecoder(DecoderSession):
             raise ValueError(f"{self.model_name}: cuda_graph needs the CUDA provider; the session runs on "
                              f"{self.session.get_providers()[0]}")
         meta = self.session.get_modelmeta().custom_metadata_map
-        # an exported decoder's own positions come from the mask (cumsum) or the past's length (its
-        # width): a static mask would move them; genai models turn rotary inside the op, by length
+        # an export without position_ids makes its own from the mask (a cumsum) or the past's length (the
+        # mask's width), which a static mask moves; genai models rotate inside the op, at their lengths
         if meta.get("turboquant.cache") == "in-place" and "position_ids" not in self.input_names:
-            raise ValueError(f"{self.model_name}: static shapes need a position_ids input (this export derives "
-                             "positions from attention_mask, which a mask as wide as the buffers changes)")
+            raise ValueError(f"{self.model_name}: static shapes need a position_ids input (this export's positions "
+                             "would come from attention_mask or its width, which a mask as wide as the buffers moves)")
         outs = {o.name: o for o in self.session.get_outputs()}
         logits = outs[self.logits_name]
         if logits.type not in _NP or not isinstance(logits.shape[-1], int):
@@ -191,7 +192,7 @@ class SharedBufferDecoder(DecoderSession):
             raise
         bound.ran = True
         logits = bound.logits.numpy()
-        return logits if self.on_cuda else logits.copy()  # a CPU OrtValue's numpy() is its own memory, rewritten next step
+        return logits if self.on_cuda else logits.copy()  # on the CPU numpy() is the buffer, rewritten next step
 
     def _bind_static(self, b: int, cache: dict) -> _Binding:
         """The binding for a batch of b on these cache buffers: the last one, or a new one (and a
@@ -206,7 +207,8 @@ class SharedBufferDecoder(DecoderSession):
         for name, value in self.feeds(np.zeros((b, 1), np.int64), {}, rows - 1).items():  # the static shapes
             dtype = _TYPES.get(self._input_types[name])
             if dtype is None:
-                raise ValueError(f"{self.model_name}: input {name} is {self._input_types[name]}, which static shapes do not feed")
+                raise ValueError(f"{self.model_name}: input {name} is {self._input_types[name]}, "
+                                 "which static shapes do not feed")
             inputs[name] = ort.OrtValue.ortvalue_from_shape_and_type(np.shape(value), dtype, *self.device)
             io.bind_ortvalue_input(name, inputs[name])
         out = next(o for o in self.session.get_outputs() if o.name == self.logits_name)
@@ -218,7 +220,8 @@ class SharedBufferDecoder(DecoderSession):
                 io.bind_output(name, self.device[0])
         bound = _Binding(key, io, inputs, logits, {arg.name: cache[arg.name] for arg in self.cache_inputs.values()})
         if self.cuda_graph:
-            bound.graph_id, self._next_graph = self._next_graph, self._next_graph + 1  # never reused: ORT may keep old graphs
+            # ids never reused: ORT may keep an old graph, which would replay onto freed buffers
+            bound.graph_id, self._next_graph = self._next_graph, self._next_graph + 1
             bound.run_options = ort.RunOptions()
             bound.run_options.add_run_config_entry("gpu_graph_id", str(bound.graph_id))
         self._binding = bound
@@ -227,7 +230,9 @@ class SharedBufferDecoder(DecoderSession):
     def _release(self) -> None:
         """Lets the last binding go, and its graph where this ORT can release one."""
         bound, self._binding = self._binding, None
-        if bound is not None and bound.graph_id is not None and bound.ran and hasattr(self.session, "release_captured_graph"):
+        if bound is None or bound.graph_id is None or not bound.ran:
+            return
+        if hasattr(self.session, "release_captured_graph"):  # not in every ORT release
             self.session.release_captured_graph(bound.graph_id)
 
     def _padded(self, lengths: np.ndarray, b: int, s: int, past_len: int) -> dict:
