@@ -32,7 +32,7 @@ class Options:
     steps: int = 16
     prefill_chunk: int | None = None  # None: the prompt in one call
     runtime: str = "ort"  # "ort" or "genai"
-    cuda_graph: bool = False  # runtime genai on CUDA: decode steps replayed from CUDA graphs
+    cuda_graph: bool = False  # CUDA: decode steps replayed from CUDA graphs (og.Generator's, or SharedBufferDecoder's)
     fill: str = "prefill"  # "prefill" or "random"
     ttft_budget: float = 120.0  # fill random: seconds the prefill for ttft may take before it is given up
     ttft_max_tokens: int | None = None  # fill random: the prefill for ttft only where batch x context is at most this
@@ -85,7 +85,10 @@ def _session(info: ModelInfo, opts: Options, max_length: int):
 
     if info.shared:
         return SharedBufferDecoder(info.path, max_length=max_length, head_size=info.caches[0].width,
-                                   providers=_providers(opts.device), threads=opts.threads)
+                                   providers=_providers(opts.device), threads=opts.threads, cuda_graph=opts.cuda_graph)
+    if opts.cuda_graph:  # a graph replays fixed shapes; these caches grow every step
+        raise ValueError(f"{info.path}: CUDA graphs need caches written in place (SharedBufferDecoder); "
+                         "this model's grow each step (DecoderSession)")
     return DecoderSession(info.path, providers=_providers(opts.device), threads=opts.threads)
 
 
@@ -264,6 +267,15 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
+def _loop(info: ModelInfo, opts: Options) -> str:
+    """The decode loop a record's model ran in, in words."""
+    if opts.runtime == "genai":
+        return f"onnxruntime-genai og.Generator{', CUDA graphs' if opts.cuda_graph else ''}"
+    return (f"{'SharedBufferDecoder' if info.shared else 'DecoderSession'}"
+            f"{', IO binding, caches on the device' if opts.device == 'cuda' else ''}"
+            f"{', CUDA graphs for the decode steps (the prompt without)' if opts.cuda_graph else ''}")
+
+
 def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print, on_record=None) -> list[Record]:
     """Every model at every point; a model is loaded once for all points (its session or og.Model).
     on_record(records so far): called after each record, e.g. to save partial results."""
@@ -291,9 +303,7 @@ def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print, on_r
         for b, s in opts.points:
             rec = Record(path, opts.device, b, s, None, None, None, info.kv_bytes(b, s), None, runtime=opts.runtime,
                          peak_how=memory.HOW[opts.device], steps=opts.steps, error=load_error)
-            rec.loop = (f"onnxruntime-genai og.Generator{', CUDA graphs' if opts.cuda_graph else ''}" if opts.runtime == "genai" else
-                        f"{'SharedBufferDecoder' if info.shared else 'DecoderSession'}"
-                        f"{', IO binding, caches on the device' if opts.device == 'cuda' else ''}")
+            rec.loop = _loop(info, opts)
             log(f"{path}: {opts.runtime} runtime, {opts.fill} fill, B={b}, S={s} ...")
             if runner is not None:
                 try:

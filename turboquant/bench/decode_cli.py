@@ -49,8 +49,10 @@ def add_parsers(sub) -> None:
     d.add_argument("--runtime", choices=["ort", "genai"], default="ort",
                    help="ort: turboquant's DecoderSession / SharedBufferDecoder loops; genai: og.Generator (genai folders)")
     d.add_argument("--cuda-graph", action="store_true",
-                   help="--runtime genai on CUDA: onnxruntime-genai replays each decode step from a CUDA graph "
-                   "(its provider option enable_cuda_graph), which takes out the host's work between kernels")
+                   help="--device cuda: each decode step replayed from a CUDA graph (ONNX Runtime's provider option "
+                   "enable_cuda_graph), which takes out the host's work between kernels: onnxruntime-genai's own with "
+                   "--runtime genai, SharedBufferDecoder's static-shape steps with --runtime ort (genai folders and "
+                   "in-place rewrites; the prompt runs without a graph)")
     d.add_argument("--fill", choices=["prefill", "random"], default="prefill",
                    help="how the caches reach S tokens: a real prefill, or random K/V (packed through TQPack) without one")
     d.add_argument("--ttft-budget", type=_seconds, default=120.0, metavar="SECONDS",
@@ -109,8 +111,14 @@ def _decode(args) -> int:
             check_same_model(infos[0], info, f"MODEL {i}", weights=not args.other_exporters)
     except LayoutError as e:
         return _fail(e.arg, str(e))
-    if args.cuda_graph and (args.runtime != "genai" or args.device != "cuda"):
-        return _fail("--cuda-graph", "needs --runtime genai --device cuda (onnxruntime-genai's CUDA graphs)")
+    if args.cuda_graph and args.device != "cuda":
+        return _fail("--cuda-graph", "needs --device cuda (ONNX Runtime's CUDA provider captures the graphs)")
+    if args.cuda_graph and args.runtime == "ort":
+        for p, info in zip(args.models, infos):
+            if not info.shared:  # a graph replays fixed shapes
+                return _fail("MODEL", f"{p}: --cuda-graph needs caches written in place (SharedBufferDecoder: "
+                             "onnxruntime-genai models, in-place rewrites); this model's caches grow each step "
+                             "(DecoderSession)")
     if args.runtime == "genai":
         if args.fill == "random":
             return _fail("--fill", "random needs the ort runtime: onnxruntime-genai fills its own caches by a prefill")

@@ -250,9 +250,31 @@ def test_bad_arguments_exit_2_naming_the_argument(built, tmp_path, capsys):
     assert (tmp_path / "taken.json").read_text() == "[]"
     _fails(capsys, ["decode", orig, tq, "--runtime", "genai"], "MODEL")
     _fails(capsys, ["decode", *map(str, built["genai"]), "--runtime", "genai", "--fill", "random"], "--fill")
-    assert "--runtime genai --device cuda" in _fails(capsys, ["decode", orig, tq, "--cuda-graph"], "--cuda-graph")
+    assert "needs --device cuda" in _fails(capsys, ["decode", orig, tq, "--cuda-graph"], "--cuda-graph")
     _fails(capsys, ["decode", *map(str, built["genai"]), "--runtime", "genai", "--cuda-graph"], "--cuda-graph")
+    # turboquant's loop replays graphs of buffers written in place only: the original's caches grow
+    err = _fails(capsys, ["decode", orig, tq, "--device", "cuda", "--cuda-graph"], "MODEL")
+    assert f"{orig}: --cuda-graph needs caches written in place" in err and "DecoderSession" in err
     _fails(capsys, ["models", "--shape", "tiny", "--builder", "torchscript", "-o", str(tmp_path)], "-o")
+
+
+def test_cuda_graph_runs_shared_buffer_models_only(built, concat, capsys):
+    """--cuda-graph with the ort runtime: genai folders and in-place rewrites pass the argument checks
+    (on to the device's), a concat rewrite is refused by name; decode.run records SharedBufferDecoder's
+    refusal of a CPU provider and the loop it would have run."""
+    from turboquant.arguments import cuda_missing
+
+    genai_orig, genai_tq = map(str, built["genai"])
+    if cuda_missing():
+        _fails(capsys, ["decode", genai_orig, genai_tq, str(built["torchscript"][1]), "--other-exporters", "--device", "cuda",
+                        "--cuda-graph"], "--device")
+    assert f"{concat}: --cuda-graph" in _fails(capsys, ["decode", str(concat), "--device", "cuda", "--cuda-graph"], "MODEL")
+    paths = [str(p) for p in built["torchscript"]]
+    opts = decode.Options(points=[(1, 20)], steps=1, fill="random", ttft_budget=0, cuda_graph=True)
+    recs = decode.run(paths, [cache_layout.inspect(p) for p in paths], opts, log=lambda s: None)
+    assert recs[0].error.startswith(f"ValueError: {paths[0]}: CUDA graphs need caches written in place")
+    assert "CUDAExecutionProvider as the first provider" in recs[1].error
+    assert recs[1].loop == "SharedBufferDecoder, CUDA graphs for the decode steps (the prompt without)"
 
 
 def test_rewrite_of_another_model_is_refused(built, tmp_path, capsys):
@@ -295,3 +317,25 @@ def test_cuda_decode(cuda_ready, built, tmp_path, builder, fill):
         held = r["capacity_batch"] * r["kv_bytes"] // r["batch"]  # the layout's bytes at the largest batch
         # genai folders add why their longest context stops where it does (genai_config's context_length)
         assert r["capacity_check"].split("; ")[0] == f"allocated {held} bytes on cuda for batch {r['capacity_batch']}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", ["prefill", "random"])
+def test_cuda_graph_decode(cuda_ready, tmp_path, fill):
+    """--cuda-graph through turboquant's loop on fp16 models every node of which ORT's CUDA provider
+    takes (its GroupQueryAttention is fp16 and bf16 only): genai's builder's CUDA model, its rewrite and
+    a TorchScript export's in-place rewrite, each decode step replayed from a graph, the prompt without."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai's builder makes the genai models")
+    from turboquant.export import export
+
+    genai = random_decoders.export_genai(TINY, tmp_path / "genai", precision="fp16", provider="cuda")
+    genai_tq = export(genai, "turboquant_4bit_nc", tmp_path / "genai_tq" / "model.onnx", boundary=1, offsets=False,
+                      progress=False).output
+    ts = random_decoders.export(TINY, tmp_path / "ts.onnx", "torchscript", "float16")
+    ts_tq = export(ts, "turboquant_4bit_nc", tmp_path / "ts.tq.onnx", boundary=1, cache="in-place", offsets=False,
+                   progress=False).output
+    recs = _decode(tmp_path, genai, genai_tq, ts_tq, "--other-exporters", "--device", "cuda", "--cuda-graph",
+                   "--context", 300, 600, "--batch", 2, "--steps", 3, "--fill", fill)
+    for r in recs:
+        assert r["error"] is None and r["loop"].endswith("CUDA graphs for the decode steps (the prompt without)")
+        assert r["ms_per_step"] > 0 and r["fill"].startswith(fill) and r["ttft_ms"] > 0
