@@ -68,6 +68,7 @@ if [ "$step" = prefill ] || [ "$step" = probe ]; then  # the first-prompt kernel
   for a in "1 32 8 4096 128 0 1 20" "8 32 8 2048 128 0 1 20" "1 24 8 16384 128 0 1 10" "2 8 2 300 128 1 1 3" \
            "1 32 8 8192 64 0 1 10" "3 12 4 777 64 1 1 3" "1 32 8 4096 128 0 0 10" "2 4 4 129 128 0 0 3"; do
     timeout 60 /tmp/prefill_probe $a
+    [ $? = 124 ] && { echo "probe $a: timed out, the rest not run"; break; }
   done 2>&1 | tee -a "$OUT/prefill_probe.log"
 fi
 if [ "$step" = prefill ]; then  # then the op bench's prefill rows

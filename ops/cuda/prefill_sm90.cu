@@ -1,16 +1,23 @@
 // The new tokens' own attention of a call with several query rows on Hopper's warpgroup products
-// (wgmma, compiled for sm_90a alone): the contract of prefill.cu's kernel without a mask. A block of
-// two warpgroups takes 128 query rows of one head, 64 per warpgroup, against tiles of 128 keys in
-// shared memory: S = Q K^T with both operands in shared memory, an online softmax in registers, then
-// O += P V with P from registers and V read transposed. The tiles are copied by every thread with
-// cp.async into the 128-byte swizzle the products read, the next tile while this one is used. While
-// one warpgroup works on its softmax the other's products keep the tensor cores busy.
+// (wgmma, compiled for sm_90a alone): the contract of prefill.cu's kernel without a mask. A block
+// takes 128 query rows of one head in three warpgroups:
+// - a producer, one thread of which copies Q once and the tiles of 128 keys and values by the tensor
+//   copy engine (TMA, into the 128-byte swizzle the products read), two buffers each, each buffer's
+//   arrival and release signalled on mbarriers;
+// - two consumers of 64 query rows each: S = Q K^T with both operands in shared memory, an online
+//   softmax in registers, O += P V with P from registers and V read transposed. The two take turns
+//   issuing their products (named barriers 1 and 2): one's softmax runs while the other's products
+//   keep the tensor cores busy.
+// The producer gives its registers to the consumers (setmaxnreg).
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 
 #include "device_attributes.h"
 #include "flash_tile.cuh"
@@ -20,10 +27,11 @@
 namespace turboquant::cuda::detail {
 namespace {
 
-constexpr int kGroups = 2;             // warpgroups per block
-constexpr int kThreads = 128 * kGroups;
-constexpr int kRows = 64 * kGroups;    // query rows per block, 64 per warpgroup (the products' M)
-constexpr int kKeys = 128;             // keys per tile (the score product's N)
+constexpr int kConsumers = 2;                  // consumer warpgroups, 64 query rows each
+constexpr int kThreads = 128 * (kConsumers + 1);  // and the producer's
+constexpr int kRows = 64 * kConsumers;         // query rows per block (the products' M, per consumer 64)
+constexpr int kKeys = 128;                     // keys per tile (the score product's N)
+constexpr int kStages = 2;                     // buffers of keys, and of values
 
 template <int D>
 constexpr uint32_t q_bytes() {
@@ -33,33 +41,68 @@ template <int D>
 constexpr uint32_t tile_bytes() {
   return kKeys * D * 2;
 }
+// Q, the buffers, the mbarriers (full and empty for each buffer of keys and of values, Q's), and the
+// slack that aligns the tiles to 1024 bytes (the swizzle's period)
 template <int D>
-constexpr int smem_bytes() {  // Q, two buffers each of K and V, and the slack that aligns them to 1024
-  return static_cast<int>(1024 + q_bytes<D>() + 4 * tile_bytes<D>());
+constexpr int smem_bytes() {
+  return static_cast<int>(1024 + q_bytes<D>() + 2 * kStages * tile_bytes<D>() + 8 * (4 * kStages + 1));
 }
 
-// rows x D elements from g (row r at g + r * stride) into the swizzled tile at smem (rows of it);
-// rows at or past `valid` are zero-filled.
-template <int D, typename T>
-__device__ __forceinline__ void load(uint32_t smem, const T* g, int64_t stride, int rows, int valid) {
-  constexpr int kChunks = D / 8;
-  for (int i = threadIdx.x; i < rows * kChunks; i += kThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    const bool on = r < valid;
-    cp_async16(smem + wgmma::sw128_offset(rows, r, c), on ? g + r * stride + c * 8 : g, on ? 16 : 0);
-  }
+// The tensor maps of Q, K and V: 4-d views of D elements by heads, positions and batch, in boxes of
+// 64 elements x rows, their dimensions in increasing order of stride (the encoder's rule): heads
+// inside positions for [B, S, H * D] tensors (heads_inner), outside for [B, H, S, D] ones.
+struct Maps {
+  CUtensorMap q, k, v;
+  int q_heads_inner, k_heads_inner, v_heads_inner;
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// The box of the map at element d, position s, head h, batch b into shared memory at dst; its
+// bytes complete bar.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int heads_inner, int d, int s, int h,
+                                         int b, uint32_t bar) {
+  const int c1 = heads_inner ? h : s, c2 = heads_inner ? s : h;
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(d), "r"(c1), "r"(c2), "r"(b), "r"(bar)
+      : "memory");
 }
 
 template <int D, typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    prefill_sm90_kernel(AttentionParams p, const T* q, const T* k, const T* v, T* y, float* part) {
+    prefill_sm90_kernel(const __grid_constant__ Maps maps, AttentionParams p, T* y, float* part) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t q_at = (smem_u32(smem_raw) + 1023u) & ~1023u;  // the swizzle repeats every 1024 bytes
-  const uint32_t k_at = q_at + q_bytes<D>(), v_at = k_at + 2 * tile_bytes<D>();
+  const uint32_t k_at = q_at + q_bytes<D>(), v_at = k_at + kStages * tile_bytes<D>();
+  // mbarriers: full_k[s], full_v[s] (the producer's copies landed), empty_k[s], empty_v[s] (every
+  // consumer thread done with the buffer), full_q
+  const uint32_t bars = v_at + kStages * tile_bytes<D>();
+  auto full_k = [&](int s) { return bars + 8 * s; };
+  auto full_v = [&](int s) { return bars + 8 * (kStages + s); };
+  auto empty_k = [&](int s) { return bars + 8 * (2 * kStages + s); };
+  auto empty_v = [&](int s) { return bars + 8 * (3 * kStages + s); };
+  const uint32_t full_q = bars + 8 * 4 * kStages;
+
   const int wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int64_t group = p.q_heads / p.kv_heads;
-  const int64_t b = blockIdx.z, hq = blockIdx.y, hkv = hq / group;
+  const int b = blockIdx.z, hq = blockIdx.y, hkv = static_cast<int>(hq / group);
   // causal blocks in decreasing order of work, so that the longest start first
   const int tiles_q = static_cast<int>((p.q_len + kRows - 1) / kRows);
   const int tq = p.is_causal ? tiles_q - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
@@ -69,43 +112,56 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (p.is_causal) kv_end = std::min<int64_t>(kv_end, q0 + kRows + diag);
   const int tiles = kv_end > 0 ? static_cast<int>((kv_end + kKeys - 1) / kKeys) : 0;
 
-  const T* qg = q + b * p.q.b + hq * p.q.h + q0 * p.q.s;
-  const T* kg = k + b * p.k.b + hkv * p.k.h;
-  const T* vg = v + b * p.v.b + hkv * p.v.h;
-  load<D>(q_at, qg, p.q.s, kRows, static_cast<int>(std::min<int64_t>(kRows, p.q_len - q0)));
-  if (tiles > 0) {
-    const int valid = static_cast<int>(std::min<int64_t>(kKeys, p.new_len));
-    load<D>(k_at, kg, p.k.s, kKeys, valid);
-    load<D>(v_at, vg, p.v.s, kKeys, valid);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_k(s), 1), mbar_init(full_v(s), 1);
+      mbar_init(empty_k(s), 128 * kConsumers), mbar_init(empty_v(s), 128 * kConsumers);
+    }
+    mbar_init(full_q, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  cp_async_commit();
+  __syncthreads();
+
+  if (wg == kConsumers) {  // the producer (the last warpgroup)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    if (warp != 0 || lane != 0) return;
+    constexpr int kAtoms = D / 64;
+    mbar_expect(full_q, q_bytes<D>());
+    for (int a = 0; a < kAtoms; ++a) {
+      tma_load(q_at + a * kRows * 128, &maps.q, maps.q_heads_inner, 64 * a, static_cast<int>(q0), hq, b, full_q);
+    }
+    for (int j = 0; j < tiles; ++j) {
+      const int s = j % kStages, use = j / kStages;
+      if (use > 0) mbar_wait(empty_k(s), (use - 1) & 1);
+      mbar_expect(full_k(s), tile_bytes<D>());
+      for (int a = 0; a < kAtoms; ++a) {
+        tma_load(k_at + s * tile_bytes<D>() + a * kKeys * 128, &maps.k, maps.k_heads_inner, 64 * a, j * kKeys, hkv, b,
+                 full_k(s));
+      }
+      if (use > 0) mbar_wait(empty_v(s), (use - 1) & 1);
+      mbar_expect(full_v(s), tile_bytes<D>());
+      for (int a = 0; a < kAtoms; ++a) {
+        tma_load(v_at + s * tile_bytes<D>() + a * kKeys * 128, &maps.v, maps.v_heads_inner, 64 * a, j * kKeys, hkv, b,
+                 full_v(s));
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
 
   const float scale = p.scale * 1.4426950408889634f;  // scores in log2 units: exp2 instead of exp
   const int64_t wg_row0 = q0 + 64 * wg;               // the warpgroup's first row
   const int64_t row = wg_row0 + 16 * warp + lane / 4;  // this thread's rows: row and row + 8
   const uint32_t q_wg = q_at + wg * 64 * 128;         // the warpgroup's rows in Q's first atom
-  float o[D / 2];
+  float o[D / 2], s[kKeys / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  uint32_t pa[kKeys / 16][4];  // the last tile's weights: the value product's A operand
 
-  for (int j = 0; j < tiles; ++j) {
-    const int buf = j & 1;
-    cp_async_wait<0>();
-    wgmma::fence_shared();
-    __syncthreads();  // tile j has landed, and both warpgroups are done with tile j - 1, whose buffers are refilled now
-    if (j + 1 < tiles) {
-      const int64_t t1 = static_cast<int64_t>(j + 1) * kKeys;
-      const int valid = static_cast<int>(std::min<int64_t>(kKeys, p.new_len - t1));
-      load<D>(k_at + (buf ^ 1) * tile_bytes<D>(), kg + t1 * p.k.s, p.k.s, kKeys, valid);
-      load<D>(v_at + (buf ^ 1) * tile_bytes<D>(), vg + t1 * p.v.s, p.v.s, kKeys, valid);
-      cp_async_commit();
-    }
-    const int64_t t0 = static_cast<int64_t>(j) * kKeys;
-    if (p.is_causal && t0 > wg_row0 + 63 + diag) continue;  // keys none of the warpgroup's rows sees
-    const uint32_t kt = k_at + buf * tile_bytes<D>(), vt = v_at + buf * tile_bytes<D>();
-
-    float s[kKeys / 2];
+  auto sched_sync = [&] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory"); };
+  auto sched_arrive = [&] { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory"); };
+  auto scores = [&](uint32_t kt) {  // S = Q K^T
 #pragma unroll
     for (int i = 0; i < kKeys / 2; ++i) s[i] = 0.0f;
     wgmma::fence();
@@ -116,9 +172,20 @@ __global__ void __launch_bounds__(kThreads, 1)
                              wgmma::desc_k_major(kt + (ks / 4) * (kKeys * 128) + in_atom), ks > 0);
     }
     wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_registers(s);
-
+  };
+  auto values = [&](uint32_t vt) {  // O += P V
+    wgmma::fence_registers(o);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {  // 16 keys (16 rows of V, 2048 bytes) per product
+      wgmma::Ops<T>::rs_tb(o, pa[kk], wgmma::desc_mn_major(vt + kk * 16 * 128, kKeys * 128));
+    }
+    wgmma::commit();
+  };
+  // Tile j's online softmax: the weights exp2(s - max) into pa (16 keys kk: n-tiles 2 kk and 2 kk + 1),
+  // the accumulators rescaled to the new maxima.
+  auto softmax = [&](int j) {
+    const int64_t t0 = static_cast<int64_t>(j) * kKeys;
     // element e of n-tile nt: key t0 + 8 nt + 2 (lane % 4) + (e & 1) of row `row + 8 (e >> 1)`
     const bool edge = t0 + kKeys > p.new_len || (p.is_causal && t0 + kKeys - 1 > wg_row0 + diag);
 #pragma unroll
@@ -134,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // the online softmax of rows `row` (h = 0) and `row + 8`
+    for (int h = 0; h < 2; ++h) {  // rows `row` (h = 0) and `row + 8`
       float mx = m[h];
 #pragma unroll
       for (int nt = 0; nt < kKeys / 8; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * h], s[4 * nt + 2 * h + 1]));
@@ -154,24 +221,50 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int nt = 0; nt < D / 8; ++nt) o[4 * nt + 2 * h] *= alpha, o[4 * nt + 2 * h + 1] *= alpha;
     }
-    // the weights as the value product's A operand: its 16 keys kk are n-tiles 2 kk and 2 kk + 1
-    uint32_t pa[kKeys / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) pa[kk][i] = flash::Mma<T>::pack(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
     }
-    wgmma::fence_registers(o);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {  // 16 keys (16 rows of V, 2048 bytes) per product
-      wgmma::Ops<T>::rs_tb(o, pa[kk], wgmma::desc_mn_major(vt + kk * 16 * 128, kKeys * 128));
+  };
+
+  // Each consumer: tile j's scores, then (its turn held) tile j's values and tile j + 1's scores, the
+  // turn passed on while it waits for the scores and works out the softmax.
+  mbar_wait(full_q, 0);  // (also where no tile follows: the block must not end with Q's copy in flight)
+  if (tiles > 0) {
+    if (wg == 1) sched_arrive();  // the first turn is warpgroup 0's
+    mbar_wait(full_k(0), 0);
+    sched_sync();
+    scores(k_at);
+    sched_arrive();
+    wgmma::wait<0>();
+    wgmma::fence_registers(s);
+    mbar_arrive(empty_k(0));
+    softmax(0);
+    for (int j = 1; j < tiles; ++j) {
+      const int sv = (j - 1) % kStages, sk = j % kStages;
+      mbar_wait(full_v(sv), ((j - 1) / kStages) & 1);
+      sched_sync();
+      values(v_at + sv * tile_bytes<D>());
+      wgmma::wait<0>();
+      wgmma::fence_registers(o);
+      mbar_arrive(empty_v(sv));
+      mbar_wait(full_k(sk), (j / kStages) & 1);
+      scores(k_at + sk * tile_bytes<D>());
+      sched_arrive();
+      wgmma::wait<0>();
+      wgmma::fence_registers(s);
+      mbar_arrive(empty_k(sk));
+      softmax(j);
     }
-    wgmma::commit();
+    const int sv = (tiles - 1) % kStages;  // the last tile's values
+    mbar_wait(full_v(sv), ((tiles - 1) / kStages) & 1);
+    sched_sync();
+    values(v_at + sv * tile_bytes<D>());
+    if (wg == 0) sched_arrive();  // (warpgroup 1's turn would go to no one)
     wgmma::wait<0>();
     wgmma::fence_registers(o);
   }
-  cp_async_wait<0>();  // with no key tile (rows that see no key) the Q tile's copy is still in flight
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -198,6 +291,47 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// The driver's tensor-map encoder, found once (the runtime library is linked statically, the driver
+// is the process's).
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found;
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &found);
+#endif
+    if (e == cudaSuccess && found == cudaDriverEntryPointSuccess) fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  });
+  return fn;
+}
+
+// The view of x (strides st, in elements) as the kernel reads it, into *map; *heads_inner: its heads
+// are the map's second dimension. Rows past S read as zeros.
+bool make_map(CUtensorMap* map, int* heads_inner, DType dt, const void* x, const BhsStrides& st, int64_t b,
+              int64_t heads, int64_t s, int d, int rows) {
+  const auto encode = encoder();
+  if (encode == nullptr) return false;
+  *heads_inner = st.h < st.s;
+  const int64_t n1 = *heads_inner ? heads : s, n2 = *heads_inner ? s : heads;
+  const int64_t s1 = *heads_inner ? st.h : st.s, s2 = *heads_inner ? st.s : st.h;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(n1), static_cast<cuuint64_t>(n2),
+                              static_cast<cuuint64_t>(b)};
+  const int64_t sb = b > 1 ? st.b : n2 * s2;  // (a batch of one: its stride is unused, and may be 0)
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(s1) * 2, static_cast<cuuint64_t>(s2) * 2,
+                                 static_cast<cuuint64_t>(sb) * 2};
+  const cuuint32_t box[4] = {64, *heads_inner ? 1u : static_cast<cuuint32_t>(rows),
+                             *heads_inner ? static_cast<cuuint32_t>(rows) : 1u, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const auto type = dt == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return encode(map, type, 4, const_cast<void*>(x), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+         CUDA_SUCCESS;
+}
+
 template <int D, typename T>
 cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const void* v, void* y, float* part,
                    cudaStream_t stream) {
@@ -206,10 +340,15 @@ cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const
   constexpr int bytes = smem_bytes<D>();
   cudaError_t e = opt_in.raise(reinterpret_cast<const void*>(kernel), bytes);
   if (e != cudaSuccess) return e;
+  Maps maps;
+  if (!make_map(&maps.q, &maps.q_heads_inner, p.dtype, q, p.q, p.batch, p.q_heads, p.q_len, D, kRows) ||
+      !make_map(&maps.k, &maps.k_heads_inner, p.dtype, k, p.k, p.batch, p.kv_heads, p.new_len, D, kKeys) ||
+      !make_map(&maps.v, &maps.v_heads_inner, p.dtype, v, p.v, p.batch, p.kv_heads, p.new_len, D, kKeys)) {
+    return cudaErrorInvalidValue;
+  }
   const dim3 grid(static_cast<unsigned>((p.q_len + kRows - 1) / kRows), static_cast<unsigned>(p.q_heads),
                   static_cast<unsigned>(p.batch));
-  kernel<<<grid, kThreads, bytes, stream>>>(p, static_cast<const T*>(q), static_cast<const T*>(k),
-                                            static_cast<const T*>(v), static_cast<T*>(y), part);
+  kernel<<<grid, kThreads, bytes, stream>>>(maps, p, static_cast<T*>(y), part);
   return cudaGetLastError();
 }
 
