@@ -31,8 +31,11 @@ def attention(
     Q, K, V, attn_mask=None, past_key=None, past_value=None, key_offset=None, value_offset=None, *,
     key_format: str, value_format: str, norm_correction: bool = True, head_dim: int | None = None,
     is_causal: bool = False, scale: float | None = None, q_num_heads: int = 0, kv_num_heads: int = 0,
+    fp16_centroids: bool = False,
 ):
-    """Returns (Y, present_key, present_value); Y has Q's dtype and layout."""
+    """Returns (Y, present_key, present_value); Y has Q's dtype and layout. fp16_centroids: past MSE
+    keys scored through centroids rounded to fp16, the precision of the CUDA tensor-core split
+    kernels (an fp16 cache's: relative 2^-12), which scores of extreme magnitude make visible."""
     q_dtype, three_d = np.asarray(Q).dtype, np.asarray(Q).ndim == 3
     q = to_f32(to_bhsd(np.asarray(Q), q_num_heads, "Q")).astype(np.float64)
     k_new = to_f32(to_bhsd(np.asarray(K), kv_num_heads, "K"))
@@ -51,7 +54,8 @@ def attention(
     present_value = np.concatenate([past_value, formats.pack(v_new, value_format, norm_correction, voff)], axis=2)
 
     # Keys as scored (offset removed), values as read back (offset restored).
-    k_all = np.concatenate([formats.unpack(past_key, key_format, d), k_new - koff], axis=2).astype(np.float64)
+    k_all = np.concatenate([formats.unpack(past_key, key_format, d, fp16_centroids=fp16_centroids), k_new - koff],
+                           axis=2).astype(np.float64)
     v_all = np.concatenate([formats.unpack(past_value, value_format, dv, voff), v_new], axis=2).astype(np.float64)
     s_total = k_all.shape[2]
     group = hq // hkv

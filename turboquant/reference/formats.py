@@ -129,16 +129,20 @@ def pack_mse(x: np.ndarray, bits: int, norm_correction: bool) -> np.ndarray:
     return np.concatenate([pack_bits(idx, bits), _f16_bytes(s16)], axis=-1)
 
 
-def mse_codes(packed: np.ndarray, bits: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Unit-scale centroids [..., Dp] (float64) and scales s [...] (float32) of packed keys."""
+def mse_codes(packed: np.ndarray, bits: int, head_dim: int, fp16_centroids: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Unit-scale centroids [..., Dp] (float64) and scales s [...] (float32) of packed keys;
+    fp16_centroids: the centroids rounded to fp16, as the CUDA tensor-core kernels score them."""
     dp = padded_dim(head_dim)
     nb = dp * bits // 8
     idx = unpack_bits(packed[..., :nb], bits, dp)
-    return codebook.lloyd_max(bits)[0][idx], _f16_from_bytes(packed[..., nb:nb + 2])
+    table = codebook.lloyd_max(bits)[0]
+    if fp16_centroids:
+        table = table.astype(np.float16).astype(np.float64)
+    return table[idx], _f16_from_bytes(packed[..., nb:nb + 2])
 
 
-def unpack_mse(packed: np.ndarray, bits: int, head_dim: int) -> np.ndarray:
-    c, s = mse_codes(packed, bits, head_dim)
+def unpack_mse(packed: np.ndarray, bits: int, head_dim: int, fp16_centroids: bool = False) -> np.ndarray:
+    c, s = mse_codes(packed, bits, head_dim, fp16_centroids)
     dp = c.shape[-1]
     # k = s * (c_unit / sqrt(Dp)) . H / sqrt(Dp); H is symmetric, so c . H = fwht(c).
     rec = fwht(c.astype(np.float32)).astype(np.float64) * (s.astype(np.float64)[..., None] / dp)
@@ -213,15 +217,17 @@ def pack(x: np.ndarray, fmt: str, norm_correction: bool = True, offset: np.ndarr
         return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8)
 
 
-def unpack(packed: np.ndarray, fmt: str, head_dim: int, offset: np.ndarray | None = None) -> np.ndarray:
-    """Float32 vectors [..., head_dim] from packed uint8 [..., packed_size(fmt, head_dim)]."""
+def unpack(packed: np.ndarray, fmt: str, head_dim: int, offset: np.ndarray | None = None,
+           fp16_centroids: bool = False) -> np.ndarray:
+    """Float32 vectors [..., head_dim] from packed uint8 [..., packed_size(fmt, head_dim)];
+    fp16_centroids: MSE keys from centroids rounded to fp16 (mse_codes)."""
     _check(fmt, head_dim)
     packed = np.asarray(packed, np.uint8)
     want = packed_size(fmt, head_dim)
     if packed.shape[-1] != want:
         raise ValueError(f"{fmt} vectors of head_dim {head_dim} take {want} bytes, got last dim {packed.shape[-1]}")
     if fmt in ("mse3", "mse4"):
-        x = unpack_mse(packed, int(fmt[3]), head_dim)
+        x = unpack_mse(packed, int(fmt[3]), head_dim, fp16_centroids)
     elif fmt == "fp8":
         x = fp8_bits_to_f32(packed)
     elif fmt in ("uint3", "uint4"):

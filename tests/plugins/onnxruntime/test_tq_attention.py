@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto
 
 from turboquant import node_models
+from turboquant.kernel_plan import cuda_device, plan_split
 from turboquant.ort import run
 from turboquant.reference import attention, formats
 from turboquant.reference.numerics import bfloat16
@@ -117,7 +118,7 @@ def check_case(ort_session, c, threads=2, device="cpu"):
     y, prk, prv = run(ort_session(model_for(c, mask), threads, device), feeds)
     wy, wk, wv = attention(feeds["Q"], feeds["K"], feeds["V"], mask, pk, pv, koff, voff, key_format=c["kf"],
                            value_format=c["vf"], norm_correction=c["nc"], is_causal=c["causal"], scale=c["scale"],
-                           q_num_heads=hq, kv_num_heads=hkv)
+                           q_num_heads=hq, kv_num_heads=hkv, fp16_centroids=fp16_centroids(c, device))
     np.testing.assert_array_equal(prk, wk)
     np.testing.assert_array_equal(prv, wv)
     assert y.dtype == wy.dtype and y.shape == wy.shape
@@ -128,6 +129,15 @@ def check_case(ort_session, c, threads=2, device="cpu"):
 
 
 DTYPE_NAMES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
+
+
+def fp16_centroids(c, device):
+    """Whether the reference scores the past through fp16 centroids, as the kernel that runs does:
+    the CUDA tensor-core split kernels (documented to round MSE keys as an fp16 cache would; with
+    "wide" values the scores reach thousands, where that rounding can tip near-equal keys)."""
+    if device != "cuda" or c["sp"] == 0 or not c["kf"].startswith("mse"):
+        return False
+    return plan_split(**planned_call(c), device=cuda_device()).kernel in ("tc_bulk", "tc_mma", "tc_chunk")
 
 
 def planned_prefill(c):
