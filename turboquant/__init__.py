@@ -11,7 +11,10 @@
 - turboquant.bench: decode-attention benchmarks and the report (python -m turboquant.bench)
 - turboquant.tensorrt: the TensorRT plugin library loaded into a builder or runtime, engine building
 - turboquant.serving.triton: Triton Inference Server model repositories
-- turboquant.hf_export: a local Hugging Face causal LM to ONNX with its KV cache
+- turboquant.hf_export: a local Hugging Face causal LM to ONNX with its KV cache (python -m turboquant.hf_export)
+- turboquant.example: the whole job on SmolLM2-135M or a small random model (python -m turboquant.example)
+- turboquant.shared_buffer, turboquant.kernel_plan: the shared-buffer decode loop (CUDA graphs too),
+  which CUDA kernels serve a call
 """
 
 import importlib.util as _util

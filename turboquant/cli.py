@@ -36,10 +36,10 @@ COMMANDS = {
         "turboquant.serving.triton", "write a Triton Inference Server model repository",
         ("turboquant serve-triton model.4bit.onnx --out model_repository --gpus 0",)),
     "hf-export": Command(
-        "turboquant.hf_export", "export a local Hugging Face causal LM to ONNX with its KV cache",
+        "turboquant.hf_export.__main__", "export a local Hugging Face causal LM to ONNX with its KV cache",
         ("turboquant hf-export path/to/model-folder -o model/model.onnx --dtype fp16",)),
     "example": Command(
-        "turboquant.example", "export, rewrite and run SmolLM2-135M (or a small random model) end to end",
+        "turboquant.example.__main__", "export, rewrite and run SmolLM2-135M (or a small random model) end to end",
         ("turboquant example --out turboquant-example",)),
 }
 

@@ -8,7 +8,7 @@ import pytest
 
 from turboquant import random_decoders
 from turboquant.decoder import DecoderSession
-from turboquant.example import mean_kl
+from turboquant.eval.metrics import mean_kl
 from turboquant.export import RewriteError, export
 
 

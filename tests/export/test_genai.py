@@ -12,7 +12,7 @@ import pytest
 
 from turboquant import TQ_PRESETS, random_decoders
 from turboquant.config import TurboQuantConfig, packed_size
-from turboquant.example import mean_kl
+from turboquant.eval.metrics import mean_kl
 from turboquant.export import RewriteError, export
 from turboquant.export import genai as genai_folder
 from turboquant.export.gqa import row_width

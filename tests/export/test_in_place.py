@@ -6,7 +6,7 @@ import onnx
 import pytest
 
 from turboquant.decoder import DecoderSession
-from turboquant.example import mean_kl
+from turboquant.eval.metrics import mean_kl
 from turboquant.export import RewriteError, export
 from turboquant.shared_buffer import SharedBufferDecoder
 

@@ -9,7 +9,7 @@ import pytest
 from turboquant import TQ_PRESETS
 from turboquant.config import packed_size
 from turboquant.decoder import DecoderSession
-from turboquant.example import mean_kl
+from turboquant.eval.metrics import mean_kl
 
 from .conftest import MODELS
 

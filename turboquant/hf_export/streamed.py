@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import warnings
 
-from . import random_decoders
+from .. import random_decoders
 
 IN_FLIGHT = 128 << 20  # bytes of tensors being written at once
 IR_VERSION = 10  # onnxruntime 1.31 refuses IR versions above 13; a widely readable one

@@ -18,7 +18,7 @@ import os
 import pathlib
 import sys
 
-from .arguments import check_output_file
+from ..arguments import check_output_file
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16"}
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .streamed_export import data_file, export_to_files
+    from .streamed import data_file, export_to_files
 
     kw = {"gguf_file": args.gguf} if args.gguf else {}
     try:
