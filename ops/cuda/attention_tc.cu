@@ -71,15 +71,6 @@ __device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uin
 // and loop control). Before sm_90 the tiles keep per-lane cp.async.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define TQ_BULK_COPY 1
-// Barriers and buffers by their 32-bit shared-window addresses, worked out once per warp.
-__device__ __forceinline__ void mbar_init(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// One arrival that also expects `bytes` of bulk copies before the phase completes.
-__device__ __forceinline__ void mbar_arrive_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
 // The buffer's earlier reads are ordered before the copy by the warp's own __syncwarp; earlier
 // writes through the generic proxy need a fence.proxy.async (see copy_exact).
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
@@ -114,14 +105,6 @@ __device__ __forceinline__ void bulk_prefetch_l2_inside(const uint8_t* from, int
   const uintptr_t lo = (reinterpret_cast<uintptr_t>(from) + 15) & ~uintptr_t{15};
   const uintptr_t hi = (reinterpret_cast<uintptr_t>(from) + bytes) & ~uintptr_t{15};
   if (hi > lo) bulk_prefetch_l2(reinterpret_cast<const void*>(lo), static_cast<uint32_t>(hi - lo));
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
 }
 #endif
 
@@ -293,9 +276,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   uint32_t bar_at, stage_at;
   asm volatile("mov.b32 %0, %1;\n" : "=r"(bar_at) : "r"(smem_u32(&bars[warp][0])));
   asm volatile("mov.b32 %0, %1;\n" : "=r"(stage_at) : "r"(smem_u32(stage)));
-  if (lane == 0) {
-    mbar_init(bar_at);
-    mbar_init(bar_at + 8);
+  if (lane == 0) {  // barriers and buffers by their 32-bit shared-window addresses, worked out once per warp
+    mbar_init(bar_at, 1);
+    mbar_init(bar_at + 8, 1);
+    fence_mbarrier_init();
   }
   __syncwarp();
 #endif

@@ -56,23 +56,6 @@ struct Maps {
   int q_heads_inner, k_heads_inner, v_heads_inner;
 };
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 // The box of the map at element d, position s, head h, batch b into shared memory at dst; its
 // bytes complete bar.
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int heads_inner, int d, int s, int h,
@@ -118,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(empty_k(s), 128 * kConsumers), mbar_init(empty_v(s), 128 * kConsumers);
     }
     mbar_init(full_q, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
 
@@ -126,20 +109,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
     if (warp != 0 || lane != 0) return;
     constexpr int kAtoms = D / 64;
-    mbar_expect(full_q, q_bytes<D>());
+    mbar_arrive_expect(full_q, q_bytes<D>());
     for (int a = 0; a < kAtoms; ++a) {
       tma_load(q_at + a * kRows * 128, &maps.q, maps.q_heads_inner, 64 * a, static_cast<int>(q0), hq, b, full_q);
     }
     for (int j = 0; j < tiles; ++j) {
       const int s = j % kStages, use = j / kStages;
       if (use > 0) mbar_wait(empty_k(s), (use - 1) & 1);
-      mbar_expect(full_k(s), tile_bytes<D>());
+      mbar_arrive_expect(full_k(s), tile_bytes<D>());
       for (int a = 0; a < kAtoms; ++a) {
         tma_load(k_at + s * tile_bytes<D>() + a * kKeys * 128, &maps.k, maps.k_heads_inner, 64 * a, j * kKeys, hkv, b,
                  full_k(s));
       }
       if (use > 0) mbar_wait(empty_v(s), (use - 1) & 1);
-      mbar_expect(full_v(s), tile_bytes<D>());
+      mbar_arrive_expect(full_v(s), tile_bytes<D>());
       for (int a = 0; a < kAtoms; ++a) {
         tma_load(v_at + s * tile_bytes<D>() + a * kKeys * 128, &maps.v, maps.v_heads_inner, 64 * a, j * kKeys, hkv, b,
                  full_v(s));

@@ -1,5 +1,6 @@
-// PTX wrappers for the tensor-core kernels (attention_tc.cu, attention_mma.cu, prefill.cu), in one
-// place: shared-memory addresses, cp.async, ldmatrix, movmatrix, mma.sync, conversions.
+// PTX wrappers for the tensor-core kernels (attention_tc.cu, attention_mma.cu, prefill.cu,
+// prefill_sm90.cu), in one place: shared-memory addresses, cp.async, ldmatrix, movmatrix, mma.sync,
+// mbarriers, conversions.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -71,6 +72,30 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 __device__ __forceinline__ uint32_t pack_bf162(float lo, float hi) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// mbarriers (sm_90) by their shared-window addresses: init (then fence_mbarrier_init before any other
+// thread uses them), an arrival, an arrival expecting `bytes` of bulk or tensor copies, and the wait
+// for the phase of the given parity to complete.
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; 2^-inf = 0
