@@ -203,7 +203,12 @@ cudaError_t launch_prefill(const AttentionParams& p, const void* q, const void* 
   if (kernel == PrefillKernel::kNone) kernel = plan_prefill(p, current_device_props());
   last_kernel.store(static_cast<int>(kernel));
 #ifdef TQ_SM90A
-  if (kernel == PrefillKernel::kWgmma && mask == nullptr) return launch_prefill_sm90(p, q, k, v, y, part, stream);
+  if (kernel == PrefillKernel::kWgmma && mask == nullptr) {
+    const cudaError_t e = launch_prefill_sm90(p, q, k, v, y, part, stream);
+    if (e != cudaErrorNotSupported) return e;
+    kernel = PrefillKernel::kMma;  // (a driver that cannot encode the tensor maps)
+    last_kernel.store(static_cast<int>(kernel));
+  }
 #endif
   if (kernel != PrefillKernel::kMma) return cudaErrorInvalidValue;
   using H = __half;

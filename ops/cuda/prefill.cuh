@@ -19,7 +19,8 @@ bool prefill_supported(const AttentionParams& p, const void* q, const void* k, c
 // The kernel is the planner's (plan_prefill) unless `kernel` names one (developer probes compare them).
 cudaError_t launch_prefill(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask,
                            void* y, float* part, cudaStream_t stream, PrefillKernel kernel = PrefillKernel::kNone);
-// prefill_sm90.cu (in builds with sm_90a code): launch_prefill's wgmma kernel, without a mask.
+// prefill_sm90.cu (in builds with sm_90a code): launch_prefill's wgmma kernel, without a mask;
+// cudaErrorNotSupported where the driver cannot encode its tensor maps.
 cudaError_t launch_prefill_sm90(const AttentionParams& p, const void* q, const void* k, const void* v, void* y,
                                 float* part, cudaStream_t stream);
 

@@ -327,7 +327,7 @@ cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const
   if (!make_map(&maps.q, &maps.q_heads_inner, p.dtype, q, p.q, p.batch, p.q_heads, p.q_len, D, kRows) ||
       !make_map(&maps.k, &maps.k_heads_inner, p.dtype, k, p.k, p.batch, p.kv_heads, p.new_len, D, kKeys) ||
       !make_map(&maps.v, &maps.v_heads_inner, p.dtype, v, p.v, p.batch, p.kv_heads, p.new_len, D, kKeys)) {
-    return cudaErrorInvalidValue;
+    return cudaErrorNotSupported;  // a driver without the tensor-map encoder: launch_prefill takes the other kernel
   }
   const dim3 grid(static_cast<unsigned>((p.q_len + kRows - 1) / kRows), static_cast<unsigned>(p.q_heads),
                   static_cast<unsigned>(p.batch));
