@@ -11,13 +11,10 @@
 
 namespace turboquant::cuda::detail::wgmma {
 
-// A 128-byte-swizzled tile of 16-bit elements in shared memory: column blocks (atoms) of 64 elements,
-// each `rows` rows of 128 bytes, 1024-byte aligned; the 16-byte chunk c of row r lies at chunk
-// c ^ (r % 8) of its row, the pattern the descriptors' swizzle mode 1 reads. chunk: 0 .. D / 8 - 1.
-__device__ __forceinline__ uint32_t sw128_offset(int rows, int r, int chunk) {
-  return static_cast<uint32_t>((chunk >> 3) * (rows * 128) + r * 128 + (((chunk & 7) ^ (r & 7)) << 4));
-}
-
+// Operands are 128-byte-swizzled tiles of 16-bit elements in shared memory, as the tensor copy engine
+// writes them: column blocks (atoms) of 64 elements, each `rows` rows of 128 bytes, 1024-byte
+// aligned; the 16-byte chunk c of row r lies at chunk c ^ (r % 8) of its row (descriptor swizzle
+// mode 1).
 __device__ __forceinline__ uint64_t encode(uint32_t bytes) { return (bytes & 0x3FFFFu) >> 4; }
 
 // A K-major operand (rows along M or N, 16 elements of K read from each row): 8-row groups 1024
@@ -40,10 +37,6 @@ template <int kPending>
 __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
-// Shared memory written by this thread's ordinary stores or cp.async, made visible to the products
-// (which read it through the async proxy); before the barrier that publishes it.
-__device__ __forceinline__ void fence_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // Keeps the compiler from moving accesses of an accumulator across the asynchronous products: the
 // asm statements that issue them name the registers, but the products write them until wait().
 template <int N>
