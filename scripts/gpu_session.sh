@@ -61,14 +61,27 @@ if [ "$step" = check ]; then  # compute-sanitizer on every CUDA op test, after `
   done
 fi
 if [ "$step" = prefill ] || [ "$step" = probe ]; then  # the first-prompt kernels alone (their probe; needs no ORT)
+  # PREFILL_VARIANTS: NAME:FLAGS ... developer variants of the kernels, timed after the default on the
+  # same shapes (e.g. "pairs:-DTQ_PREFILL_L2_BYTES=1")
   cd /tmp
-  /usr/local/cuda/bin/nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DTQ_SM90A=1 --expt-relaxed-constexpr \
-    -I"$root/ops/include" "$root/scripts/cuda_prefill_probe.cu" "$root/ops/cuda/prefill.cu" "$root/ops/cuda/prefill_sm90.cu" \
-    "$root/ops/cuda/split_plan.cpp" -o /tmp/prefill_probe > "$OUT/prefill_probe.log" 2>&1
+  for v in default:-DTQ_SM90A=1 ${PREFILL_VARIANTS:-}; do
+    /usr/local/cuda/bin/nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DTQ_SM90A=1 ${v#*:} --expt-relaxed-constexpr \
+      -I"$root/ops/include" "$root/scripts/cuda_prefill_probe.cu" "$root/ops/cuda/prefill.cu" "$root/ops/cuda/prefill_sm90.cu" \
+      "$root/ops/cuda/split_plan.cpp" -o "/tmp/prefill_probe.${v%%:*}" > "$OUT/prefill_probe_build.${v%%:*}.log" 2>&1 &
+  done
+  wait
   for a in "1 32 8 4096 128 0 1 20" "8 32 8 2048 128 0 1 20" "1 24 8 16384 128 0 1 10" "2 8 2 300 128 1 1 3" \
            "1 32 8 8192 64 0 1 10" "3 12 4 777 64 1 1 3" "1 32 8 4096 128 0 0 10" "2 4 4 129 128 0 0 3"; do
-    timeout 60 /tmp/prefill_probe $a
+    timeout 60 /tmp/prefill_probe.default $a
     [ $? = 124 ] && { echo "probe $a: timed out, the rest not run"; break; }
+  done 2>&1 | tee -a "$OUT/prefill_probe.log"
+  # the variants against the default, alternating, on the prompts of the op bench's rows
+  for round in 1 2; do
+    for a in "1 32 8 8192 128 0 1 20" "8 32 8 8192 128 0 1 5" "8 32 8 2048 128 0 1 20" "1 24 8 16384 128 0 1 10"; do
+      for v in default:-DTQ_SM90A=1 ${PREFILL_VARIANTS:-}; do
+        echo "round $round ${v%%:*}: $(timeout 60 /tmp/prefill_probe.${v%%:*} $a wgmma | grep -E 'time|check' | tr '\n' ' ')"
+      done
+    done
   done 2>&1 | tee -a "$OUT/prefill_probe.log"
 fi
 if [ "$step" = prefill ]; then  # then the op bench's prefill rows

@@ -32,6 +32,9 @@ constexpr int kThreads = 128 * (kConsumers + 1);  // and the producer's
 constexpr int kRows = 64 * kConsumers;         // query rows per block (the products' M, per consumer 64)
 constexpr int kKeys = 128;                     // keys per tile (the score product's N)
 constexpr int kStages = 2;                     // buffers of keys, and of values
+#ifndef TQ_PREFILL_L2_BYTES  // developer variant: 1 orders the blocks pair by pair (each pair's tiles together)
+#define TQ_PREFILL_L2_BYTES (32LL << 20)
+#endif
 
 template <int D>
 constexpr uint32_t q_bytes() {
@@ -67,9 +70,24 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       : "memory");
 }
 
+// Which rows a block takes: the (batch, KV head) pairs in sections whose keys and values fit in L2
+// together; in a section, tile by tile, every pair's query heads at one tile before the next tile, so
+// that blocks running at once share their keys in L2 and (causal) the longest tiles start first.
+struct BlockWork {
+  int tile, hq, b;
+};
+__device__ __forceinline__ BlockWork block_work(int block, int tiles_q, int group, int kv_heads, int batch,
+                                                int section) {
+  const int pairs = kv_heads * batch, per_section = section * group * tiles_q;
+  const int first = block / per_section * section, in_section = min(section, pairs - first);
+  const int r = block % per_section, tile = r / (in_section * group), k = r % (in_section * group);
+  const int pair = first + k / group;
+  return {tile, pair % kv_heads * group + k % group, pair / kv_heads};
+}
+
 template <int D, typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    prefill_sm90_kernel(const __grid_constant__ Maps maps, AttentionParams p, T* y, float* part) {
+    prefill_sm90_kernel(const __grid_constant__ Maps maps, AttentionParams p, T* y, float* part, int section) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t q_at = (smem_u32(smem_raw) + 1023u) & ~1023u;  // the swizzle repeats every 1024 bytes
@@ -85,10 +103,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int64_t group = p.q_heads / p.kv_heads;
-  const int b = blockIdx.z, hq = blockIdx.y, hkv = static_cast<int>(hq / group);
-  // causal blocks in decreasing order of work, so that the longest start first
   const int tiles_q = static_cast<int>((p.q_len + kRows - 1) / kRows);
-  const int tq = p.is_causal ? tiles_q - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
+  const BlockWork w = block_work(static_cast<int>(blockIdx.x), tiles_q, static_cast<int>(group),
+                                 static_cast<int>(p.kv_heads), static_cast<int>(p.batch), section);
+  const int b = w.b, hq = w.hq, hkv = static_cast<int>(hq / group);
+  // causal blocks in decreasing order of work, so that the longest start first
+  const int tq = p.is_causal ? tiles_q - 1 - w.tile : w.tile;
   const int64_t q0 = static_cast<int64_t>(tq) * kRows;
   const int64_t diag = p.new_len - p.q_len;  // key t is visible to row i when t <= i + diag
   int64_t kv_end = p.new_len;
@@ -329,9 +349,12 @@ cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const
       !make_map(&maps.v, &maps.v_heads_inner, p.dtype, v, p.v, p.batch, p.kv_heads, p.new_len, D, kKeys)) {
     return cudaErrorNotSupported;  // a driver without the tensor-map encoder: launch_prefill takes the other kernel
   }
-  const dim3 grid(static_cast<unsigned>((p.q_len + kRows - 1) / kRows), static_cast<unsigned>(p.q_heads),
-                  static_cast<unsigned>(p.batch));
-  kernel<<<grid, kThreads, bytes, stream>>>(maps, p, static_cast<T*>(y), part);
+  const int64_t tiles_q = (p.q_len + kRows - 1) / kRows, pairs = p.batch * p.kv_heads;
+  // (batch, KV head) pairs per section: FlashAttention 3's L2 budget for its tile order
+  const int64_t pair_bytes = std::max<int64_t>(1, p.new_len * D * 2 * 2);
+  const int64_t section = std::clamp<int64_t>(TQ_PREFILL_L2_BYTES / pair_bytes, 1, pairs);
+  kernel<<<static_cast<unsigned>(tiles_q * p.q_heads * p.batch), kThreads, bytes, stream>>>(
+      maps, p, static_cast<T*>(y), part, static_cast<int>(section));
   return cudaGetLastError();
 }
 
