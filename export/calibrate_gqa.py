@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from .calibrate import Calibration, _add, add_cache_sums, key_scale, windows
 from .gqa import _attr, plan_gqa_layers
-from .surgery import _initializer, _scaled
+from .surgery import _initializer, scaled_at_source
 
 
 def rotary_dim(node: ir.Node, head_dim: int) -> int | None:
@@ -124,7 +124,8 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
 def calibrated_inputs(model: ir.Model, node: ir.Node, index: int, calibration: Calibration, *, key_format: str,
                       dtype: np.dtype, value_offsets: bool, key_scales: bool) -> tuple[list, list[ir.Value]]:
     """The GroupQueryAttention node's inputs with Q multiplied and K divided by the layer's key
-    scale (one Mul on the packed QKV, or one on each), inserted before node, and the key_offset
+    scale (folded into the projection's weights where they are a plain MatMul's, else one Mul on the
+    packed QKV, or one on each, inserted before node), and the key_offset
     (value_offset) initializers to append: the offset in the scaled keys' units."""
     inputs = list(node.inputs)
     koff = calibration.keys.get(index)
@@ -135,10 +136,10 @@ def calibrated_inputs(model: ir.Model, node: ir.Node, index: int, calibration: C
         sq, sk = np.repeat(s, hq // hkv, axis=0).reshape(-1), (1.0 / s).reshape(-1)
         if len(inputs) < 2 or inputs[1] is None:  # packed [B, S, (Hq + 2 Hkv) D]: V's channels stay
             factor = np.concatenate([sq, sk, np.ones_like(sk)])
-            inputs[0] = _scaled(model.graph, node, inputs[0], factor.astype(dtype), f"tq_qkv_scaled_{index}")
+            inputs[0] = scaled_at_source(model.graph, node, inputs[0], factor.astype(dtype), f"tq_qkv_scaled_{index}")
         else:
-            inputs[0] = _scaled(model.graph, node, inputs[0], sq.astype(dtype), f"tq_query_scaled_{index}")
-            inputs[1] = _scaled(model.graph, node, inputs[1], sk.astype(dtype), f"tq_key_scaled_{index}")
+            inputs[0] = scaled_at_source(model.graph, node, inputs[0], sq.astype(dtype), f"tq_query_scaled_{index}")
+            inputs[1] = scaled_at_source(model.graph, node, inputs[1], sk.astype(dtype), f"tq_key_scaled_{index}")
         if koff is not None:
             koff = koff / s
     extra = []
