@@ -56,6 +56,10 @@ build() {  # build BUILDER DIR LIMIT [extra]: skipped where an earlier call left
 }
 
 common="--device $DEVICE --steps $STEPS --capacity 80e9 --fill random"
+if [ "$step" = all ] || [ "$step" = build ]; then  # the rewrite loads the op library: a source tree on the path cannot
+  "$PY" -c "from turboquant._libs import ort_library_path; ort_library_path()" 2>&1 | tail -1 | tee -a "$OUT/summary.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || { echo "== no built turboquant on PYTHONPATH=$PYTHONPATH: nothing built" | tee -a "$OUT/summary.log"; exit 2; }
+fi
 "$PY" -c "import onnxruntime as o, onnxruntime_genai as g; print('ort', o.__version__, o.get_available_providers(), 'genai', g.__version__)" \
   2>&1 | tee -a "$OUT/summary.log"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv 2>&1 | tee -a "$OUT/summary.log"
@@ -94,3 +98,4 @@ if { [ "$step" = all ] || [ "$step" = cross ]; } && [ -f "$M/genai/tq/model.onnx
     "$M/genai/tq/model.onnx" --other-exporters $POINTS $common --ttft-max-tokens "$FIRST" --json "$OUT/decode_cross.json"
 fi
 cat "$OUT/summary.log"
+touch "$OUT/$step.done"  # for a later call to wait on (pgrep -f would find that call's own command line)
