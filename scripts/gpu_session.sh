@@ -13,6 +13,12 @@
 # Expects onnxruntime-gpu under /tmp/site (`ort`, from the parts scripts/carry_ort.sh makes, or
 # shared/device/prepare-ortgpu.sh's) and the ONNX Runtime headers in third_party/
 # (scripts/fetch_headers.sh). Logs go to $OUT.
+# A visit, calls back to back (the machine goes back after ~30 s idle): (1) carry .carry/ort-1 and
+# third_party, move the part to /tmp/parts, and start `build` and `models` in the background
+# (`(setsid nohup bash scripts/gpu_session.sh build > /tmp/build.out 2>&1 &)`, the same for `models`
+# with MODELS); (2-3) carry ort-2 and ort-3; (4) carry ort-4 and run `ort`; then `wait`
+# (WAIT_FOR="/tmp/tq_build.done /tmp/models-llama3b-genai/build.done") before the tests and benches.
+# Wait on such files, not on `pgrep -f NAME`: the call's own command line holds NAME.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:/tmp/tqsite PYTHONUNBUFFERED=1
 root=$(pwd)
@@ -23,13 +29,29 @@ if [ "$step" = ort ]; then  # onnxruntime-gpu and onnxruntime-genai-cuda from /t
   for w in /tmp/parts/onnxruntime_genai*.whl; do
     [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w"
   done
-  python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())"
+  python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" && touch /tmp/ort.done
 fi
 if [ "$step" = build ] || [ "$step" = all ]; then
   rm -rf /tmp/tqsrc && cp -r "$root" /tmp/tqsrc
   ( cd /tmp/tqsrc && CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DORT_INCLUDE_DIR=/tmp/tqsrc/third_party/onnxruntime/include" \
       rm -rf /tmp/tqsite && python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/tqsite . ) > /tmp/tq_build.log 2>&1
   echo "build exit $?" >> /tmp/tq_build.log
+  grep -q "build exit 0" /tmp/tq_build.log && touch /tmp/tq_build.done
+fi
+if [ "$step" = models ]; then  # MODELS="llama3b:genai llama3b:torchscript": scripts/gpu_decode_bench.sh's models, once
+  # `build` and `ort` are done (start it in the background in the first call: setsid nohup ... &); each
+  # writes /tmp/models-SHAPE-BUILDER/build.done, its logs beside it
+  for i in $(seq 900); do [ -f /tmp/tq_build.done ] && [ -f /tmp/ort.done ] && break; sleep 2; done
+  for m in ${MODELS:-llama3b:genai}; do
+    SHAPE=${m%%:*} BUILDERS=${m#*:} OUT=/tmp/models-${m%%:*}-${m#*:} bash /tmp/tqsrc/scripts/gpu_decode_bench.sh build
+  done
+fi
+if [ "$step" = wait ]; then  # WAIT_FOR="FILE ...": until each exists (at most WAIT_LIMIT seconds)
+  for i in $(seq $((${WAIT_LIMIT:-300} / 2))); do
+    missing=""; for f in ${WAIT_FOR:-/tmp/tq_build.done}; do [ -f "$f" ] || missing="$missing $f"; done
+    [ -z "$missing" ] && break; sleep 2
+  done
+  [ -z "$missing" ] && echo "ready: ${WAIT_FOR:-/tmp/tq_build.done}" || { echo "still missing after ${WAIT_LIMIT:-300} s:$missing"; exit 1; }
 fi
 if [ "$step" = test ] || [ "$step" = all ]; then
   cp /tmp/tq_build.log "$OUT/build.log" 2>/dev/null
