@@ -104,12 +104,13 @@ def unpack_model(fmt: str, head_dim: int, dtype: int = TensorProto.FLOAT, rank: 
 def gqa_model(
     *, q_heads: int, kv_heads: int, head_dim: int, key_format: str, value_format: str, row_bytes: int | None = None,
     dtype: int = TensorProto.FLOAT, packed_qkv: bool = False, rotary_dim: int = 0, position_ids: bool = False,
-    offsets: bool = False, **attributes,
+    offsets: bool = False, key_scale: bool = False, **attributes,
 ) -> onnx.ModelProto:
     """One TQGroupQueryAttention node (GroupQueryAttention's input order) with symbolic sizes.
 
     row_bytes: the caches' last dimension W (default: the larger packed size of the two formats, as
     a genai model's common width). rotary_dim > 0 adds cos_cache/sin_cache inputs and do_rotary=1.
+    key_scale adds that input (after the offsets, or empty names in their place).
     """
     from .config import packed_size
 
@@ -133,6 +134,8 @@ def gqa_model(
     if offsets:
         inputs += [("key_offset", TensorProto.FLOAT, [kv_heads, head_dim]),
                    ("value_offset", TensorProto.FLOAT, [kv_heads, head_dim])]
+    if key_scale:
+        inputs += ([] if offsets else [None, None]) + [("key_scale", TensorProto.FLOAT, [kv_heads, head_dim])]
     while inputs and inputs[-1] is None:
         inputs.pop()
     if rotary_dim:

@@ -186,7 +186,9 @@ def _schemas() -> list[defs.OpSchema]:
                 _P("attention_bias", "T", "not supported: refused when given", param_option=_OPT),
                 _P("head_sink", "T", "not supported: refused when given", param_option=_OPT),
                 _P("key_offset", "tensor(float)", "[Hkv, D], subtracted from every key", param_option=_OPT),
-                _P("value_offset", "tensor(float)", "[Hkv, D], subtracted from every stored value", param_option=_OPT)],
+                _P("value_offset", "tensor(float)", "[Hkv, D], subtracted from every stored value", param_option=_OPT),
+                _P("key_scale", "tensor(float)", "[Hkv, D] (do_rotary), after the rotary: Q multiplied, K divided",
+                   param_option=_OPT)],
         outputs=[_P("output", "T", "[B, S, Hq*D]"),
                  _P("present_key", "tensor(uint8)", "[B, Hkv, max(max_length, total), W]; may be past_key's buffer"),
                  _P("present_value", "tensor(uint8)", "[B, Hkv, max(max_length, total), W]; may be past_value's buffer")],
@@ -275,7 +277,7 @@ class TQGroupQueryAttention(OpRun):
 
     def _run(self, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
              total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None, attention_bias=None,
-             head_sink=None, key_offset=None, value_offset=None, key_format=None, value_format=None,
+             head_sink=None, key_offset=None, value_offset=None, key_scale=None, key_format=None, value_format=None,
              norm_correction=None, num_heads=None, kv_num_heads=None, scale=None, do_rotary=None,
              rotary_interleaved=None, local_window_size=None, softcap=None, smooth_softmax=None, qk_output=None):
         refused = {"attention_bias": attention_bias is not None, "head_sink": head_sink is not None,
@@ -285,7 +287,7 @@ class TQGroupQueryAttention(OpRun):
             raise ValueError("TQGroupQueryAttention: not supported: " + ", ".join(k for k, v in refused.items() if v))
         return reference_gqa(
             query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache,
-            position_ids, key_offset, value_offset, key_format=_s(key_format or "mse4"),
+            position_ids, key_offset, value_offset, key_scale, key_format=_s(key_format or "mse4"),
             value_format=_s(value_format or "uint4"),
             norm_correction=True if norm_correction is None else bool(norm_correction),
             num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale or None, do_rotary=bool(do_rotary),

@@ -126,6 +126,10 @@ GqaSetup setup_gqa(const GqaAttrs& a, const GqaShapes& s, DType dtype, int64_t t
       fail("input 'position_ids' has shape ", dims_str(*s.position_ids), "; expected [", b, ", ", sq, "]");
     }
   }
+  if (s.key_scale) {  // applied after the rotary; without it a model scales Q and K before the op
+    if (!a.do_rotary) fail("input 'key_scale' needs do_rotary = 1 (without the rotary, scale Q and K before the op)");
+    check_offset(s.key_scale, "key_scale");
+  }
   r.y = {b, sq, hq * d};
   r.present_key = {b, hkv, p.present_rows, s.past_key[3]};
   r.present_value = {b, hkv, p.present_rows, s.past_value[3]};

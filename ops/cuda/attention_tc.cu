@@ -461,7 +461,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 #pragma unroll
       for (int j = 0; j < kPer; ++j) at[lane + 32 * j] = x[j];
       __syncwarp();
-      rotate_shared(rot, p.dtype, p.head_dim, rotary_position(rot, b, pos, p.q_len, p.past_of(b)), at, lane, 32);
+      rotate_shared(rot, p.dtype, p.head_dim, rotary_position(rot, b, pos, p.q_len, p.past_of(b)), at, lane, 32,
+                    key_scale_row(rot, hkv, p.head_dim), ScaleSide::kQuery);
       __syncwarp();
 #pragma unroll
       for (int j = 0; j < kPer; ++j) x[j] = at[lane + 32 * j];

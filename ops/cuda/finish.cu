@@ -61,8 +61,11 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
   if (rotary) {  // the query row and the new key rotated here, as the rotary kernel would have
     for (int i = tid; i < d; i += kThreads) krow[i] = load_value(p.dtype, k, b * p.k.b + hkv * p.k.h + i);
     __syncthreads();
-    rotate_shared(rot, p.dtype, d, rotary_position(rot, b, pos, p.q_len, past), qrow, tid, kThreads);
-    rotate_shared(rot, p.dtype, d, rotary_position(rot, b, 0, p.new_len, past), krow, tid, kThreads);
+    const float* scale = key_scale_row(rot, hkv, d);
+    rotate_shared(rot, p.dtype, d, rotary_position(rot, b, pos, p.q_len, past), qrow, tid, kThreads, scale,
+                  ScaleSide::kQuery);
+    rotate_shared(rot, p.dtype, d, rotary_position(rot, b, 0, p.new_len, past), krow, tid, kThreads, scale,
+                  ScaleSide::kKey);
   }
   const float* koff = p.key_offset ? p.key_offset + hkv * d : nullptr;
   float kn[kMaxCols], vn[kMaxCols];  // new token n's key elements tid + c kThreads and value columns

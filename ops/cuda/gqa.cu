@@ -1,7 +1,7 @@
 // TQGroupQueryAttention on the GPU: past lengths read from seqlens_k where they are used, the rotary
-// embedding of Q and the new K into workspace, then the TQAttention launcher; for a decode step
-// (fuses_rotary) the attention kernels rotate Q and K themselves, without the rotary launch and the
-// wait for it (docs/performance.md, kept choices).
+// embedding of Q and the new K (and the key scale) into workspace, then the TQAttention launcher;
+// for a decode step (fuses_rotary) the attention kernels rotate and scale Q and K themselves,
+// without the rotary launch and the wait for it (docs/performance.md, kept choices).
 #include "split_common.cuh"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/rotary.h"
@@ -41,15 +41,19 @@ __global__ void rotary_kernel(AttentionParams p, RotaryParams rot, RotaryJob jq,
   const int64_t pos = rot.position_ids ? rot.position_ids[bs] : p.past_of(b) + s;
   const int64_t in = b * j.st.b + h * j.st.h + s * j.st.s, out = b * j.dense.b + h * j.dense.h + s * j.dense.s;
   const int d = p.head_dim, half = rotary_applies(rot, d) ? rot.rotary_dim / 2 : 0;
+  const ScaleSide side = is_q ? ScaleSide::kQuery : ScaleSide::kKey;
+  const float* scale = key_scale_row(rot, is_q ? h / (heads / p.kv_heads) : h, d);
   for (int k = lane; k < half; k += 32) {
     int ia, ib;
     rotary_pair_index(rot, k, &ia, &ib);
     float xa = load_float(p.dtype, j.x, in + ia), xb = load_float(p.dtype, j.x, in + ib);
     rotate_pair(rot, p.dtype, pos, k, &xa, &xb);
-    store_float(p.dtype, j.out, out + ia, xa);
-    store_float(p.dtype, j.out, out + ib, xb);
+    store_float(p.dtype, j.out, out + ia, scaled(scale, side, ia, xa));
+    store_float(p.dtype, j.out, out + ib, scaled(scale, side, ib, xb));
   }
-  for (int k = 2 * half + lane; k < d; k += 32) store_float(p.dtype, j.out, out + k, load_float(p.dtype, j.x, in + k));
+  for (int k = 2 * half + lane; k < d; k += 32) {
+    store_float(p.dtype, j.out, out + k, scaled(scale, side, k, load_float(p.dtype, j.x, in + k)));
+  }
 }
 
 struct Workspace {

@@ -199,8 +199,9 @@ __device__ inline void pack_vector(const PackJob& j, uint32_t block, bool nc, DT
       if (i < j.d) z[i] = bits_float(dt, bits[c]);
     }
     __syncwarp();
-    const uint32_t n = v % j.map.new_len, b = v / j.map.new_len / j.map.heads;
-    rotate_shared(j.rot, dt, j.d, rotary_position(j.rot, b, n, j.map.new_len, j.map.rows.past_of(b)), z, lane, 32);
+    const uint32_t n = v % j.map.new_len, bh = v / j.map.new_len, b = bh / j.map.heads, h = bh % j.map.heads;
+    rotate_shared(j.rot, dt, j.d, rotary_position(j.rot, b, n, j.map.new_len, j.map.rows.past_of(b)), z, lane, 32,
+                  key_scale_row(j.rot, h, j.d), ScaleSide::kKey);
     __syncwarp();
     if (off) {
 #pragma unroll

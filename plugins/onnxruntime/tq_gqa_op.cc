@@ -32,9 +32,9 @@ GqaKernel::GqaKernel(const OrtKernelInfo* info, ONNXTensorElementDataType t, Dev
 OrtStatusPtr GqaKernel::ComputeV2(OrtKernelContext* context) {
   return guarded([&] {
     Ort::KernelContext ctx(context);
-    Ort::ConstValue in[14];
-    for (size_t i = 0; i < 14; ++i) in[i] = ctx.GetInput(i);
-    const auto& [query, key, value, pk, pv, seqlens, total, cos, sin, pos_ids, bias, sink, koff, voff] = in;
+    Ort::ConstValue in[15];
+    for (size_t i = 0; i < 15; ++i) in[i] = ctx.GetInput(i);
+    const auto& [query, key, value, pk, pv, seqlens, total, cos, sin, pos_ids, bias, sink, koff, voff, kscale] = in;
     check_type(pk, "past_key", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8);
     check_type(pv, "past_value", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8);
     check_type(seqlens, "seqlens_k", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
@@ -42,13 +42,14 @@ OrtStatusPtr GqaKernel::ComputeV2(OrtKernelContext* context) {
     check_type(pos_ids, "position_ids", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
     check_type(koff, "key_offset", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
     check_type(voff, "value_offset", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+    check_type(kscale, "key_scale", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
     const Dims total_shape = *shape_of(total);
     if (total.GetTensorTypeAndShapeInfo().GetElementCount() != 1) {
       fail(kOp, "input 'total_sequence_length' must hold one value, got shape ", shape_str(total_shape));
     }
     const GqaShapes shapes{*shape_of(query), shape_of(key), shape_of(value), *shape_of(pk), *shape_of(pv),
                            *shape_of(seqlens), total_shape, shape_of(cos), shape_of(sin), shape_of(pos_ids),
-                           shape_of(bias), shape_of(sink), shape_of(koff), shape_of(voff)};
+                           shape_of(bias), shape_of(sink), shape_of(koff), shape_of(voff), shape_of(kscale)};
     GqaSetup setup = setup_gqa(attrs, shapes, to_dtype(type), *total.GetTensorData<int32_t>());
     AttentionParams& p = setup.params;
     p.key_offset = koff ? koff.GetTensorData<float>() : nullptr;
@@ -58,6 +59,7 @@ OrtStatusPtr GqaKernel::ComputeV2(OrtKernelContext* context) {
       rot.cos = cos.GetTensorRawData();
       rot.sin = sin.GetTensorRawData();
       rot.position_ids = pos_ids ? pos_ids.GetTensorData<int64_t>() : nullptr;
+      rot.key_scale = kscale ? kscale.GetTensorData<float>() : nullptr;
     }
     const size_t es = static_cast<size_t>(dtype_size(p.dtype));
     const auto* qbase = static_cast<const uint8_t*>(query.GetTensorRawData());

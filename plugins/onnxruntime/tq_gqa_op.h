@@ -20,8 +20,8 @@ struct GqaKernel {
 // Inputs (GroupQueryAttention's order): query, key, value (T; key/value absent = packed QKV),
 // past_key, past_value (uint8 [B, Hkv, max_length, W]), seqlens_k (int32 [B]),
 // total_sequence_length (int32 scalar, host memory), cos_cache, sin_cache (T), position_ids
-// (int64), attention_bias, head_sink (T, refused when given), then key_offset, value_offset
-// (float32 [Hkv, D]). Outputs: output (T), present_key, present_value (uint8; each may be its past
+// (int64), attention_bias, head_sink (T, refused when given), then key_offset, value_offset and
+// key_scale (float32 [Hkv, D]). Outputs: output (T), present_key, present_value (uint8; each may be its past
 // input's buffer: ORT and onnxruntime-genai's past_present_share_buffer then update it in place).
 template <ONNXTensorElementDataType T, Device kDevice>
 struct GqaOp : OpBase<GqaOp<T, kDevice>, GqaKernel, kDevice> {
@@ -40,7 +40,7 @@ struct GqaOp : OpBase<GqaOp<T, kDevice>, GqaKernel, kDevice> {
   }
   const char* GetName() const { return "TQGroupQueryAttention"; }
   ONNXTensorElementDataType dtype() const { return T; }
-  size_t GetInputTypeCount() const { return 14; }
+  size_t GetInputTypeCount() const { return 15; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     switch (i) {
       case 3:
@@ -49,7 +49,8 @@ struct GqaOp : OpBase<GqaOp<T, kDevice>, GqaKernel, kDevice> {
       case 6: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
       case 9: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
       case 12:
-      case 13: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+      case 13:
+      case 14: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
       default: return T;
     }
   }

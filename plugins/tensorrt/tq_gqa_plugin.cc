@@ -91,6 +91,7 @@ GqaPlugin::Roles GqaPlugin::roles(bool packed, const DataType* types, int32_t n)
   if (i < n && types[i] == DataType::kINT64) r.position_ids = i++;
   if (i < n) r.key_offset = i++;
   if (i < n) r.value_offset = i++;
+  if (i < n) r.key_scale = i++;
   r.count = i;
   return r;
 }
@@ -105,7 +106,7 @@ GqaPlugin::Roles GqaPlugin::checked_roles(const nvinfer1::Dims* dims, const Data
   if (n <= r.total || n > r.count) {
     throw_invalid(kOp, "has ", n, " inputs; expected query, ", packed ? "" : "key, value, ",
                   "past_key, past_value, seqlens_k, the length carrier", attrs_.do_rotary ? ", cos_cache, sin_cache" : "",
-                  ", then optionally position_ids (int64), key_offset and value_offset (float32)");
+                  ", then optionally position_ids (int64), key_offset, value_offset and key_scale (float32)");
   }
   const DataType t = types[0];
   auto expect = [&](int i, DataType want, const char* name) {
@@ -124,6 +125,7 @@ GqaPlugin::Roles GqaPlugin::checked_roles(const nvinfer1::Dims* dims, const Data
   expect(r.sin, t, "sin_cache");
   expect(r.key_offset, DataType::kFLOAT, "key_offset");
   expect(r.value_offset, DataType::kFLOAT, "value_offset");
+  expect(r.key_scale, DataType::kFLOAT, "key_scale");
   return r;
 }
 
@@ -146,7 +148,7 @@ GqaSetup GqaPlugin::setup(const nvinfer1::Dims* dims, const DataType* types, int
   const GqaShapes s{to_dims(dims[0]), dims_at(dims, r.key), dims_at(dims, r.value), past_key, past_value,
                     to_dims(dims[r.seqlens_k]), Dims{}, dims_at(dims, r.cos), dims_at(dims, r.sin),
                     dims_at(dims, r.position_ids), std::nullopt, std::nullopt, dims_at(dims, r.key_offset),
-                    dims_at(dims, r.value_offset)};
+                    dims_at(dims, r.value_offset), dims_at(dims, r.key_scale)};
   return setup_gqa(attrs_, s, to_dtype(types[0]), *total);
 }
 
@@ -196,7 +198,7 @@ bool GqaPlugin::supportsFormatCombination(int32_t pos, const nvinfer1::DynamicPl
   if (pos == r.past_key || pos == r.past_value) return t.type == DataType::kUINT8;
   if (pos == r.seqlens_k || pos == r.total) return t.type == DataType::kINT32;
   if (pos == r.position_ids) return true;  // int64, by which it was recognised
-  return t.type == DataType::kFLOAT;       // the offsets
+  return t.type == DataType::kFLOAT;       // the offsets and key_scale
 }
 
 int32_t GqaPlugin::configurePlugin(const nvinfer1::DynamicPluginTensorDesc* in, int32_t nbInputs,
@@ -262,6 +264,7 @@ int32_t GqaPlugin::enqueue(const nvinfer1::PluginTensorDesc* in, const nvinfer1:
       rot.cos = inputs[r.cos];
       rot.sin = inputs[r.sin];
       rot.position_ids = r.position_ids >= 0 ? static_cast<const int64_t*>(inputs[r.position_ids]) : nullptr;
+      rot.key_scale = r.key_scale >= 0 ? static_cast<const float*>(inputs[r.key_scale]) : nullptr;
     }
     const size_t es = static_cast<size_t>(dtype_size(p.dtype));
     const auto* qbase = static_cast<const uint8_t*>(inputs[0]);

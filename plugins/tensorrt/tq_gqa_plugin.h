@@ -6,7 +6,7 @@
 // query, past_key and past_value (uint8 [B, Hkv, capacity, W]), seqlens_k (int32 [B], device),
 // the length carrier (int32 [N, total_sequence_length]: its shape gives the total on the host, its
 // data is never read), cos_cache and sin_cache (T) exactly when do_rotary, position_ids (int64
-// [B, S]), key_offset and value_offset (float32 [Hkv, D]; a value offset needs the key offset).
+// [B, S]), key_offset, value_offset and key_scale (float32 [Hkv, D]; each needs the ones before it).
 // Outputs: output (T [B, S, Hq*D]), present_key and present_value (past's shapes, aliased).
 #pragma once
 
@@ -40,7 +40,7 @@ class GqaPlugin : public Plugin<GqaPlugin, nvinfer1::IPluginV3OneBuildV2> {
   // Which input is which (-1: absent), and how many inputs that layout has.
   struct Roles {
     int key = -1, value = -1, past_key = -1, past_value = -1, seqlens_k = -1, total = -1;
-    int cos = -1, sin = -1, position_ids = -1, key_offset = -1, value_offset = -1;
+    int cos = -1, sin = -1, position_ids = -1, key_offset = -1, value_offset = -1, key_scale = -1;
     int count = 0;
   };
   // From the packing (packed: no key and value inputs) and the types of the first n inputs.

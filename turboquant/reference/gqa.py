@@ -4,7 +4,8 @@ Semantics (as ORT's GroupQueryAttention): query [B, S, Hq*D], or Q, K and V pack
 and value are absent; past_key/past_value uint8 [B, Hkv, max_length, W] with W >= the packed size
 (bytes past it are padding); sequence b has past_b = 0 when S == total_sequence_length (a first
 prompt), else seqlens_k[b] + 1 - S past tokens. With do_rotary, Q and the new K are turned by the
-rotary embedding at positions past_b + s (or position_ids), in float32 and rounded to Q's dtype.
+rotary embedding at positions past_b + s (or position_ids), in float32, then (key_scale [Hkv, D])
+Q's channels multiplied by their KV head's key_scale row and K's divided by it, rounded to Q's dtype.
 The new tokens are packed into rows past_b .. past_b + S - 1 of present (the past buffer itself when
 it is shared; present has max(max_length, total_sequence_length) rows), and each query attends
 causally to its sequence's packed past and the exact new tokens, through reference.attention.
@@ -19,8 +20,10 @@ from .attention import attention
 from .numerics import to_f32
 
 
-def rotary(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
-    """x [B, S, H, D] turned at positions [B, S]; cos/sin [max_positions, rotary_dim / 2]."""
+def rotary(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool,
+           scale: np.ndarray | None = None, divide: bool = False) -> np.ndarray:
+    """x [B, S, H, D] turned at positions [B, S]; cos/sin [max_positions, rotary_dim / 2]; then, in
+    float32, multiplied (divide: divided) by scale [H, D]."""
     half = cos.shape[1]
     xf = to_f32(x).copy()
     c = to_f32(cos)[positions][:, :, None, :]
@@ -31,6 +34,8 @@ def rotary(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarra
     else:
         a, b = xf[..., :half].copy(), xf[..., half:2 * half].copy()
         xf[..., :half], xf[..., half:2 * half] = a * c - b * s, b * c + a * s
+    if scale is not None:
+        xf = xf / scale if divide else xf * scale
     return xf.astype(x.dtype)
 
 
@@ -43,7 +48,7 @@ def past_lengths(seqlens_k, new_len: int, total: int) -> np.ndarray:
 
 def group_query_attention(
     query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None, total_sequence_length=None,
-    cos_cache=None, sin_cache=None, position_ids=None, key_offset=None, value_offset=None, *,
+    cos_cache=None, sin_cache=None, position_ids=None, key_offset=None, value_offset=None, key_scale=None, *,
     key_format: str, value_format: str, norm_correction: bool = True, num_heads: int, kv_num_heads: int,
     scale: float | None = None, do_rotary: bool = False, rotary_interleaved: bool = False,
 ):
@@ -63,11 +68,15 @@ def group_query_attention(
     v = np.asarray(value).reshape(b, s, hkv, d)
     total = int(np.asarray(total_sequence_length).reshape(-1)[0])
     past = past_lengths(seqlens_k, s, total)
+    if key_scale is not None and not do_rotary:
+        raise ValueError("TQGroupQueryAttention: input 'key_scale' needs do_rotary = 1")
     if do_rotary:
         positions = (np.asarray(position_ids, np.int64) if position_ids is not None
                      else past[:, None] + np.arange(s)[None, :])
-        q = rotary(q, positions, cos_cache, sin_cache, rotary_interleaved)
-        k = rotary(k, positions, cos_cache, sin_cache, rotary_interleaved)
+        ks = None if key_scale is None else np.asarray(key_scale, np.float32)
+        q = rotary(q, positions, cos_cache, sin_cache, rotary_interleaved,
+                   None if ks is None else np.repeat(ks, hq // hkv, axis=0))
+        k = rotary(k, positions, cos_cache, sin_cache, rotary_interleaved, ks, divide=True)
     rows = max(past_key.shape[2], total)
     width = past_key.shape[3]
     kb, vb = formats.packed_size(key_format, d), formats.packed_size(value_format, d)

@@ -31,11 +31,12 @@ struct GqaShapes {
   std::optional<Dims> key, value;
   Dims past_key, past_value, seqlens_k, total_sequence_length;
   std::optional<Dims> cos_cache, sin_cache, position_ids, attention_bias, head_sink, key_offset, value_offset;
+  std::optional<Dims> key_scale;  // turboquant's, after value_offset
 };
 
 struct GqaSetup {
   // q, k, v strides are in elements from the base pointers below; past_len = total - S (the most any
-  // sequence may have); past_lens, offsets and rotary tables are left for the adapter to set.
+  // sequence may have); past_lens, offsets, rotary tables and key_scale are left for the adapter to set.
   AttentionParams params;
   RotaryParams rotary;  // rotary_dim and max_positions set when do_rotary
   bool packed_qkv = false;

@@ -86,6 +86,9 @@ struct RotaryParams {
   const void* cos = nullptr;                  // [max_positions, rotary_dim / 2], Q's dtype
   const void* sin = nullptr;
   const int64_t* position_ids = nullptr;      // [B, S], or null: position = the sequence's past + s
+  // [kv_heads, head_dim] or null: after the rotation, query channels multiplied by their KV head's
+  // row and key channels divided by it (every score unchanged; TQGroupQueryAttention's key_scale)
+  const float* key_scale = nullptr;
 };
 
 }  // namespace turboquant

@@ -37,18 +37,40 @@ TQ_HD void rotate_pair(const RotaryParams& r, DType dt, int64_t pos, int i, floa
 #endif
 }
 
+// Which side of the scores a rotated head is on: the op's key_scale multiplies queries and divides keys.
+enum class ScaleSide { kQuery, kKey };
+
+// The key_scale row of KV head hkv, or null (no key_scale).
+TQ_HD const float* key_scale_row(const RotaryParams& r, int64_t hkv, int d) {
+  return r.key_scale ? r.key_scale + hkv * d : nullptr;
+}
+
+// Channel i of a rotated head after the key scale row s (null: none).
+TQ_HD float scaled(const float* s, ScaleSide side, int i, float x) {
+  if (!s) return x;
+#if defined(__CUDA_ARCH__)  // rounded as the CPU's
+  return side == ScaleSide::kKey ? __fdiv_rn(x, s[i]) : __fmul_rn(x, s[i]);
+#else
+  return side == ScaleSide::kKey ? x / s[i] : x * s[i];
+#endif
+}
+
 // The rotation of one head held by n threads (thread t of n: pairs t, t + n, ...) in memory x that
-// they share, each result rounded to dt as a rotated tensor stored in dt would hold it: the
-// attention kernels that rotate Q and the new K themselves instead of reading a rotated copy.
-// The caller synchronises the threads before (x loaded) and after.
-TQ_HD void rotate_shared(const RotaryParams& r, DType dt, int d, int64_t pos, float* x, int t, int n) {
-  if (!rotary_applies(r, d)) return;
-  for (int i = t; i < r.rotary_dim / 2; i += n) {
+// they share, then the key scale row s (null: none), each result rounded to dt once as a rotated
+// tensor stored in dt would hold it: the attention kernels that rotate Q and the new K themselves
+// instead of reading a rotated copy. The caller synchronises the threads before (x loaded) and after.
+TQ_HD void rotate_shared(const RotaryParams& r, DType dt, int d, int64_t pos, float* x, int t, int n,
+                         const float* s, ScaleSide side) {
+  const int turned = rotary_applies(r, d) ? r.rotary_dim : 0;
+  for (int i = t; i < turned / 2; i += n) {
     int a, b;
     rotary_pair_index(r, i, &a, &b);
     rotate_pair(r, dt, pos, i, &x[a], &x[b]);
-    x[a] = round_to(dt, x[a]);
-    x[b] = round_to(dt, x[b]);
+    x[a] = round_to(dt, scaled(s, side, a, x[a]));
+    x[b] = round_to(dt, scaled(s, side, b, x[b]));
+  }
+  if (s) {
+    for (int i = turned + t; i < d; i += n) x[i] = round_to(dt, scaled(s, side, i, x[i]));
   }
 }
 
@@ -58,13 +80,18 @@ TQ_HD int64_t rotary_position(const RotaryParams& r, int64_t b, int64_t s, int64
   return r.position_ids ? r.position_ids[b * seq_len + s] : past + s;
 }
 
-// x[0..d) rotated in place for position pos.
-TQ_HD void rotate_head(const RotaryParams& r, DType dt, int d, int64_t pos, float* x) {
-  if (!rotary_applies(r, d)) return;
-  for (int i = 0; i < r.rotary_dim / 2; ++i) {
-    int a, b;
-    rotary_pair_index(r, i, &a, &b);
-    rotate_pair(r, dt, pos, i, &x[a], &x[b]);
+// x[0..d) rotated in place for position pos, then the key scale row s (null: none).
+TQ_HD void rotate_head(const RotaryParams& r, DType dt, int d, int64_t pos, float* x, const float* s,
+                       ScaleSide side) {
+  if (rotary_applies(r, d)) {
+    for (int i = 0; i < r.rotary_dim / 2; ++i) {
+      int a, b;
+      rotary_pair_index(r, i, &a, &b);
+      rotate_pair(r, dt, pos, i, &x[a], &x[b]);
+    }
+  }
+  if (s) {
+    for (int i = 0; i < d; ++i) x[i] = scaled(s, side, i, x[i]);
   }
 }
 

@@ -42,13 +42,15 @@ def cases(draw):
         "packed": draw(st.booleans()), "rotary": draw(st.sampled_from([0, d // 2, d])),
         "interleaved": draw(st.booleans()), "position_ids": draw(st.booleans()),
         "dtype": draw(st.sampled_from(list(NP))), "nc": draw(st.booleans()), "offsets": draw(st.booleans()),
-        "seed": draw(st.integers(0, 2**31)),
+        "key_scale": draw(st.booleans()), "seed": draw(st.integers(0, 2**31)),
     }
 
 
 def make(c):
-    """(model, feeds) for a case: a past buffer of `capacity` rows holding each sequence's past."""
+    """(model, feeds) for a case: a past buffer of `capacity` rows holding each sequence's past; a
+    key_scale (c["key_scale"]) only with the rotary, which it follows."""
     rng = np.random.default_rng(c["seed"])
+    key_scale = c.get("key_scale", False) and c["rotary"] > 0
     b, s, d, hkv = c["b"], c["s"], c["d"], c["hkv"]
     hq = hkv * c["group"]
     kf, vf = c["formats"]
@@ -56,7 +58,7 @@ def make(c):
     width = max(formats.packed_size(kf, d), formats.packed_size(vf, d)) + c["pad"]
     model = node_models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=kf, value_format=vf, row_bytes=width,
                              dtype=c["dtype"], packed_qkv=c["packed"], rotary_dim=c["rotary"],
-                             position_ids=c["position_ids"] and c["rotary"] > 0, offsets=c["offsets"],
+                             position_ids=c["position_ids"] and c["rotary"] > 0, offsets=c["offsets"], key_scale=key_scale,
                              rotary_interleaved=int(c["interleaved"]), norm_correction=int(c["nc"]))
     cap = c["capacity"]
     past = {}
@@ -82,6 +84,8 @@ def make(c):
     if c["offsets"]:
         feeds["key_offset"] = rng.standard_normal((hkv, d)).astype(np.float32)
         feeds["value_offset"] = rng.standard_normal((hkv, d)).astype(np.float32)
+    if key_scale:  # positive, a factor of about 4 either way, as calibrations give
+        feeds["key_scale"] = np.exp(rng.uniform(-1.4, 1.4, (hkv, d))).astype(np.float32)
     return model, feeds
 
 
@@ -90,7 +94,7 @@ def reference(c, feeds):
     return group_query_attention(
         feeds["query"], feeds.get("key"), feeds.get("value"), feeds["past_key"], feeds["past_value"],
         feeds["seqlens_k"], feeds["total_sequence_length"], feeds.get("cos_cache"), feeds.get("sin_cache"),
-        feeds.get("position_ids"), feeds.get("key_offset"), feeds.get("value_offset"), key_format=kf,
+        feeds.get("position_ids"), feeds.get("key_offset"), feeds.get("value_offset"), feeds.get("key_scale"), key_format=kf,
         value_format=vf, norm_correction=c["nc"], num_heads=c["hkv"] * c["group"], kv_num_heads=c["hkv"],
         do_rotary=c["rotary"] > 0, rotary_interleaved=c["interleaved"])
 
@@ -255,7 +259,7 @@ def test_decode_step_of_the_presets_shape(ort_session, device, b, formats, rotar
     rng = np.random.default_rng(b)
     c = dict(b=b, s=1, first=False, capacity=40, lengths=[int(n) for n in rng.integers(2, 41, b)], d=128, hkv=8,
              group=4, formats=formats, pad=0, packed=False, rotary=rotary, interleaved=False, position_ids=False,
-             dtype=TensorProto.FLOAT16, nc=True, offsets=False, seed=b)
+             dtype=TensorProto.FLOAT16, nc=True, offsets=False, key_scale=True, seed=b)
     model, feeds = make(c)
     y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
     if device == "cuda":
@@ -276,7 +280,7 @@ def test_raw16_decode_step(ort_session, device, split_kernel_ran, b, d, group, l
     reference's."""
     c = dict(b=b, s=1, first=False, capacity=max(lengths) + 3, lengths=lengths, d=d, hkv=2, group=group,
              formats=("raw16", "raw16"), pad=pad, packed=False, rotary=rotary, interleaved=False,
-             position_ids=False, dtype=TensorProto.FLOAT16, nc=True, offsets=b == 3, seed=sum(lengths))
+             position_ids=False, dtype=TensorProto.FLOAT16, nc=True, offsets=b == 3, key_scale=b != 2, seed=sum(lengths))
     model, feeds = make(c)
     y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
     if device == "cuda":
@@ -295,7 +299,7 @@ def test_first_prompt_of_several_tiles(ort_session, device, prefill_kernel_ran, 
     lengths = [s - 37 * i for i in range(b)]
     c = dict(b=b, s=s, first=True, capacity=s + 9, lengths=lengths, d=d, hkv=2, group=4, formats=formats, pad=0,
              packed=packed, rotary=rotary, interleaved=False, position_ids=False, dtype=TensorProto.FLOAT16, nc=True,
-             offsets=False, seed=s)
+             offsets=False, key_scale=True, seed=s)
     model, feeds = make(c)
     y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
     if device == "cuda":
@@ -313,11 +317,11 @@ def test_continuation_chunk_of_several_tiles(ort_session, device, split_kernel_r
                                              rotary, dtype, offsets, want):
     """A chunk of many new tokens over pasts of different lengths (on CUDA the past by the chunk
     kernel's 64-row tiles where it takes the formats, the new tokens' part on tensor cores, merged by
-    log-sum-exp), with key and value offsets; the new rows and outputs equal the reference's."""
+    log-sum-exp), with key and value offsets and key scales; the new rows and outputs equal the reference's."""
     lengths = [s + 700 - 311 * i for i in range(b)]
     c = dict(b=b, s=s, first=False, capacity=s + 709, lengths=lengths, d=d, hkv=2, group=4, formats=formats, pad=0,
              packed=False, rotary=rotary, interleaved=False, position_ids=False, dtype=dtype, nc=True, offsets=offsets,
-             seed=s)
+             key_scale=offsets, seed=s)
     model, feeds = make(c)
     y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
     if device == "cuda":
@@ -370,6 +374,33 @@ def test_narrow_cache_rows_are_refused(ort_session):
     model.graph.output[2].type.tensor_type.shape.dim[3].dim_param = "W"
     with pytest.raises(Exception, match="W >= 34"):
         run(ort_session(model), {**feeds, **narrow})
+
+
+def test_key_scale_without_the_rotary_or_of_the_wrong_shape_is_refused(ort_session):
+    model, feeds = make({**BASE, "rotary": 0})
+    model = node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4",
+                                  key_scale=True)
+    with pytest.raises(Exception, match="'key_scale' needs do_rotary = 1"):
+        run(ort_session(model), {**feeds, "key_scale": np.ones((2, 64), np.float32)})
+    c = {**BASE, "rotary": 64, "key_scale": True}
+    model, feeds = make(c)
+    for i, dim in enumerate(next(x for x in model.graph.input if x.name == "key_scale").type.tensor_type.shape.dim):
+        dim.dim_param = f"ks{i}"  # the op's own check, not ORT's of the declared shape
+    with pytest.raises(Exception, match=r"'key_scale' has shape \[2, 32\]; expected \[2, 64\]"):
+        run(ort_session(model), {**feeds, "key_scale": np.ones((2, 32), np.float32)})
+
+
+def test_key_scale_leaves_the_scores_of_exact_caches_unchanged(ort_session):
+    """raw16 caches hold the scaled keys as they are (fp32 rounding apart), so the output with any
+    key_scale equals the output without one: Q is multiplied by what K is divided by."""
+    c = {**BASE, "rotary": 64, "formats": ("raw16", "raw16"), "first": True, "s": 7, "lengths": [7, 5]}
+    model, feeds = make(c)
+    scaled_model, scaled = make({**c, "key_scale": True})
+    y, _, _ = run(ort_session(model), feeds)
+    y_scaled, _, _ = run(ort_session(scaled_model), scaled)
+    assert np.abs(scaled["key_scale"] - 1).max() > 1
+    np.testing.assert_allclose(y_scaled[0], y[0], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(y_scaled[1, :5], y[1, :5], rtol=2e-3, atol=2e-3)
 
 
 @st.composite

@@ -162,10 +162,12 @@ def test_gqa_matches_ort_cuda_byte_for_byte(trt, torch, ort_session, preset, dty
     b, capacity, prompt, later = GQA_STEPS[steps]
     hq, hkv, d = 8, 2, 128
     cfg = TurboQuantConfig.from_cache_dtype(preset, d)
-    packed = rotary  # genai's builder packs QKV and rotates in the op; the other layout without rotary
+    # genai's builder packs QKV and rotates in the op, and its rewrite calibrates: offsets and key scales;
+    # the other layout without rotary or calibration
+    packed = calibrated = rotary
     model = node_models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=cfg.key_format,
                              value_format=cfg.value_format, dtype=dtype, packed_qkv=packed, rotary_dim=d if rotary else 0,
-                             norm_correction=int(cfg.norm_correction))
+                             offsets=calibrated, key_scale=calibrated, norm_correction=int(cfg.norm_correction))
     session = ort_session(model, device="cuda")
     plugin = trt.create("TQGroupQueryAttention", key_format=cfg.key_format, value_format=cfg.value_format,
                         norm_correction=int(cfg.norm_correction), num_heads=hq, kv_num_heads=hkv, do_rotary=int(rotary),
@@ -179,6 +181,10 @@ def test_gqa_matches_ort_cuda_byte_for_byte(trt, torch, ort_session, preset, dty
     if rotary:
         angles = rng.uniform(0, 6.3, (capacity, d // 2))
         tables = {"cos_cache": np.cos(angles).astype(np.float32).astype(t), "sin_cache": np.sin(angles).astype(np.float32).astype(t)}
+    if calibrated:
+        tables.update(key_offset=rng.standard_normal((hkv, d)).astype(np.float32),
+                      value_offset=rng.standard_normal((hkv, d)).astype(np.float32),
+                      key_scale=np.exp(rng.uniform(-1.4, 1.4, (hkv, d))).astype(np.float32))
     lengths, s, first = list(prompt), max(prompt), True
     for new in [None] + later:
         if new is not None:
@@ -195,7 +201,8 @@ def test_gqa_matches_ort_cuda_byte_for_byte(trt, torch, ort_session, preset, dty
         inputs = [on_gpu(torch, feeds["query"])] + ([] if packed else [on_gpu(torch, feeds["key"]), on_gpu(torch, feeds["value"])])
         inputs += [buffers["past_key"], buffers["past_value"], on_gpu(torch, feeds["seqlens_k"]),
                    torch.empty((0, total), dtype=torch.int32, device="cuda")]  # the length carrier
-        inputs += [on_gpu(torch, tables[n]) for n in ("cos_cache", "sin_cache") if rotary]
+        inputs += [on_gpu(torch, tables[n]) for n in ("cos_cache", "sin_cache", "key_offset", "value_offset", "key_scale")
+                   if n in tables]
         outs = [on_gpu(torch, np.zeros_like(y)), buffers["past_key"], buffers["past_value"]]  # present aliases past
         descs = [(str(x.dtype).removeprefix("torch."), tuple(x.shape)) for x in inputs]
         out_descs = [(str(x.dtype).removeprefix("torch."), tuple(x.shape)) for x in outs]

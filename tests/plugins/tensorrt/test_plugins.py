@@ -232,15 +232,16 @@ def test_gqa_present_aliases_past(trt, capfd):
 
 def test_gqa_format_combinations(trt):
     g = trt.create("TQGroupQueryAttention", **dict(GQA, do_rotary=1))
-    ins = [t for t, _ in gqa_inputs(rotary=True, position_ids=True, offsets=2)]
+    ins = [t for t, _ in gqa_inputs(rotary=True, position_ids=True, offsets=3)]  # key_offset, value_offset, key_scale
     outs = ["float16", "uint8", "uint8"]
-    assert ins == ["float16", "uint8", "uint8", "int32", "int32", "float16", "float16", "int64", "float32", "float32"]
+    assert ins == ["float16", "uint8", "uint8", "int32", "int32", "float16", "float16", "int64", "float32", "float32",
+                   "float32"]
     assert all(g.supports(i, ins, outs) for i in range(len(ins) + len(outs)))
     assert not g.supports(3, ins[:3] + ["int64"] + ins[4:], outs)  # seqlens_k is int32
     assert not g.supports(4, ins[:4] + ["float32"] + ins[5:], outs)  # so is the length carrier
     assert not g.supports(5, ins[:5] + ["float32"] + ins[6:], outs)  # cos_cache has the query's type
-    assert not g.supports(10, ins, ["float32", "uint8", "uint8"])  # the output too
-    assert not g.supports(10, ins + ["float32"], outs)  # nothing after value_offset
+    assert not g.supports(11, ins, ["float32", "uint8", "uint8"])  # the output too
+    assert not g.supports(11, ins + ["float32"], outs)  # nothing after key_scale
     separate = [t for t, _ in gqa_inputs(packed=False, dtype="bfloat16")]
     plain = trt.create("TQGroupQueryAttention", **GQA)
     assert all(plain.supports(i, separate, ["bfloat16", "uint8", "uint8"]) for i in range(len(separate) + 3))
@@ -273,7 +274,8 @@ def test_gqa_workspace_covers_the_profile(trt):
     (gqa_inputs(s=2, total=1), "total_sequence_length (1) is smaller than the sequence length 2", True),
     (gqa_inputs(carrier=(1,)), "expected the length carrier [N, total_sequence_length]", False),  # ORT's scalar
     (gqa_inputs()[:4], "has 4 inputs; expected query, past_key, past_value, seqlens_k, the length carrier", False),
-    (gqa_inputs(offsets=2) + [("float32", (2, 64))], "has 8 inputs", False),
+    (gqa_inputs(offsets=3) + [("float32", (2, 64))], "has 9 inputs", False),
+    (gqa_inputs(offsets=3), "input 'key_scale' needs do_rotary = 1", False),
     (gqa_inputs(b=3)[:2] + gqa_inputs()[2:], "input 'past_value' has shape [2, 2, 40, 36]; expected [3, 2, max_length, W]", False),
     (gqa_inputs()[:3] + [("int64", (2,))] + gqa_inputs()[4:], "input 3 (seqlens_k) is int64; expected int32", False),
 ])
