@@ -32,7 +32,7 @@ from .plan import LayerPlan, RewriteResult, _ranges, plan_layers
 from .surgery import _replace_graph_output
 
 BOUNDARY_FORMAT = "raw16"
-_NUM_INPUTS = 12  # GroupQueryAttention's inputs, up to head_sink; key_offset/value_offset follow
+_NUM_INPUTS = 12  # GroupQueryAttention's inputs, up to head_sink; key_offset, value_offset, key_scale follow
 _PASS = {"Cast", "Identity"}
 
 
@@ -133,11 +133,11 @@ def row_width(key_format: str, value_format: str, head_dim: int) -> int:
 
 
 def _replace(graph: ir.Graph, old: ir.Node, key_format: str, value_format: str, norm_correction: bool,
-             inputs: list | None = None, offsets: list | None = None) -> ir.Node:
-    """inputs: old's, or what takes their place; offsets: key_offset (and value_offset) to append."""
-    inputs = list(old.inputs if inputs is None else inputs)[:_NUM_INPUTS]
-    if offsets:
-        inputs += [None] * (_NUM_INPUTS - len(inputs)) + list(offsets)
+             extra: list | None = None) -> ir.Node:
+    """extra: the inputs to append after GroupQueryAttention's (key_offset, value_offset, key_scale)."""
+    inputs = list(old.inputs)[:_NUM_INPUTS]
+    if extra:
+        inputs += [None] * (_NUM_INPUTS - len(inputs)) + list(extra)
     attrs = {name: a.value for name, a in old.attributes.items()}
     attrs.update(key_format=key_format, value_format=value_format, norm_correction=int(norm_correction))
     new = ir.node("TQGroupQueryAttention", inputs, attrs, domain=turboquant.DOMAIN, num_outputs=3,
@@ -201,8 +201,7 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
 
     calibration (export.calibrate.Calibration, from export/calibrate_gqa.py): per compressed layer
     the mean rotated key, fed to the op as key_offset (the mean value as value_offset too when
-    value_offsets), and the rotary-pair-tied key scales applied to Q and K before it (unless
-    key_scales is False).
+    value_offsets), and the per-channel key scales as its key_scale (unless key_scales is False).
 
     per_layer: give each layer its own row width (True) or every layer the widest (False); None
     decides by the installed onnxruntime-genai (export/genai.py reads_per_layer_shapes)."""
@@ -241,14 +240,13 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
         node = nodes[plan.index]
         heads = _attr(node, "kv_num_heads", 0)
         plan.kv_heads = plan.kv_heads or heads or None  # the op's attribute where the cache inputs leave it symbolic
-        inputs = offsets = None
+        extra = None
         if calibration is not None and plan.compressed and plan.index in calibration.keys:
             from .calibrate_gqa import calibrated_inputs
 
-            inputs, offsets = calibrated_inputs(model, node, plan.index, calibration, key_format=plan.key_format,
-                                                dtype=layers[plan.index].past_key.dtype.numpy(),
-                                                value_offsets=value_offsets, key_scales=key_scales)
-        node = _replace(graph, node, plan.key_format, plan.value_format, cfg["norm_correction"], inputs, offsets)
+            extra = calibrated_inputs(model, plan.index, calibration, key_format=plan.key_format,
+                                      value_offsets=value_offsets, key_scales=key_scales)
+        node = _replace(graph, node, plan.key_format, plan.value_format, cfg["norm_correction"], extra)
         layer = layers[plan.index]
         for v in (layer.past_key, layer.past_value, node.outputs[1], node.outputs[2]):
             _retype(v, heads, plan.row_bytes)

@@ -71,44 +71,6 @@ def _scaled(graph: ir.Graph, before: ir.Node | None, x: ir.Value, factor: np.nda
     return out
 
 
-def _sole_constant(v: ir.Value) -> np.ndarray | None:
-    """v's array where v is an initializer that nothing else reads (so it may be rewritten), else None."""
-    if not v.is_initializer() or v.const_value is None or len(v.uses()) != 1 or v.is_graph_output():
-        return None
-    return v.const_value.numpy()
-
-
-def scaled_at_source(graph: ir.Graph, before: ir.Node, x: ir.Value, factor: np.ndarray, name: str) -> ir.Value:
-    """x * factor (over x's last axis), folded into the weights where x is a MatMul by a constant
-    matrix, through an Add of a constant bias, that nothing else reads: its columns (and the bias)
-    scaled, exact in real arithmetic and no node added; else a Mul inserted before `before`."""
-    node = x.producer()
-    if node is None or node.domain not in ("", "ai.onnx") or len(x.uses()) != 1 or x.is_graph_output():
-        return _scaled(graph, before, x, factor, name)
-    bias = None
-    if node.op_type == "Add":
-        for i in (0, 1):
-            b, other = node.inputs[i], node.inputs[1 - i]
-            arr = _sole_constant(b) if b is not None else None
-            prod = other.producer() if other is not None else None
-            if (arr is not None and arr.shape == factor.shape and prod is not None and prod.op_type == "MatMul"
-                    and len(other.uses()) == 1 and not other.is_graph_output()):
-                bias, node = b, prod
-                break
-        else:
-            return _scaled(graph, before, x, factor, name)
-    weight = node.inputs[1] if node.op_type == "MatMul" and len(node.inputs) == 2 else None
-    w = _sole_constant(weight) if weight is not None else None
-    if w is None or w.ndim != 2 or w.shape[1] != factor.shape[0] or not np.issubdtype(w.dtype, np.floating):
-        return _scaled(graph, before, x, factor, name)
-    f = factor.astype(np.float32)
-    weight.const_value = ir.tensor((w.astype(np.float32) * f).astype(w.dtype), name=weight.name)
-    if bias is not None:
-        b = bias.const_value.numpy()
-        bias.const_value = ir.tensor((b.astype(np.float32) * f).astype(b.dtype), name=bias.name)
-    return x
-
-
 def apply_site(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: LayerPlan, norm_correction: bool,
                key_offset: np.ndarray | None = None, value_offset: np.ndarray | None = None,
                key_scale: np.ndarray | None = None, q_heads: int | None = None) -> ir.Node:

@@ -8,7 +8,8 @@ it has a mask (has_mask), which the shapes alone cannot tell while the engine is
 
 TQGroupQueryAttention says whether QKV is packed in query (packed_qkv: which input is past_key,
 which present_key aliases, must be known before any shape is), drops cos_cache, sin_cache and
-position_ids when do_rotary is 0 (the op ignores them then), and takes total_sequence_length as
+position_ids when do_rotary is 0 (the op ignores them then), gives zeros for an absent key_offset or
+value_offset that a later float input follows (the plugin counts them by position), and takes total_sequence_length as
 the length carrier: TensorRT keeps an int32 tensor on the device, where the plugin cannot read it
 before its launch, but gives every tensor's shape on the host; ConstantOfShape([0, total]) is an
 empty int32 tensor whose second dimension is the total (no memory, no kernel), one per graph.
@@ -25,7 +26,7 @@ import turboquant
 from .errors import RewriteError
 
 PLUGIN_VERSION = "1"
-_GQA_TOTAL, _GQA_COS, _GQA_SIN, _GQA_POSITIONS, _GQA_VALUE_OFFSET = 6, 7, 8, 9, 13
+_GQA_TOTAL, _GQA_COS, _GQA_SIN, _GQA_POSITIONS, _GQA_KEY_OFFSET, _GQA_KEY_SCALE = 6, 7, 8, 9, 12, 14
 
 
 def for_tensorrt(model: ir.Model) -> int:
@@ -56,15 +57,17 @@ def for_tensorrt(model: ir.Model) -> int:
 
 def _gqa_inputs(node: ir.Node, inputs: list, carriers: dict) -> list:
     """TQGroupQueryAttention's inputs in the plugin's form (module docstring); sets packed_qkv."""
-    inputs = inputs + [None] * (_GQA_VALUE_OFFSET + 1 - len(inputs))
+    inputs = inputs + [None] * (_GQA_KEY_SCALE + 1 - len(inputs))
     packed = inputs[1] is None
     node.attributes["packed_qkv"] = ir.AttrInt64("packed_qkv", int(packed))
     rotary = node.attributes.get("do_rotary")
     if rotary is None or not rotary.value:
         inputs[_GQA_COS] = inputs[_GQA_SIN] = inputs[_GQA_POSITIONS] = None
-    if inputs[_GQA_VALUE_OFFSET] is not None and inputs[_GQA_VALUE_OFFSET - 1] is None:
-        raise RewriteError(f"node {node.name!r}: the TensorRT plugin takes value_offset only after key_offset "
-                           "(absent inputs are left out, so their order tells them apart)")
+    floats = inputs[_GQA_KEY_OFFSET:_GQA_KEY_SCALE + 1]
+    last = max((i for i, v in enumerate(floats) if v is not None), default=-1)
+    for i in range(last):
+        if floats[i] is None:
+            inputs[_GQA_KEY_OFFSET + i] = _zero_offset(node, next(v for v in floats if v is not None), i)
     total = inputs[_GQA_TOTAL]
     if total is None:
         raise RewriteError(f"node {node.name!r} has no total_sequence_length input")
@@ -73,6 +76,20 @@ def _gqa_inputs(node: ir.Node, inputs: list, carriers: dict) -> list:
         carriers[key] = _length_carrier(node, total)
     inputs[_GQA_TOTAL] = carriers[key]
     return inputs
+
+
+def _zero_offset(node: ir.Node, like: ir.Value, i: int) -> ir.Value:
+    """A float32 zero tensor of `like`'s [Hkv, D] shape (an offset that changes nothing), as a
+    Constant before node."""
+    shape = like.const_value.shape if like.const_value is not None else like.shape
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        raise RewriteError(f"node {node.name!r}: input {like.name!r} has no static shape; the TensorRT plugin needs "
+                           "every offset before it given")
+    name = f"{node.name}_tq_zero_{('key_offset', 'value_offset')[i]}"
+    const = ir.node("Constant", [], {"value": ir.tensor(np.zeros(tuple(shape), np.float32), name=name)}, name=name)
+    node.graph.insert_before(node, const)
+    const.outputs[0].name = name
+    return const.outputs[0]
 
 
 def _length_carrier(before: ir.Node, total: ir.Value) -> ir.Value:

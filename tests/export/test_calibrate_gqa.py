@@ -1,6 +1,6 @@
-"""Calibration of onnxruntime-genai models: key offsets (mean rotated keys) and rotary-pair-tied key
-scales for TQGroupQueryAttention, on a small model built by genai's own builder with large fixed
-key components (qkv biases)."""
+"""Calibration of onnxruntime-genai models: key offsets (mean rotated keys) and per-channel key scales
+after the rotary (the op's key_scale input) for TQGroupQueryAttention, on a small model built by
+genai's own builder with large fixed key components (qkv biases)."""
 
 import json
 
@@ -12,8 +12,6 @@ from turboquant import random_decoders
 from turboquant.eval.runner import Evaluator, Windows
 from turboquant.export import RewriteError, export
 from turboquant.export import __main__ as cli
-from turboquant.export import calibrate_gqa
-from turboquant.export.calibrate import key_scale
 from turboquant.shared_buffer import SharedBufferDecoder
 
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes these models)")
@@ -61,60 +59,22 @@ def _logits(path, ids, prefill=16):
     return SharedBufferDecoder(path, MAX_LENGTH).teacher_forced(ids, prefill)
 
 
-def test_pair_groups_tie_rotary_pairs_and_free_the_rest():
-    g = calibrate_gqa.pair_groups(8, 4, interleaved=False)
-    assert list(g) == [0, 1, 0, 1, 2, 3, 4, 5]
-    g = calibrate_gqa.pair_groups(8, 4, interleaved=True)
-    assert list(g) == [0, 0, 1, 1, 2, 3, 4, 5]
-    rng = np.random.default_rng(0)
-    k2, q2 = rng.uniform(0.1, 10, (2, 8)), rng.uniform(0.1, 10, (2, 8))
-    s = calibrate_gqa.tied_key_scale(k2, q2, calibrate_gqa.pair_groups(8, 4, False))
-    np.testing.assert_array_equal(s[:, :2], s[:, 2:4])
-    # a pair's scale is the per-channel rule over the pair's energies; free channels keep their own
-    ref = key_scale(np.concatenate([k2[:, :2] + k2[:, 2:4], k2[:, :2] + k2[:, 2:4], k2[:, 4:]], 1),
-                    np.concatenate([q2[:, :2] + q2[:, 2:4], q2[:, :2] + q2[:, 2:4], q2[:, 4:]], 1))
-    np.testing.assert_allclose(s, ref, rtol=1e-6)
-
-
-def _qkv_factor(src, path, node):
-    """The per-column factor between the rewritten and the original weights of the packed QKV
-    projection (MatMul, then Add of the qkv bias) that feeds node, checked to be one factor per column."""
-    m = onnx.load(str(path))
-    producer = {o: n for n in m.graph.node for o in n.output}
-    add = producer[node.input[0]]
-    assert add.op_type == "Add", "the scale is folded into the projection, no node between"
-    mm = next(producer[i] for i in add.input if i in producer)
-    assert mm.op_type == "MatMul"
-    (bias,) = [i for i in add.input if i not in producer]
-    inits, orig = _parts(path)[0], _parts(src)[0]
-    w, w0 = inits[mm.input[1]], orig[mm.input[1]]
-    factor = (w * w0).sum(0) / (w0 * w0).sum(0)
-    np.testing.assert_allclose(w, w0 * factor, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(inits[bias], orig[bias] * factor, rtol=1e-5, atol=1e-7)
-    return factor
-
-
 def test_offsets_and_scales_are_fed_to_the_compressed_layers(src, rewritten):
     r = rewritten("turboquant_4bit_nc")
     assert r.compressed == [2, 3]
     inits, muls, tq, meta = _parts(r.output)
-    assert not muls  # the scales are in the projections' weights
+    assert not muls and not _scaled_weights(src, r.output)  # the op scales after its rotary: no node, no weight changed
     for node in tq.values():
         layer = int(node.input[3].split(".")[1])
         if layer not in r.compressed:
             assert len(node.input) <= 12 or not any(node.input[12:]), node.name  # boundary layers: no offsets
             continue
-        assert node.input[12] == f"tq_key_offset_{layer}"
-        koff = inits[node.input[12]]
-        assert koff.shape == (HKV, D) and koff.dtype == np.float32 and np.abs(koff).max() > 0.1
-        factor = _qkv_factor(src, r.output, node)
-        assert factor.shape == ((HQ + 2 * HKV) * D,)
-        sq, sk, sv = np.split(factor, [HQ * D, (HQ + HKV) * D])
-        s = 1.0 / sk.reshape(HKV, D)
-        np.testing.assert_allclose(sq.reshape(HQ, D), np.repeat(s, HQ // HKV, axis=0), rtol=1e-5)
-        np.testing.assert_array_equal(sv, 1.0)
-        np.testing.assert_allclose(s[:, :D // 2], s[:, D // 2:], rtol=1e-5)  # rotate_half pairs share a scale
-        assert s.std() > 0.05
+        assert list(node.input[12:]) == [f"tq_key_offset_{layer}", "", f"tq_key_scale_{layer}"]
+        koff, s = inits[node.input[12]], inits[node.input[14]]
+        assert koff.shape == s.shape == (HKV, D) and koff.dtype == s.dtype == np.float32 and np.abs(koff).max() > 0.1
+        assert np.all(s > 0) and s.std() > 0.05
+        np.testing.assert_allclose(np.exp(np.log(s).mean(1)), 1.0, rtol=1e-5)  # normalised per head
+        assert np.abs(s[:, :D // 2] - s[:, D // 2:]).max() > 0.05  # rotary pairs have scales of their own
     assert meta["turboquant.offsets"] == "keys" and meta["turboquant.key_scales"] == "yes"
     assert meta["turboquant.calibration"].startswith("data-free (self-generated: 16 continuations")
 
@@ -135,10 +95,9 @@ def _as_raw16(path, out):
     return out
 
 
-def test_calibrated_scores_are_unchanged(src, rewritten, tmp_path, monkeypatch):
+def test_calibrated_scores_are_unchanged(src, rewritten, tmp_path):
     """On raw16 caches (fp16 bits, no quantization) the calibrated model is as far from the original
-    as the uncalibrated one, i.e. fp16 rounding apart; scales not tied across the rotary pairs would
-    not commute with the rotation, and do not."""
+    as the uncalibrated one, i.e. fp16 rounding apart."""
     ids = np.random.default_rng(99).integers(0, CFG.vocab, (2, 40))  # not the calibration's seed-0 ids
     ref = _logits(src, ids)
 
@@ -148,10 +107,6 @@ def test_calibrated_scores_are_unchanged(src, rewritten, tmp_path, monkeypatch):
     floor = error(rewritten("turboquant_4bit_nc", offsets=False), "plain")  # the fp16 rounding alone
     calibrated = error(rewritten("turboquant_4bit_nc"), "calibrated")
     assert calibrated.max() <= 1.25 * floor.max() and calibrated.mean() <= 1.25 * floor.mean()
-
-    monkeypatch.setattr(calibrate_gqa, "tied_key_scale", lambda k2, q2, groups: key_scale(k2, q2))
-    untied = export(src, "turboquant_4bit_nc", tmp_path / "untied" / "model.onnx", progress=False)
-    assert error(untied, "untied").max() > 10 * floor.max()
 
 
 def test_calibration_lowers_the_error_on_held_out_ids(src, rewritten):
@@ -226,4 +181,20 @@ def test_self_generated_calibration(src, rewritten):
     r = rewritten("turboquant_4bit_nc", calibrate="self")
     inits, _, _, meta = _parts(r.output)
     assert meta["turboquant.calibration"].startswith("data-free (self-generated: 16 continuations")
-    assert "tq_key_offset_2" in inits and len(_scaled_weights(src, r.output)) == 2 * len(r.compressed)  # weight, bias
+    assert {"tq_key_offset_2", "tq_key_scale_2"} <= set(inits) and not _scaled_weights(src, r.output)
+
+
+def test_no_key_scales_where_the_op_has_no_constant_rotary_tables():
+    import onnx_ir as ir
+
+    from turboquant import node_models
+    from turboquant.export.calibrate_gqa import rotary_tables
+
+    def node(**kw):
+        m = ir.from_proto(node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4",
+                                                value_format="uint4", **kw))
+        return next(iter(m.graph))
+
+    assert "needs do_rotary" in rotary_tables(node(), 64)
+    assert rotary_tables(node(rotary_dim=64), 64) == "cos_cache or sin_cache is not a constant"
+    assert rotary_tables(node(rotary_dim=64, position_ids=True), 64) == "the op takes position_ids"

@@ -137,10 +137,12 @@ def test_genai_nodes_take_the_plugins_form(genai_trt):
     for layer, n in enumerate(nodes):
         a = _attrs(n)
         assert a["plugin_namespace"] == b"turboquant" and a["plugin_version"] == b"1" and a["packed_qkv"] == 1
-        calibrated = layer in genai_trt.compressed  # data-free by default: the key offset follows, after the rotary tables
-        assert a["do_rotary"] == 1 and "" not in n.input and len(n.input) == 7 + calibrated
+        # data-free calibration by default: the key offset, a zero value offset and the key scale follow the rotary tables
+        calibrated = layer in genai_trt.compressed
+        assert a["do_rotary"] == 1 and "" not in n.input and len(n.input) == 7 + 3 * calibrated
         assert n.input[1:3] == [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
-        assert n.input[5:7] == ["cos_cache", "sin_cache"] and n.input[7:] == [f"tq_key_offset_{layer}"] * calibrated
+        assert n.input[5:7] == ["cos_cache", "sin_cache"]
+        assert n.input[7:] == [f"tq_key_offset_{layer}", f"{n.name}_tq_zero_value_offset", f"tq_key_scale_{layer}"][:3 * calibrated]
         assert shapes[n.input[1]][3] == widths[str(layer)]  # boundary layers raw16, the others packed
     assert sorted(set(widths.values())) == [max(packed_size("mse4", 64), packed_size("uint4", 64)), 2 * 64]
     assert {p.key: p.value for p in m.metadata_props}["turboquant.target"] == "tensorrt"
@@ -218,13 +220,21 @@ def test_rotary_inputs_dropped_without_do_rotary_and_key_value_layout_told():
     assert [v.name for v in offsets.inputs][-2:] == ["key_offset", "value_offset"]
 
 
-def test_value_offset_without_key_offset_is_refused():
+def test_absent_offsets_before_a_later_float_input_become_zeros():
+    """The plugin counts its float inputs by position: a value_offset without key_offset, or a
+    key_scale without offsets, gets zero offsets (which change nothing) in the places before it."""
     model = ir.from_proto(node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4",
-                                           offsets=True))
+                                                offsets=True))
     node = next(x for x in model.graph if x.op_type == "TQGroupQueryAttention")
     node.replace_input_with(12, None)
-    with pytest.raises(RewriteError, match="value_offset only after key_offset"):
-        for_tensorrt(model)
+    for_tensorrt(model)
+    zero = node.inputs[-2]
+    assert node.inputs[-1].name == "value_offset" and zero.producer().op_type == "Constant"
+    np.testing.assert_array_equal(zero.producer().attributes["value"].value.numpy(), np.zeros((2, 64), np.float32))
+
+    node = next(x for x in _gqa_trt_model(rotary_dim=64, key_scale=True).graph if x.op_type == "TQGroupQueryAttention")
+    assert node.inputs[-1].name == "key_scale" and len(node.inputs) == 12
+    assert [v.producer().op_type for v in node.inputs[-3:-1]] == ["Constant", "Constant"]
 
 
 def test_gqa_engine_updates_the_buffers_in_place(tmp_path, ort_session):
