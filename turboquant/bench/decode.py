@@ -14,6 +14,7 @@ import dataclasses
 import gc
 import multiprocessing
 import statistics
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -40,6 +41,8 @@ class Options:
     threads: int | None = None
     seed: int = 0
     ttft_warmup: bool = True  # the prompt once untimed first: ttft without the process's first-call costs
+    rounds: int = 1  # every model this many times, the models' order reversed every other round (run_rounds)
+    isolate: bool = False  # each model of each round in a process of its own (run_rounds)
 
 
 @dataclasses.dataclass
@@ -65,6 +68,8 @@ class Record:
     capacity_check: str | None = None
     error: str | None = None
     gpu_ms_per_step: float | None = None  # CUDA: the device's busy time per step (kernels, copies)
+    round_ms: list[float | None] | None = None  # run_rounds: each round's ms/step (None: that round failed)
+    rounds_how: str = ""  # run_rounds: how the rounds ran
 
 
 def token_ids(vocab: int, batch: int, length: int, seed: int = 0) -> np.ndarray:
@@ -276,10 +281,16 @@ def _loop(info: ModelInfo, opts: Options) -> str:
             f"{', CUDA graphs for the decode steps (the prompt without)' if opts.cuda_graph else ''}")
 
 
-def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print, on_record=None) -> list[Record]:
+def _vocab(infos: list[ModelInfo]) -> int:
+    return min(i.vocab for i in infos if i.vocab) if any(i.vocab for i in infos) else 32000
+
+
+def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print, on_record=None,
+        vocab: int | None = None) -> list[Record]:
     """Every model at every point; a model is loaded once for all points (its session or og.Model).
-    on_record(records so far): called after each record, e.g. to save partial results."""
-    vocab = min(i.vocab for i in infos if i.vocab) if any(i.vocab for i in infos) else 32000
+    on_record(records so far): called after each record, e.g. to save partial results. vocab: the
+    token ids' range (default: the smallest of the models')."""
+    vocab = vocab or _vocab(infos)
     ids = {(b, s): token_ids(vocab, b, s + WARMUP + opts.steps, opts.seed) for b, s in opts.points}
     longest = max(s for _, s in opts.points) + WARMUP + opts.steps
     records = []
@@ -326,3 +337,66 @@ def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print, on_r
         del runner
         gc.collect()
     return records
+
+
+def _stderr_log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _in_process_of_its_own(paths, infos, opts: Options, vocab: int) -> list[Record]:
+    """run() in a fresh interpreter (spawned, not forked: no CUDA context or arena of this one)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run, paths, infos, opts, _stderr_log, vocab=vocab).result()
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _merged(records: list[Record], how: str) -> Record:
+    """One model's records of one point over the rounds: medians, each round's ms/step kept."""
+    ok = [r for r in records if not r.error]
+    out = dataclasses.replace(ok[0] if ok else records[0], round_ms=[r.ms_per_step for r in records], rounds_how=how)
+    failed = [r.error for r in records if r.error]
+    if ok:
+        out.ms_per_step = _median(r.ms_per_step for r in ok)
+        out.tokens_per_s = out.batch * 1e3 / out.ms_per_step
+        out.ttft_ms = _median(r.ttft_ms for r in ok)
+        out.gpu_ms_per_step = _median(r.gpu_ms_per_step for r in ok)
+        peaks = [r.peak_bytes for r in ok if r.peak_bytes is not None]
+        out.peak_bytes = max(peaks) if peaks else None
+    if failed:  # a round that failed is not hidden by the others' medians
+        out.error = f"{len(failed)} of {len(records)} rounds failed: {failed[0]}"
+    return out
+
+
+def run_rounds(paths: list[str], infos: list[ModelInfo], opts: Options, log=print, on_record=None) -> list[Record]:
+    """opts.rounds rounds of run(), one model at a time, the models' order reversed every other round
+    (A B, B A, ...), each in a process of its own with opts.isolate (one model's memory cannot hold
+    back the next one's; the spread between processes is sampled). Returns one record per model and
+    point, models in the order given: the medians over the rounds, each round's ms/step in round_ms.
+    on_record(every round's records so far) after each model's round."""
+    vocab = _vocab(infos)
+    single = dataclasses.replace(opts, rounds=1, isolate=False)
+    raw: dict[int, list[list[Record]]] = {i: [] for i in range(len(paths))}
+    done: list[Record] = []
+    for r in range(opts.rounds):
+        for i in (range(len(paths)) if r % 2 == 0 else reversed(range(len(paths)))):
+            log(f"round {r + 1} of {opts.rounds}: {paths[i]}" + (" (a process of its own)" if opts.isolate else ""))
+            if opts.isolate:
+                try:
+                    records = _in_process_of_its_own([paths[i]], [infos[i]], single, vocab)
+                except Exception as e:  # noqa: BLE001 - the process died (killed for memory, say): its points failed
+                    records = [Record(paths[i], opts.device, b, s, None, None, None, infos[i].kv_bytes(b, s), None,
+                                      runtime=opts.runtime, steps=opts.steps, error=_error(e)) for b, s in opts.points]
+            else:
+                records = run([paths[i]], [infos[i]], single, log, vocab=vocab)
+            raw[i].append(records)
+            done += records
+            if on_record is not None:
+                on_record(done)
+    how = (f"median of {opts.rounds} rounds, the models' order reversed every other round"
+           + (", each model of each round in a process of its own" if opts.isolate else ", all in this process")
+           + "; each round's ms/step in the JSON (round_ms)")
+    return [_merged([rounds[k] for rounds in raw[i]], how) for i in range(len(paths)) for k in range(len(opts.points))]

@@ -66,6 +66,12 @@ def add_parsers(sub) -> None:
     d.add_argument("--capacity", type=_count, metavar="BYTES",
                    help="report the largest batch at S and the longest context at B whose KV cache fits in BYTES (e.g. 80e9)")
     d.add_argument("--threads", type=_count, help="intra-op threads (default: ONNX Runtime's)")
+    d.add_argument("--rounds", type=_count, default=1,
+                   help="time every model this many times, one model at a time, the models' order reversed every "
+                   "other round; the table gives the medians and their spread, the JSON each round's ms/step")
+    d.add_argument("--isolate", action="store_true",
+                   help="each model of each round in a process of its own: one model's memory (ONNX Runtime's "
+                   "arena, a CUDA context) cannot hold back the next, and a step's spread between processes is sampled")
     d.add_argument("--other-exporters", action="store_true",
                    help="the models may come from different exporters of one architecture (e.g. genai's builder, "
                    "which fuses Q, K and V, against a TorchScript export): the cache layouts are checked, not the "
@@ -152,7 +158,8 @@ def _decode(args) -> int:
             return _fail("--device", f"cuda: {cuda_missing()}")
     opts = decode.Options(device=args.device, points=points, steps=args.steps,
                           prefill_chunk=args.prefill_chunk, runtime=args.runtime, fill=args.fill, cuda_graph=args.cuda_graph,
-                          ttft_budget=args.ttft_budget, ttft_max_tokens=args.ttft_max_tokens, ttft_warmup=args.ttft_warmup, capacity=args.capacity, threads=args.threads)
+                          ttft_budget=args.ttft_budget, ttft_max_tokens=args.ttft_max_tokens, ttft_warmup=args.ttft_warmup, capacity=args.capacity, threads=args.threads,
+                          rounds=args.rounds, isolate=args.isolate)
     def saved(records):  # after every record: a run cut short keeps what it measured
         if args.json:
             decode_report.write_json(records, args.json)
@@ -160,7 +167,8 @@ def _decode(args) -> int:
         print(f"  {r.ms_per_step or float('nan'):.2f} ms/step, ttft {r.ttft_ms or float('nan'):.0f} ms"
               f"{', ' + r.error if r.error else ''}", file=sys.stderr, flush=True)
 
-    records = decode.run(args.models, infos, opts, log=lambda s: print(s, file=sys.stderr, flush=True), on_record=saved)
+    runner = decode.run_rounds if args.rounds > 1 or args.isolate else decode.run
+    records = runner(args.models, infos, opts, log=lambda s: print(s, file=sys.stderr, flush=True), on_record=saved)
     print(decode_report.table(records))
     if args.json:
         decode_report.write_json(records, args.json)

@@ -38,6 +38,14 @@ def _labels(records: list[Record]) -> dict[str, str]:
     return {n: os.path.relpath(n, common) if common else n for n in names}
 
 
+def _ms(r: Record, note) -> str:
+    """ms/step; over rounds, the median with the rounds' range and how they ran."""
+    if not r.round_ms:
+        return _f(r.ms_per_step, ".2f")
+    done = [v for v in r.round_ms if v is not None]
+    return f"{r.ms_per_step:.2f} ({min(done):.2f}-{max(done):.2f}) {note(r.rounds_how)}"
+
+
 def point_table(records: list[Record]) -> str:
     first = records[0]
     label = _labels(records)
@@ -60,7 +68,7 @@ def point_table(records: list[Record]) -> str:
         if r.error:
             lines.append(f"| {label[r.model]} | failed: {r.error} |" + " |" * (len(head) - 2))
             continue
-        row = [label[r.model], _f(r.ms_per_step, ".2f"), _f(r.tokens_per_s, ".1f"), _ratio(r.tokens_per_s, first.tokens_per_s),
+        row = [label[r.model], _ms(r, note), _f(r.tokens_per_s, ".1f"), _ratio(r.tokens_per_s, first.tokens_per_s),
                f"{_f(r.ttft_ms, '.0f')} {note(r.ttft_how)}", _ratio(r.ttft_ms, first.ttft_ms, invert=True),
                f"{r.kv_bytes / 1e6:.1f}", _ratio(r.kv_bytes, first.kv_bytes, invert=True),
                f"{_f(r.peak_bytes and r.peak_bytes / 1e6, '.0f')} {note(r.peak_how)}", r.fill.split(" ")[0] + (f" {note(r.fill)}" if " " in r.fill else "")]

@@ -3,6 +3,7 @@ attention layout as the benchmark's, 3 layers), their rewrites, the records, the
 against the cache layout's byte count, random cache fills, genai's runtime, and the refusals of bad
 arguments. No timing is asserted."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -194,6 +195,32 @@ def test_points_of_a_sweep(built, tmp_path, capsys):
     _fails(capsys, ["decode", str(orig), "--context", "20", "30", "--batch", "1", "2", "3"], "--context")
 
 
+def test_rounds_alternate_the_models_each_in_a_process_of_its_own(built, tmp_path, capfd):
+    """--rounds 3 --isolate: A B, B A, A B, each model of each round in a spawned process; one record
+    per model, its ms/step the median of its rounds, each round's kept, the table saying how."""
+    orig, tq = built["torchscript"]
+    recs = _decode(tmp_path, orig, tq, "--context", 20, "--steps", 2, "--rounds", 3, "--isolate")
+    err = capfd.readouterr()
+    order = [line.split(": ", 1)[1].split(" (")[0] for line in err.err.splitlines() if line.startswith("round ")]
+    assert order == [str(orig), str(tq), str(tq), str(orig), str(orig), str(tq)]
+    assert err.err.count("a process of its own") == 6
+    assert [r["model"] for r in recs] == [str(orig), str(tq)]
+    for r in recs:
+        assert r["error"] is None and len(r["round_ms"]) == 3 and all(v > 0 for v in r["round_ms"])
+        assert r["ms_per_step"] == pytest.approx(float(np.median(r["round_ms"])))
+        assert "median of 3 rounds" in r["rounds_how"] and "process of its own" in r["rounds_how"]
+    assert "median of 3 rounds" in err.out and f"({min(recs[0]['round_ms']):.2f}-" in err.out
+
+
+def test_rounds_record_a_round_that_failed(monkeypatch):
+    """A round whose process died is recorded as failed for that model, not hidden by the others."""
+    rec = decode.Record("m.onnx", "cpu", 1, 20, 2.0, 500.0, 10.0, 100, None)
+    bad = decode.Record("m.onnx", "cpu", 1, 20, None, None, None, 100, None, error="BrokenProcessPool: killed")
+    merged = decode._merged([rec, bad, dataclasses.replace(rec, ms_per_step=4.0)], "how")
+    assert merged.round_ms == [2.0, None, 4.0] and merged.ms_per_step == 3.0
+    assert merged.error == "1 of 3 rounds failed: BrokenProcessPool: killed"
+
+
 def test_genai_runtime(built, tmp_path):
     pytest.importorskip("onnxruntime_genai")
     orig, tq = built["genai"]
@@ -242,6 +269,7 @@ def test_bad_arguments_exit_2_naming_the_argument(built, tmp_path, capsys):
     _fails(capsys, ["decode", orig, tq, "--context", "0"], "--context")
     _fails(capsys, ["decode", orig, tq, "--steps", "-1"], "--steps")
     _fails(capsys, ["decode", orig, tq, "--capacity", "0"], "--capacity")
+    _fails(capsys, ["decode", orig, tq, "--rounds", "0"], "--rounds")
     onnx.save(node_models.pack_model("mse4", 64), tmp_path / "nocache.onnx")
     assert "no KV cache" in _fails(capsys, ["decode", str(tmp_path / "nocache.onnx")], "MODEL")
     _fails(capsys, ["decode", str(tmp_path / "absent.onnx")], "MODEL")
