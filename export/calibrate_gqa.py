@@ -91,7 +91,9 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
                     hq, hkv = heads[i]
                     q = np.asarray(outs[queries[i]], np.float32)[..., :hq * plan.head_dim]
                     q = q.reshape(q.shape[0], q.shape[1], hq, plan.head_dim)
-                    q = rotary(q, np.arange(q.shape[1])[None, :], *tables[i]).astype(np.float64)
+                    rows = tables[i][0].shape[0]
+                    pos = np.minimum(np.arange(q.shape[1]), rows - 1)[None, :]  # clamped to the table, as the op does
+                    q = rotary(q, pos, *tables[i]).astype(np.float64)
                     q2 = (q * q).sum(axis=(0, 1)).reshape(hkv, hq // hkv, -1).mean(1)
                     _add(sums["q2"], i, q2)
             count += window
