@@ -35,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibrate", metavar="FILE|random|self", help="what the original model runs on in ONNX Runtime to compute "
                    "per-layer key offsets and scales: token ids (.npy/.ids) or text (with --tokenizer), or data-free: "
                    "'random' (random token ids) or 'self' (text the model writes itself, sampled with a fixed seed from "
-                   "random-token prompts); a file named so is ./random or ./self (default, for presets with Lloyd-Max keys: "
-                   "self)")
+                   "random-token prompts); a file named so is ./random or ./self (default: self)")
     p.add_argument("--no-offsets", action="store_true", help="no calibration at all: no key offsets or scales")
     p.add_argument("--tokenizer", metavar="DIR", help="local Hugging Face tokenizer folder for a text --calibrate file")
     p.add_argument("--value-offsets", action="store_true", help="with --calibrate, subtract the mean value too")

@@ -10,6 +10,9 @@ every key divided by it. The rotation spreads the quantization error of the stor
 evenly over the channels, so the score error is about sum_i q_i^2 s_i^2 * sum_i k_i^2 / s_i^2 (k
 centred). s_i = (E[k_i^2] / E[q_i^2])^(1/4) minimises it: channels the queries read strongly are
 stored more accurately, channels they hardly read less so. The bytes per token do not change.
+fp8 keys (no rotation) take another scale: s_i = the largest |k_i| calibrated (k centred) / 64, so
+that every channel's extreme key lands on 64, a value e4m3 holds exactly, 7x under its 448
+(fp8_key_scale).
 
 The original model runs in ONNX Runtime on a few windows of calibration tokens from an empty cache
 (a prefill, so every key is a new key); its present.N.key / present.N.value outputs are exactly the
@@ -22,6 +25,8 @@ import dataclasses
 import os
 
 import numpy as np
+
+from turboquant.config import TQ_PRESETS
 
 from .errors import RewriteError
 
@@ -55,6 +60,24 @@ def key_scale(key_sq: np.ndarray, query_sq: np.ndarray, limit: float = 16.0) -> 
     s = (k / q) ** 0.25
     s /= np.exp(np.log(s).mean(-1, keepdims=True))
     return np.clip(s, 1.0 / limit, limit).astype(np.float32)
+
+
+FP8_KEY_PEAK = 64.0  # where fp8_key_scale puts each channel's largest calibrated |k|: exact in e4m3, 7x under 448
+
+
+def fp8_key_scale(peak: np.ndarray, limit: float = 4096.0) -> np.ndarray:
+    """s = peak / 64 per KV head and channel, peak the largest |k| calibrated (k centred), kept within
+    [1/limit, limit] (queries are multiplied by it, in the model's float type). A power-of-two scale
+    changes no rounding of e4m3; this one changes the mantissas, and the channels' extreme keys (on the
+    head_dim-128 model, those of the first token, which every query reads) become exact: it cut the
+    score error of fp8 keys 3x against offsets alone (docs/performance.md, Quality)."""
+    s = np.where(peak > 0, peak / FP8_KEY_PEAK, 1.0)
+    return np.clip(s, 1.0 / limit, limit).astype(np.float32)
+
+
+def key_peaks(sums: dict, layer: int, mean_k: np.ndarray) -> np.ndarray:
+    """The largest |k - mean| per KV head and channel, from add_cache_sums' extremes."""
+    return np.maximum(sums["kmax"][layer] - mean_k, mean_k - sums["kmin"][layer])
 
 
 def load_tokens(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None, model=None) -> tuple[np.ndarray, str]:
@@ -201,7 +224,9 @@ def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], s
                 _add(sums["q2"], layer, q2)
         count += window
     mean_k = {i: sums["k"][i] / count for i in layers}
-    scales = {i: key_scale(sums["k2"][i] / count - mean_k[i] ** 2, sums["q2"][i] / count) for i in sums["q2"]}
+    fp8 = plan_args is not None and TQ_PRESETS[plan_args["preset"]]["key_quant_bits"] == 8
+    scales = {i: fp8_key_scale(key_peaks(sums, i, mean_k[i])) if fp8 else key_scale(sums["k2"][i] / count - mean_k[i] ** 2, sums["q2"][i] / count)
+              for i in sums["q2"]}
     vscales = {i: value_scale(sums["v2"][i] / count) for i in layers} if value_scales else {}
     return Calibration({i: mean_k[i].astype(np.float32) for i in layers},
                        {i: (sums["v"][i] / count).astype(np.float32) for i in layers}, count, source, scales, q_heads,
@@ -228,13 +253,18 @@ def value_scale(value_sq: np.ndarray, limit: float = 16.0) -> np.ndarray:
 
 def add_cache_sums(sums: dict, outs: dict, sess, layer: int) -> np.ndarray:
     """Adds a layer's keys and values of one window (and their squares), its present outputs, to
-    sums["k"], sums["k2"], sums["v"], sums["v2"]; returns the keys [B, Hkv, S, D] as float64."""
+    sums["k"], sums["k2"], sums["v"], sums["v2"], and the keys' extremes to sums["kmax"], sums["kmin"];
+    returns the keys [B, Hkv, S, D] as float64."""
     k = np.asarray(outs[sess.cache_outputs[(layer, "key")]], np.float64)
     v = np.asarray(outs[sess.cache_outputs[(layer, "value")]], np.float64)
     _add(sums["k"], layer, k.sum(axis=(0, 2)))
     _add(sums["k2"], layer, (k * k).sum(axis=(0, 2)))
     _add(sums["v"], layer, v.sum(axis=(0, 2)))
     _add(sums.setdefault("v2", {}), layer, (v * v).sum(axis=(0, 2)))
+    hi, lo = k.max(axis=(0, 2)), k.min(axis=(0, 2))
+    kmax, kmin = sums.setdefault("kmax", {}), sums.setdefault("kmin", {})
+    kmax[layer] = np.maximum(kmax[layer], hi) if layer in kmax else hi
+    kmin[layer] = np.minimum(kmin[layer], lo) if layer in kmin else lo
     return k
 
 

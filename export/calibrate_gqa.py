@@ -9,7 +9,8 @@ Key scales. The op multiplies the rotated queries by its key_scale input and div
 keys by it, leaving every score unchanged, so the scales are those of plain exports
 (export/calibrate.py: s = (E[k^2] / E[q^2])^(1/4), k centred) over rotated queries and keys: the
 keys from present_key, the queries where the op takes them (a Cast of its input 0 made a model
-output), turned here by the op's own tables at the window's positions 0, 1, ...
+output), turned here by the op's own tables at the window's positions 0, 1, ... fp8 keys take
+export/calibrate.py's fp8_key_scale from the rotated keys alone.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import tempfile
 import numpy as np
 import onnx_ir as ir
 
-from .calibrate import Calibration, _add, add_cache_sums, key_scale, windows
+from .calibrate import Calibration, _add, add_cache_sums, fp8_key_scale, key_peaks, key_scale, windows
 from .gqa import _attr, plan_gqa_layers
 from .surgery import _initializer
 
@@ -58,11 +59,15 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
     plans, _, nodes = plan_gqa_layers(probe, preset, boundary, skip_layers, keep_layers)
     layers = [p for p in plans if p.compressed]
     tables, queries, notes = {}, {}, []
-    for plan in [p for p in layers if key_scales and p.key_format.startswith("mse")]:  # fp8 keys are scale-free
+    fp8 = set()  # layers whose scales need no queries
+    for plan in [p for p in layers if key_scales]:
         node = nodes[plan.index]
         found = rotary_tables(node, plan.head_dim)
         if isinstance(found, str):
             notes.append(f"layer {plan.index}: no key scales ({found})")
+            continue
+        if plan.key_format == "fp8":
+            fp8.add(plan.index)
             continue
         tables[plan.index] = (*found, bool(_attr(node, "rotary_interleaved", 0)))
         cast = ir.node("Cast", [node.inputs[0]], {"to": ir.DataType.FLOAT}, name=f"tq_calibration_q_{plan.index}")
@@ -99,20 +104,21 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
             count += window
     mean_k = {p.index: sums["k"][p.index] / count for p in layers}
     scales = {i: key_scale(sums["k2"][i] / count - mean_k[i] ** 2, sums["q2"][i] / count) for i in sums["q2"]}
+    scales.update({i: fp8_key_scale(key_peaks(sums, i, mean_k[i])) for i in fp8})
     calibration = Calibration({i: m.astype(np.float32) for i, m in mean_k.items()},
                               {p.index: (sums["v"][p.index] / count).astype(np.float32) for p in layers}, count,
                               source, scales, {i: heads[i][0] for i in scales})
     return calibration, notes
 
 
-def calibrated_inputs(model: ir.Model, index: int, calibration: Calibration, *, key_format: str, value_offsets: bool,
+def calibrated_inputs(model: ir.Model, index: int, calibration: Calibration, *, value_offsets: bool,
                       key_scales: bool) -> list[ir.Value | None]:
     """The initializers to append to the layer's TQGroupQueryAttention inputs (after its twelve of
     GroupQueryAttention): key_offset, value_offset (value_offsets) and key_scale, empty where absent;
     the offset in the scaled keys' units."""
     koff = calibration.keys.get(index)
     voff = calibration.values.get(index) if value_offsets else None
-    s = calibration.key_scales.get(index) if key_scales and key_format.startswith("mse") else None  # fp8 keys: scale-free
+    s = calibration.key_scales.get(index) if key_scales else None
     if s is not None and koff is not None:
         koff = koff / s
     named = (("key_offset", koff), ("value_offset", voff), ("key_scale", s))

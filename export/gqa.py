@@ -244,8 +244,7 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
         if calibration is not None and plan.compressed and plan.index in calibration.keys:
             from .calibrate_gqa import calibrated_inputs
 
-            extra = calibrated_inputs(model, plan.index, calibration, key_format=plan.key_format,
-                                      value_offsets=value_offsets, key_scales=key_scales)
+            extra = calibrated_inputs(model, plan.index, calibration, value_offsets=value_offsets, key_scales=key_scales)
         node = _replace(graph, node, plan.key_format, plan.value_format, cfg["norm_correction"], extra)
         layer = layers[plan.index]
         for v in (layer.past_key, layer.past_value, node.outputs[1], node.outputs[2]):

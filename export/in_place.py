@@ -263,7 +263,7 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
             raise RewriteError(f"layer {i}: value head size {layer.v_head_dim} differs from the key's {layer.head_dim}, "
                                "which the in-place form's GroupQueryAttention does not take")
         use = plan.compressed and calibration is not None
-        kscale = calibration.key_scales.get(i) if use and key_scales and plan.key_format.startswith("mse") else None
+        kscale = calibration.key_scales.get(i) if use and key_scales else None
         if not plan.compressed and (kept_raw16 or layer.past_key.dtype == ir.DataType.BFLOAT16):
             plan.key_format = plan.value_format = BOUNDARY_FORMAT
         node = apply_in_place(model, site, layer, plan, lens, heads, cfg["norm_correction"],

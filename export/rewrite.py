@@ -54,8 +54,6 @@ def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layer
         koff = calibration.keys.get(i) if calibration is not None else None
         voff = calibration.values.get(i) if calibration is not None and value_offsets else None
         kscale = calibration.key_scales.get(i) if calibration is not None and key_scales else None
-        if kscale is not None and not plan.key_format.startswith("mse"):
-            kscale = None  # fp8 keys are scale-free already
         cache_dtype = layers[i].past_key.dtype  # the float type, before apply_site retypes the cache to uint8
         node = apply_site(model, site, layers[i], plan, cfg["norm_correction"], koff, voff, kscale,
                           calibration.q_heads.get(i) if kscale is not None else None)
@@ -111,8 +109,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     calibrate: token ids (.npy) or text (with tokenizer, a local tokenizer folder) on which the
     original model is run to compute the per-layer key offsets and scales (and, with value_offsets,
     value offsets), or a data-free source: "random" (random token ids) or "self" (text the model
-    writes itself, export/self_text.py). Without it, presets with Lloyd-Max keys calibrate on
-    DATA_FREE_DEFAULT ("self");
+    writes itself, export/self_text.py). Without it, every preset calibrates on DATA_FREE_DEFAULT
+    ("self");
     offsets=False turns every calibration off. value_scales: also per-channel value scales
     (export/calibrate.py value_scale), in the in-place form of exported decoders only.
     target: "onnxruntime" (the default) or "tensorrt" (the nodes as TensorRT's ONNX parser maps them
@@ -146,7 +144,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     _refuse_input_files(src, model, out)
     if not dry_run and _saved_external(model):
         _check_writable(_data_file(out), "the output's external data file")
-    calibrates = offsets and (calibrate is not None or _mse_keys(preset) or value_scales)
+    calibrates = offsets
     gqa = uses_gqa(model)
     if calibrates and calibrate is None:
         calibrate = DATA_FREE_DEFAULT
@@ -247,15 +245,10 @@ def _cache_form(model: ir.Model, cache: str, target: str) -> tuple[str, str | No
     return cache, None
 
 
-# What presets with Lloyd-Max keys calibrate on unless told (export/calibrate.py DATA_FREE): the model's
-# own text, which beat random ids on every such preset in the evaluation, exported and genai-built
-# models alike (docs/performance.md#quality).
+# What every preset calibrates on unless told (export/calibrate.py DATA_FREE): the model's own text,
+# which beat random ids on every preset with Lloyd-Max keys in the evaluation, exported and
+# genai-built models alike; fp8 keys (k8v4) since their scales (docs/performance.md#quality).
 DATA_FREE_DEFAULT = "self"
-
-
-def _mse_keys(preset: str) -> bool:
-    """Presets with Lloyd-Max keys, which calibrate data-free by default."""
-    return preset in TQ_PRESETS and TQ_PRESETS[preset]["key_quant_bits"] in (3, 4)
 
 
 def _data_file(out: pathlib.Path) -> pathlib.Path:

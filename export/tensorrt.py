@@ -88,8 +88,9 @@ def _zero_offset(node: ir.Node, like: ir.Value, i: int) -> ir.Value:
     name = f"{node.name}_tq_zero_{('key_offset', 'value_offset')[i]}"
     const = ir.node("Constant", [], {"value": ir.tensor(np.zeros(tuple(shape), np.float32), name=name)}, name=name)
     node.graph.insert_before(node, const)
-    const.outputs[0].name = name
-    return const.outputs[0]
+    out = const.outputs[0]
+    out.name, out.dtype, out.shape = name, ir.DataType.FLOAT, ir.Shape(shape)  # typed, as the parser and tools read it
+    return out
 
 
 def _length_carrier(before: ir.Node, total: ir.Value) -> ir.Value:

@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from turboquant import TQ_PRESETS, random_decoders  # noqa: E402
+from turboquant import random_decoders  # noqa: E402
 from turboquant.export import export  # noqa: E402
 
 MODELS = {
@@ -49,10 +49,8 @@ def rewritten(exported, tmp_path_factory):
     def get(name, preset, cache="concat"):
         if (name, preset, cache) not in made:
             out = tmp_path_factory.mktemp("rw") / f"{name}.{preset}.{cache}.onnx"
-            # the tests' held-out ids are random: presets with Lloyd-Max keys calibrate on the same kind
-            lloyd_max = TQ_PRESETS[preset]["key_quant_bits"] in (3, 4)
-            made[name, preset, cache] = export(exported(name), preset, out, cache=cache, progress=False,
-                                               calibrate="random" if lloyd_max else None)
+            # the tests' held-out ids are random: the presets calibrate on the same kind
+            made[name, preset, cache] = export(exported(name), preset, out, cache=cache, progress=False, calibrate="random")
         return made[name, preset, cache]
 
     return get

@@ -95,17 +95,18 @@ def _as_raw16(path, out):
     return out
 
 
-def test_calibrated_scores_are_unchanged(src, rewritten, tmp_path):
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_calibrated_scores_are_unchanged(src, rewritten, tmp_path, preset):
     """On raw16 caches (fp16 bits, no quantization) the calibrated model is as far from the original
-    as the uncalibrated one, i.e. fp16 rounding apart."""
+    as the uncalibrated one, i.e. fp16 rounding apart (the Lloyd-Max keys' scales and fp8 keys')."""
     ids = np.random.default_rng(99).integers(0, CFG.vocab, (2, 40))  # not the calibration's seed-0 ids
     ref = _logits(src, ids)
 
     def error(result, name):
         return np.abs(_logits(_as_raw16(result.output, tmp_path / f"{name}.onnx"), ids) - ref)
 
-    floor = error(rewritten("turboquant_4bit_nc", offsets=False), "plain")  # the fp16 rounding alone
-    calibrated = error(rewritten("turboquant_4bit_nc"), "calibrated")
+    floor = error(rewritten(preset, offsets=False), "plain")  # the fp16 rounding alone
+    calibrated = error(rewritten(preset, **({"calibrate": "random"} if preset == "turboquant_k8v4" else {})), "calibrated")
     assert calibrated.max() <= 1.25 * floor.max() and calibrated.mean() <= 1.25 * floor.mean()
 
 
@@ -135,13 +136,15 @@ def test_options(src, rewritten, tmp_path):
     inits, _, _, meta = _parts(rewritten("turboquant_3bit_nc", value_offsets=True).output)
     assert inits["tq_value_offset_2"].shape == (HKV, D) and meta["turboquant.offsets"] == "keys and values"
 
-    _, _, tq, meta = _parts(rewritten("turboquant_k8v4").output)  # fp8 keys: not calibrated unless asked
+    _, _, tq, meta = _parts(rewritten("turboquant_k8v4", offsets=False).output)
     assert meta["turboquant.calibration"] == "none" and not any(len(n.input) > 12 for n in tq.values())
 
     np.save(tmp_path / "ids.npy", np.random.default_rng(3).integers(0, CFG.vocab, 600))
     r = rewritten("turboquant_k8v4", calibrate=tmp_path / "ids.npy")
     inits, muls, _, meta = _parts(r.output)
-    assert "tq_key_offset_2" in inits and not muls and meta["turboquant.key_scales"] == "no"  # fp8 keys are scale-free
+    assert "tq_key_offset_2" in inits and not muls and meta["turboquant.key_scales"] == "yes"
+    s = inits["tq_key_scale_2"]  # fp8 keys' scales: each channel's largest rotated |k - offset| / 64
+    assert s.shape == (HKV, D) and np.all(s > 0) and s.std() > 0.01
     assert not _scaled_weights(src, r.output)
     assert "ids.npy" in meta["turboquant.calibration"] and "512 tokens" in meta["turboquant.calibration"]  # whole windows of 256
 

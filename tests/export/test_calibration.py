@@ -10,6 +10,7 @@ from turboquant import random_decoders
 from turboquant.decoder import DecoderSession
 from turboquant.eval.metrics import mean_kl
 from turboquant.export import RewriteError, export
+from turboquant.shared_buffer import SharedBufferDecoder
 
 
 @pytest.fixture(scope="module")
@@ -74,17 +75,49 @@ def test_key_scales_leave_scores_unchanged(biased_model, tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_data_free_calibration_is_the_default_for_lloyd_max_keys(biased_model, tmp_path, capsys):
+def test_fp8_key_scales_put_each_channels_extreme_key_on_64(biased_model, tmp_path):
+    """k8v4 calibrated: per channel, s = the largest |k - offset| of the calibration's keys / 64 (the
+    present keys of one window, read here from the original model), queries times s and keys over
+    s before the op, and the prefill (exact new tokens) still the original's."""
+    from turboquant.export.calibrate import collect, fp8_key_scale
+
+    cfg, src, d = biased_model
+    np.testing.assert_array_equal(fp8_key_scale(np.array([128.0, 64.0, 0.0, 1e9, 1e-9])),
+                                  np.array([2.0, 1.0, 1.0, 4096.0, 1 / 4096], np.float32))
+    ids = np.random.default_rng(4).integers(0, cfg.vocab, 256)  # one window
+    plan = dict(preset="turboquant_k8v4", boundary=1, skip_layers=None, keep_layers=None)
+    cal = collect(src, ids, [1, 2, 3], "ids", plan_args=plan, progress=False)
+    sess = DecoderSession(src)
+    outs = sess.run_all(ids[None], sess.empty_cache(1), 0)
+    for i in (1, 2, 3):
+        k = np.asarray(outs[sess.cache_outputs[(i, "key")]], np.float64)[0]  # [Hkv, S, D]
+        off = k.mean(1)
+        np.testing.assert_allclose(cal.keys[i], off, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(cal.key_scales[i], np.abs(k - off[:, None]).max(1) / 64, rtol=1e-5)
+
+    np.save(tmp_path / "ids.npy", ids)
+    held_out = np.random.default_rng(5).integers(0, cfg.vocab, (1, 20))
+    want = DecoderSession(src).teacher_forced(held_out, 20)[:, 0]
+    for cache, loop in (("concat", DecoderSession), ("in-place", lambda m: SharedBufferDecoder(m, 32))):
+        r = export(src, "turboquant_k8v4", tmp_path / cache / "m.onnx", boundary=1, cache=cache, calibrate=tmp_path / "ids.npy")
+        out = onnx.load(str(r.output))
+        assert {p.key: p.value for p in out.metadata_props}["turboquant.key_scales"] == "yes"
+        nodes = {n.name for n in out.graph.node}
+        assert {f"tq_query_scaled_{i}" for i in r.compressed} <= nodes and {f"tq_key_scaled_{i}" for i in r.compressed} <= nodes
+        np.testing.assert_allclose(loop(r.output).teacher_forced(held_out, 20)[:, 0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_data_free_calibration_is_the_default(biased_model, tmp_path, preset):
     cfg, src, d = biased_model
     meta = lambda r: {p.key: p.value for p in onnx.load(str(r.output)).metadata_props}  # noqa: E731
-    default = meta(export(src, "turboquant_4bit_nc", tmp_path / "a.onnx", boundary=1))
+    default = meta(export(src, preset, tmp_path / "a.onnx", boundary=1))
     assert default["turboquant.calibration"].startswith("data-free (self-generated: 16 continuations, sampled")
     assert default["turboquant.calibration"].endswith(", 4096 tokens")
     assert default["turboquant.key_scales"] == "yes"
     none = {"turboquant.offsets": "none", "turboquant.key_scales": "no", "turboquant.calibration": "none"}
-    for m in (meta(export(src, "turboquant_4bit_nc", tmp_path / "b.onnx", boundary=1, offsets=False)),
-              meta(export(src, "turboquant_k8v4", tmp_path / "c.onnx", boundary=1))):  # fp8 keys: not calibrated
-        assert {k: m.get(k) for k in none} == none  # said, not left out
+    m = meta(export(src, preset, tmp_path / "b.onnx", boundary=1, offsets=False))
+    assert {k: m.get(k) for k in none} == none  # said, not left out
     with pytest.raises(RewriteError, match="contradict"):
         export(src, "turboquant_4bit_nc", tmp_path / "x.onnx", calibrate=d / "calib.npy", offsets=False)
 

@@ -72,14 +72,13 @@ def build(shape: str, builder: str, precision: str, device: str, out: pathlib.Pa
         del model
     log(f"{builder} model written to {paths['original']} ({time.perf_counter() - t0:.0f} s)")
     if rewrite:
-        from turboquant import TQ_PRESETS
         from turboquant.export import export
 
         t1 = time.perf_counter()
         # random ids, not the model's own text (the export's default): writing that text runs the
         # original 4096 steps on the CPU, hours at the 8B shape; calibration adds no decode work but a Mul
         result = export(paths["original"], rewrite, out / "tq" / "model.onnx", progress=False, offsets=calibrate,
-                        calibrate="random" if calibrate and TQ_PRESETS[rewrite]["key_quant_bits"] in (3, 4) else None,
+                        calibrate="random" if calibrate else None,
                         boundary=default_boundary(cfg) if boundary is None else boundary, cache=cache)
         log(result.summary())
         paths["rewritten"] = result.output
