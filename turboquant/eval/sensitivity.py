@@ -49,16 +49,28 @@ def choose_layers(original: str | os.PathLike, mode: str, layers: list[int] | No
 
 def layer_sensitivity(evaluator: Evaluator, original: str | os.PathLike, preset: str, *, mode: str = "only",
                       layers: list[int] | None = None, boundary: int = 2):
-    """Yields (layer, Comparison) for each layer examined; rewrites into a temporary folder."""
+    """Yields (layer, Comparison) for each layer examined; rewrites into a temporary folder, each
+    calibrated as the export's default does, on tokens made once (writing them is the slow part)."""
+    import numpy as np
+    import onnx_ir as ir
+
     from turboquant.export import export
+    from turboquant.export.calibrate import calibration_tokens
+    from turboquant.export.rewrite import DATA_FREE_DEFAULT
 
     todo, every, kept = choose_layers(original, mode, layers, boundary)
     with tempfile.TemporaryDirectory(prefix="turboquant-sensitivity-") as tmp:
+        ids, _ = calibration_tokens(DATA_FREE_DEFAULT, None, ir.load(original), original)
+        calibrate = None
+        if ids is not None:
+            calibrate = pathlib.Path(tmp) / "calibration.npy"
+            np.save(calibrate, ids)
         for layer in todo:
             keep = [i for i in every if i != layer] if mode == "only" else sorted(kept | {layer})
             out = pathlib.Path(tmp) / f"layer{layer}.onnx"
-            export(original, preset, out, keep_layers=keep, progress=False)
+            export(original, preset, out, keep_layers=keep, progress=False, calibrate=calibrate)
             label = f"{preset} {'only' if mode == 'only' else 'all but'} layer {layer}"
             yield layer, evaluator.compare(out, label)
             for f in pathlib.Path(tmp).iterdir():
-                f.unlink()
+                if f.name != "calibration.npy":
+                    f.unlink()

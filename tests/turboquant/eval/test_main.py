@@ -23,7 +23,13 @@ def test_cli_json_and_table(tiny, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("mode", ["only", "all-but-one"])
-def test_sensitivity_mode(tiny, tmp_path, mode, capsys):
+def test_sensitivity_mode(tiny, tmp_path, mode, capsys, monkeypatch):
+    """One row per layer examined; the rewrites' calibration text written once, not once per layer."""
+    from turboquant.export import self_text
+
+    written = []
+    real = self_text.self_generated_tokens
+    monkeypatch.setattr(self_text, "self_generated_tokens", lambda *a, **k: written.append(1) or real(*a, **k))
     src, _, text = tiny
     out = tmp_path / "s.json"
     assert main([str(src), "--text", str(text), "--context", "48", "--prefill", "24", "--max-tokens", "24",
@@ -32,6 +38,7 @@ def test_sensitivity_mode(tiny, tmp_path, mode, capsys):
     rows = json.loads(out.read_text())["results"]
     assert [r["model"] for r in rows] == [f"turboquant_3bit_nc {'only' if mode == 'only' else 'all but'} layer {i}" for i in (1, 2)]
     assert all(np.isfinite(r["ppl_increase"]) and r["mean_kl"] > 0 for r in rows)
+    assert len(written) == 1
 
 
 def test_errors_name_what_was_wrong(tiny, tmp_path, capsys):
