@@ -224,9 +224,10 @@ def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], s
                 _add(sums["q2"], layer, q2)
         count += window
     mean_k = {i: sums["k"][i] / count for i in layers}
-    fp8 = plan_args is not None and TQ_PRESETS[plan_args["preset"]]["key_quant_bits"] == 8
-    scales = {i: fp8_key_scale(key_peaks(sums, i, mean_k[i])) if fp8 else key_scale(sums["k2"][i] / count - mean_k[i] ** 2, sums["q2"][i] / count)
-              for i in sums["q2"]}
+    if plan_args is not None and TQ_PRESETS[plan_args["preset"]]["key_quant_bits"] == 8:  # fp8 keys
+        scales = {i: fp8_key_scale(key_peaks(sums, i, mean_k[i])) for i in sums["q2"]}
+    else:
+        scales = {i: key_scale(sums["k2"][i] / count - mean_k[i] ** 2, sums["q2"][i] / count) for i in sums["q2"]}
     vscales = {i: value_scale(sums["v2"][i] / count) for i in layers} if value_scales else {}
     return Calibration({i: mean_k[i].astype(np.float32) for i in layers},
                        {i: (sums["v"][i] / count).astype(np.float32) for i in layers}, count, source, scales, q_heads,

@@ -329,15 +329,17 @@ def test_unsupported_features_refused_or_left(built, tmp_path):
 
 
 @pytest.mark.gpu
-def test_cuda_fp16_model_tracks_the_original_and_the_cpu(cuda_ready, tmp_path):
-    """An fp16 model built for CUDA: on the CUDA provider (ORT's GroupQueryAttention against
-    TQGroupQueryAttention, both over shared buffers) the rewrite tracks the original, and its logits
-    agree with the same rewrite run on the CPU."""
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_cuda_fp16_model_tracks_the_original_and_the_cpu(cuda_ready, tmp_path, preset):
+    """An fp16 model built for CUDA, rewritten with the defaults (calibrated: Lloyd-Max or fp8 key
+    scales): on the CUDA provider (ORT's GroupQueryAttention against TQGroupQueryAttention, both
+    over shared buffers) the rewrite tracks the original, and its logits agree with the same rewrite
+    run on the CPU."""
     src = random_decoders.export_genai(CONFIGS["llama"], tmp_path / "fp16", precision="fp16", provider="cuda")
     with mock.patch.object(genai_folder, "installed_version", return_value="0.18.0"):
-        result = export(src, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", progress=False)
+        result = export(src, preset, tmp_path / "tq" / "model.onnx", progress=False)
     cuda = ["CUDAExecutionProvider"]
-    widths = _expected_widths([2, 3])  # per-layer rows: the packed layers' 36 bytes beside raw16's 128
+    widths = _expected_widths([2, 3], packed=PACKED[preset])  # per-layer rows: the packed layers' beside raw16's 128
     for dec in (SharedBufferDecoder(result.output, MAX_LENGTH, providers=cuda), SharedBufferDecoder(result.output, MAX_LENGTH)):
         assert {n: v.shape() for n, v in dec.empty_cache(2).items()} == {
             f"past_key_values.{i}.{kv}": [2, 2, MAX_LENGTH, widths[i]] for i in range(6) for kv in ("key", "value")}
@@ -355,7 +357,7 @@ def test_cuda_fp16_model_tracks_the_original_and_the_cpu(cuda_ready, tmp_path):
     # must stay far below what compression itself costs: a wrong past on either side would not.
     floor, ours = mean_kl(d, a), mean_kl(c, b)
     agree = float((c.argmax(-1) == b.argmax(-1)).mean())
-    print(f"cuda fp16 turboquant_4bit_nc: mean KL {kl:.4f}, top-1 {top1:.1%}; CPU vs CUDA: original KL {floor:.2e}, "
+    print(f"cuda fp16 {preset}: mean KL {kl:.4f}, top-1 {top1:.1%}; CPU vs CUDA: original KL {floor:.2e}, "
           f"rewrite KL {ours:.2e}, top-1 {agree:.1%}")
     assert top1 >= 0.8 and ours < 0.2 * kl and agree >= 0.85, (kl, top1, floor, ours, agree)
 
