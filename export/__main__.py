@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
                    "SharedBufferDecoder); concat: past and present caches as the exporter made them, its masks kept "
                    "(any padding; for loops that feed presents back, Triton, TensorRT); auto (default): in-place where "
                    "the model allows it. onnxruntime-genai models are in place already")
+    p.add_argument("--rotary-positions", type=non_negative, metavar="N",
+                   help="in-place form: the exporter's rotary embedding moved into the attention ops with cos/sin tables of "
+                   "N positions, the longest sequence the output then takes (default: config.json's "
+                   "max_position_embeddings beside the model, else 131072); 0 keeps the exporter's rotary nodes")
     p.add_argument("--dry-run", action="store_true", help="analyse and report, write nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -64,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                         calibrate=args.calibrate, tokenizer=args.tokenizer, offsets=not args.no_offsets,
                         value_offsets=args.value_offsets,
                         key_scales=not args.no_key_scales, value_scales=args.value_scales, target=args.target,
-                        unsupported=args.unsupported,
-                        cache=args.cache)
+                        unsupported=args.unsupported, cache=args.cache, rotary_positions=args.rotary_positions)
     except RewriteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

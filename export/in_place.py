@@ -35,6 +35,7 @@ from .cache_io import CacheLayer
 from .errors import RewriteError
 from .forms import AttentionSite, locate
 from .gqa import BOUNDARY_FORMAT, _describe_widths, row_width
+from . import rotary as rotary_fusion
 from .plan import LayerPlan, RewriteResult, plan_layers
 from .surgery import _REPEAT_CHAIN, _initializer, _replace_graph_output, _scaled
 
@@ -113,8 +114,10 @@ def _rank(x: ir.Value, site: AttentionSite) -> int:
 
 def _to_bsd(b: _Builder, x: ir.Value, site: AttentionSite, name: str) -> ir.Value:
     """[B, H, S, D] -> [B, S, H * D] (3-D inputs are that already)."""
-    if _rank(x, site) == 3:
-        return x
+    return x if _rank(x, site) == 3 else _bhsd_to_bsd(b, x, name)
+
+
+def _bhsd_to_bsd(b: _Builder, x: ir.Value, name: str) -> ir.Value:
     t = b("Transpose", [x], f"{name}_bshd", x.dtype, perm=[0, 2, 1, 3])
     return b("Reshape", [t, b.const(f"{name}_shape", np.array([0, 0, -1], np.int64))], f"{name}_bsd", x.dtype)
 
@@ -136,16 +139,29 @@ def packs(plan: LayerPlan) -> bool:
 
 
 def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: LayerPlan, lens: Lengths, q_heads: int,
-                   norm_correction: bool, key_offset=None, value_offset=None, key_scale=None, value_scale=None) -> ir.Node:
+                   norm_correction: bool, key_offset=None, value_offset=None, key_scale=None, value_scale=None,
+                   rotary: rotary_fusion.Fused | None = None) -> ir.Node:
     """Replaces one layer's attention by the in-place op (module docstring); returns the new node.
     The old attention and its cache concats are left for RemoveUnusedNodesPass, their shape
-    readers for reroute_shapes."""
+    readers for reroute_shapes. rotary: the op rotates Q and K itself (export/rotary.py)."""
     graph = site.anchor.graph
     i = layer.index
     b = _Builder(graph, site.anchor, f"tq_in_place_{i}_")
     hkv, d = plan.kv_heads, plan.head_dim
-    q, k, v = (_to_bsd(b, x, site, n) for x, n in ((site.q, "query"), (site.k_new, "key"), (site.v_new, "value")))
-    if key_scale is not None:  # export/calibrate.py: Q times the scale, K divided by it, scores unchanged
+    packed = packs(plan)
+    if rotary is None:
+        q, k = _to_bsd(b, site.q, site, "query"), _to_bsd(b, site.k_new, site, "key")
+    elif rotary.seq_axis == 2:  # [B, H, S, D], as the exporter rotated them
+        q, k = (_bhsd_to_bsd(b, x, n) for x, n in ((rotary.q, "query"), (rotary.k, "key")))
+    else:  # [B, S, H, D]
+        flat = b.const("bsd_shape", np.array([0, 0, -1], np.int64))
+        q, k = (b("Reshape", [x, flat], f"{n}_bsd", x.dtype) for x, n in ((rotary.q, "query"), (rotary.k, "key")))
+    v = _to_bsd(b, site.v_new, site, "value")
+    scale_in_op = key_scale is not None and rotary is not None and packed
+    if scale_in_op:  # the op scales after its rotary: key_scale input, offsets in scaled units
+        if key_offset is not None:
+            key_offset = (key_offset / key_scale).astype(np.float32)
+    elif key_scale is not None:  # export/calibrate.py: Q times the scale, K divided by it, scores unchanged
         dtype = layer.past_key.dtype.numpy()
         q = _scaled(graph, site.anchor, q, np.repeat(key_scale, q_heads // hkv, axis=0).reshape(-1).astype(dtype),
                     f"tq_query_scaled_{i}")
@@ -157,18 +173,24 @@ def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan
                     f"tq_value_scaled_{i}")
         if value_offset is not None:
             value_offset = (value_offset / value_scale).astype(np.float32)
-    attrs = {"num_heads": int(q_heads), "kv_num_heads": int(hkv), "do_rotary": 0}
+    attrs = {"num_heads": int(q_heads), "kv_num_heads": int(hkv), "do_rotary": int(rotary is not None)}
+    if rotary is not None:
+        attrs["rotary_interleaved"] = 0
     if site.scale:
         attrs["scale"] = float(site.scale)
     inputs = [q, k, v, layer.past_key, layer.past_value, lens.seqlens_k, lens.total]
-    packed = packs(plan)
+    inputs += [rotary.cos_cache, rotary.sin_cache] if rotary is not None else [None, None]
     if packed:
         attrs.update(key_format=plan.key_format, value_format=plan.value_format, norm_correction=int(norm_correction))
-        if key_offset is not None or value_offset is not None:
+        if key_offset is not None or value_offset is not None or scale_in_op:
             zeros = np.zeros((hkv, d), np.float32)
-            inputs += [None] * 5 + [_initializer(model, f"tq_key_offset_{i}", key_offset if key_offset is not None else zeros)]
-            if value_offset is not None:
-                inputs.append(_initializer(model, f"tq_value_offset_{i}", value_offset))
+            inputs += [None] * 3 + [_initializer(model, f"tq_key_offset_{i}", key_offset if key_offset is not None else zeros)]
+            inputs.append(_initializer(model, f"tq_value_offset_{i}", value_offset) if value_offset is not None else None)
+            if scale_in_op:
+                inputs.append(_initializer(model, f"tq_key_scale_{i}", np.asarray(key_scale, np.float32)))
+    while inputs[-1] is None:  # optional inputs left out at the end
+        inputs.pop()
+    if packed:
         node = ir.node("TQGroupQueryAttention", inputs, attrs, domain=turboquant.DOMAIN, num_outputs=3, name=f"tq_in_place_{i}")
     else:
         node = ir.node("GroupQueryAttention", inputs, attrs, domain="com.microsoft", num_outputs=3, name=f"tq_in_place_{i}")
@@ -238,11 +260,13 @@ def reroute_shapes(old: ir.Value, buffer: ir.Value, rows_1d: ir.Value, head_dim:
 
 def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, boundary: int = 2, skip_layers=None,
                      keep_layers=None, calibration=None, value_offsets: bool = False, key_scales: bool = True,
-                     kept_raw16: bool = False) -> RewriteResult:
+                     kept_raw16: bool = False, rotary_positions: int | None = None) -> RewriteResult:
     """Rewrites an exported decoder into the in-place form (module docstring); returns what was done.
     q_heads: each layer's query heads where the graph does not say them (probe_query_heads).
     calibration as in export.rewrite.rewrite_model. kept_raw16: the kept layers as raw16
-    TQGroupQueryAttention too (TensorRT, which has no GroupQueryAttention; exact for 16-bit models)."""
+    TQGroupQueryAttention too (TensorRT, which has no GroupQueryAttention; exact for 16-bit models).
+    rotary_positions: the exporter's rotary moved into the ops with tables of that many positions
+    where it is verified to be theirs (export/rotary.py); None keeps it outside."""
     plans, layers = plan_layers(model, preset, boundary, skip_layers, keep_layers)
     cfg = TQ_PRESETS[preset]
     sites = {p.index: locate(layers[p.index]) for p in plans}
@@ -253,6 +277,10 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
     if not any(p.compressed for p in plans):
         raise RewriteError("no layer left to compress: every cache layer is a boundary or kept layer")
     lens = lengths(model.graph)
+    dtype = layers[plans[0].index].past_key.dtype
+    fused = {} if rotary_positions is None else rotary_fusion.plan(
+        model, {p.index: (sites[p.index].q, sites[p.index].k_new) for p in plans},
+        {p.index: p.head_dim for p in plans}, dtype, rotary_positions)
     done = []
     for plan in plans:
         i, site, layer = plan.index, sites[plan.index], layers[plan.index]
@@ -269,12 +297,17 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
         node = apply_in_place(model, site, layer, plan, lens, heads, cfg["norm_correction"],
                               calibration.keys.get(i) if use else None,
                               calibration.values.get(i) if use and value_offsets else None, kscale,
-                              calibration.value_scales.get(i) if use else None)
-        plan.form = f"{site.form}, {FORM}"
+                              calibration.value_scales.get(i) if use else None, fused.get(i))
+        plan.form = f"{site.form}, {FORM}" + (", rotary in the op" if i in fused else "")
+        if i in fused:  # shapes read off the rotated Q and K: the unrotated ones have them, and the rotary can go
+            for rotated, unrotated in ((site.q, fused[i].q), (site.k_new, fused[i].k)):
+                for user in list(rotated.consumers()):
+                    if user.op_type == "Shape":
+                        user.replace_input_with(0, unrotated)
         done.append((site, node, layer, plan))
     common_passes.RemoveUnusedNodesPass()(model)
     for site, node, layer, plan in done:  # shape readers left of the old caches (TorchScript's reshapes)
-        q4 = site.q if _rank(site.q, site) == 4 else None
+        q4 = (fused[layer.index].q if layer.index in fused else site.q) if _rank(site.q, site) == 4 else None
         for old, buffer in ((site.present_key, node.outputs[1]), (site.present_value, node.outputs[2])):
             reroute_shapes(old, buffer, lens.total_1d, plan.head_dim, q4, layer.index)
     common_passes.RemoveUnusedNodesPass()(model)
@@ -290,6 +323,7 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
         "turboquant.format_version": str(FORMAT_VERSION),
         "turboquant.version": turboquant.__version__,
         "turboquant.cache": FORM,
+        **({"turboquant.rotary_positions": str(rotary_positions)} if fused else {}),
         "turboquant.cache_row_bytes": json.dumps({str(p.index): p.row_bytes for p in plans if p.row_bytes}),
         "turboquant.layers": json.dumps([{"layer": p.index, "compressed": p.compressed,
                                           "key_format": p.key_format if packs(p) else None,
@@ -306,5 +340,18 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
              "cache rows (bytes per token and KV head, for K and for V, uint8): " + _describe_widths(packed)
              + ("; the others keep float rows of their head size (ONNX Runtime's GroupQueryAttention)"
                 if len(packed) < len(plans) else "")]
+    if rotary_positions is not None:
+        notes.append(_rotary_note(fused, plans, rotary_positions))
     return RewriteResult(preset, plans, None, notes)
 
+
+
+def _rotary_note(fused: dict, plans: list[LayerPlan], positions: int) -> str:
+    from .plan import _ranges
+
+    if not fused:
+        return ("no rotary embedding of position_ids in a form the attention ops take (rotate-half or ONNX's "
+                "RotaryEmbedding, whole head, not interleaved): position embeddings stay where the exporter put them")
+    left = [p.index for p in plans if p.index not in fused]
+    return (f"rotary embedding inside the attention ops (do_rotary, tables of {positions} positions: the longest "
+            "sequence the model takes)" + (f"; layers {_ranges(left)} keep the exporter's" if left else ""))

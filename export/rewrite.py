@@ -103,7 +103,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
            skip_layers=None, keep_layers=None, dry_run: bool = False, progress: bool | None = None,
            calibrate: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
            offsets: bool = True, value_offsets: bool = False, key_scales: bool = True, value_scales: bool = False,
-           target: str = "onnxruntime", unsupported: str = "refuse", cache: str = "auto") -> RewriteResult:
+           target: str = "onnxruntime", unsupported: str = "refuse", cache: str = "auto",
+           rotary_positions: int | None = None) -> RewriteResult:
     """Rewrites the model at model_path and saves it (never over the input). See python -m turboquant.export.
 
     calibrate: token ids (.npy) or text (with tokenizer, a local tokenizer folder) on which the
@@ -120,11 +121,16 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     ONNX Attention-compatible form: past and present caches of the past and the total length, the
     exporter's masks kept, any padding; for loops that feed presents back, Triton, TensorRT) or
     "auto" (the default: in-place where the model allows it, else concat, the summary saying why).
+    rotary_positions: the in-place form's rotary inside the ops with tables of that many positions
+    (export/rotary.py; None: config.json's max_position_embeddings beside the model, else
+    rotary.DEFAULT_POSITIONS; 0: the exporter's rotary stays; TensorRT's form keeps it always).
     Models built by onnxruntime-genai (com.microsoft GroupQueryAttention) take export/gqa.py's rewrite;
     unsupported ("refuse" or "leave") says what happens to nodes using features it lacks, and a
     source folder with genai_config.json gets a genai-ready output folder (export/genai.py)."""
     if target not in ("onnxruntime", "tensorrt"):
         raise RewriteError(f"target must be 'onnxruntime' or 'tensorrt', got {target!r}")
+    if rotary_positions is not None and (not isinstance(rotary_positions, int) or rotary_positions < 0):
+        raise RewriteError(f"rotary_positions must be a non-negative integer (0: the exporter's rotary stays), got {rotary_positions!r}")
     if cache not in ("auto", "concat", "in-place"):
         raise RewriteError(f"cache must be 'auto', 'concat' or 'in-place', got {cache!r}")
     src = pathlib.Path(model_path)
@@ -174,7 +180,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
                                   plan_args=plan_args if key_scales else None, progress=shows, value_scales=value_scales)
     if cache == "in-place":
         try:
-            result = _rewrite_in_place(model, src, preset, calibration, target, boundary=boundary, skip_layers=skip_layers,
+            result = _rewrite_in_place(model, src, preset, calibration, target, rotary_positions, boundary=boundary,
+                                       skip_layers=skip_layers,
                                        keep_layers=keep_layers, value_offsets=value_offsets, key_scales=key_scales)
         except RewriteError as e:
             if not auto:
@@ -201,7 +208,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     return result
 
 
-def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibration, target: str, **plan_args) -> RewriteResult:
+def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibration, target: str, rotary_positions: int | None,
+                      **plan_args) -> RewriteResult:
     """The in-place rewrite, after export/mask_probe.py has read off the original what the graph may
     not say: query heads, and that every mask is the one lengths replace (else a RewriteError)."""
     from .in_place import query_heads
@@ -219,8 +227,15 @@ def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibrati
             why = {r: [i for i in bad if bad[i] == r] for r in dict.fromkeys(bad.values())}
             raise RewriteError("lengths cannot replace the masks of " + "; ".join(
                 f"layers {_ranges(ix)}: {r}" for r, ix in why.items()))
+    from .rotary import positions_for
+
+    # the rotary inside the ops for ONNX Runtime (its GroupQueryAttention and ours); TensorRT's form keeps it outside
+    if rotary_positions is None:
+        rotary_positions = positions_for(src)
+    positions = rotary_positions if target == "onnxruntime" and rotary_positions > 0 else None
     rewrite = TurboQuantRewrite(preset, cache="in-place", q_heads=heads, calibration=calibration, value_offsets=value_offsets,
-                                key_scales=key_scales, kept_raw16=target == "tensorrt", **plan_args)
+                                key_scales=key_scales, kept_raw16=target == "tensorrt", rotary_positions=positions,
+                                **plan_args)
     rewrite(model)
     return rewrite.result
 

@@ -76,6 +76,11 @@ class SharedBufferDecoder(DecoderSession):
                 raise ValueError(f"{self.model_name}: ONNX Runtime cannot run it from CUDA graphs: {e}") from e
             raise
         self.max_length = int(max_length)
+        positions = self.session.get_modelmeta().custom_metadata_map.get("turboquant.rotary_positions")
+        if positions is not None and self.max_length > int(positions):  # (positions past the tables: refused or clamped)
+            raise ValueError(f"{self.model_name}: max_length {self.max_length} is more than the {positions} positions of "
+                             "the rotary tables the rewrite gave its attention ops (python -m turboquant.export "
+                             "--rotary-positions N)")
         self.head_size = head_size or self._config_head_size(pathlib.Path(model))
         self.device = ("cuda", 0) if self.on_cuda else ("cpu", 0)
         self.cache_shapes: dict[str, tuple[int, int]] = {}  # input name -> (kv heads, row width)
