@@ -105,7 +105,8 @@ def test_unpack_matches_reference(ort_session, device, data, fmt):
     d = x.shape[-1]
     packed = formats.pack(x, fmt)
     got = run(ort_session(node_models.unpack_model(fmt, d, dtype, rank=x.ndim), device=device), {"packed": packed})[0]
-    want = formats.unpack(packed, fmt, d).astype(DTYPES[dtype])
+    with np.errstate(over="ignore"):  # extreme codes read back past fp16's range: inf, as the op's rounding gives
+        want = formats.unpack(packed, fmt, d).astype(DTYPES[dtype])
     assert got.dtype == DTYPES[dtype]
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-6, atol=0)
 
