@@ -35,6 +35,7 @@ from .cache_io import CacheLayer
 from .errors import RewriteError
 from .forms import AttentionSite, locate
 from .gqa import BOUNDARY_FORMAT, _describe_widths, row_width
+from . import packed_qkv
 from . import rotary as rotary_fusion
 from .plan import LayerPlan, RewriteResult, plan_layers
 from .surgery import _REPEAT_CHAIN, _initializer, _replace_graph_output, _scaled
@@ -157,6 +158,10 @@ def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan
         flat = b.const("bsd_shape", np.array([0, 0, -1], np.int64))
         q, k = (b("Reshape", [x, flat], f"{n}_bsd", x.dtype) for x, n in ((rotary.q, "query"), (rotary.k, "key")))
     v = _to_bsd(b, site.v_new, site, "value")
+    if rotary is not None and rotary.seq_axis == 2 and value_scale is None:  # export/packed_qkv.py
+        qkv = _packed_qkv(model, b, rotary, site.v_new, (q_heads, hkv, hkv), d, layer.past_key.dtype, i)
+        if qkv is not None:
+            q, k, v = qkv, None, None
     scale_in_op = key_scale is not None and rotary is not None and packed
     if scale_in_op:  # the op scales after its rotary: key_scale input, offsets in scaled units
         if key_offset is not None:
@@ -224,12 +229,51 @@ def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan
     return node
 
 
-def reroute_shapes(old: ir.Value, buffer: ir.Value, rows_1d: ir.Value, head_dim: int, q: ir.Value | None, layer: int,
+def _replace_shape_reader(user: ir.Node, parts: list[ir.Value]) -> None:
+    """Shape node `user` gives the same numbers from `parts` (int64 [1] each, one per axis), its
+    start and end kept, so that the tensor it read can go."""
+    b = _Builder(user.graph, user, f"{user.name}_tq_")
+    shape = b("Concat", parts, "shape", ir.DataType.INT64, [len(parts)], axis=0)
+    start, end = user.attributes.get("start"), user.attributes.get("end")
+    if start is not None or end is not None:
+        shape = b("Slice", [shape, b.const("start", np.array([start.value if start else 0], np.int64)),
+                            b.const("end", np.array([end.value if end else len(parts)], np.int64))], "slice",
+                  ir.DataType.INT64)
+    user.outputs[0].replace_all_uses_with(shape)
+
+
+def _packed_qkv(model: ir.Model, b: _Builder, rotary: rotary_fusion.Fused, v4: ir.Value, heads: tuple[int, int, int],
+                d: int, dtype: ir.DataType, i: int) -> ir.Value | None:
+    """One product h @ [Wq Wk Wv] (+ biases) for the op's packed input, where export/packed_qkv.py
+    verifies the exporter's three; the Shape nodes that read the three are given the same numbers
+    from h, so that the three products can go."""
+    found = packed_qkv.packed(model, rotary.q, rotary.k, v4, heads, d, dtype)
+    if found is None:
+        return None
+    projections, weight, bias = found
+    h = projections[0].h
+    qkv = b("MatMul", [h, _initializer(model, f"tq_qkv_weight_{i}", weight)], "qkv", dtype)
+    if bias is not None:
+        qkv = b("Add", [qkv, _initializer(model, f"tq_qkv_bias_{i}", bias)], "qkv_biased", dtype)
+    batch, seq = (b("Shape", [h], name, ir.DataType.INT64, [1], start=a, end=a + 1) for a, name in ((0, "batch"), (1, "seq")))
+    d_1d = b.const("head_size", np.array([d], np.int64))
+    for p, n, name in zip(projections, heads, ("query", "key", "value")):
+        heads_1d, flat = b.const(f"{name}_heads", np.array([n], np.int64)), b.const(f"{name}_width", np.array([n * d], np.int64))
+        *products, reshaped, x4 = p.outputs  # [B, S, n D] (the product, biased), [B, S, n, D], [B, n, S, D]
+        for v, parts in [(o, [batch, seq, flat]) for o in products] + [
+                (reshaped, [batch, seq, heads_1d, d_1d]), (x4, [batch, heads_1d, seq, d_1d])]:
+            for user in list(v.consumers()):
+                if user.op_type == "Shape":
+                    _replace_shape_reader(user, parts)
+    return qkv
+
+
+def reroute_shapes(old: ir.Value, buffer: ir.Value, rows_1d: ir.Value, head_dim: int, q_heads: int | None, layer: int,
                    skip: ir.Node | None = None) -> None:
     """Shape(old) read after the attention is gone (old: a float cache of rows_1d rows, possibly
     repeated over the query heads, or the past input itself) becomes the same numbers from the
-    buffer: batch and heads from its shape (the query heads from 4-D Q's where repeated), the rows from
-    rows_1d, the head size a constant. Any other reader left is refused."""
+    buffer: batch and heads from its shape (q_heads where repeated), the rows from rows_1d, the head
+    size a constant. Any other reader left is refused."""
     frontier = [(old, False)]
     while frontier:
         v, repeated = frontier.pop()
@@ -242,20 +286,14 @@ def reroute_shapes(old: ir.Value, buffer: ir.Value, rows_1d: ir.Value, head_dim:
             if user.op_type != "Shape":
                 raise RewriteError(f"layer {layer}: {user.name!r} ({user.op_type}) reads the cache {v.name!r}, which the "
                                    "in-place form replaces by a buffer of max_length rows")
-            heads_src = q if repeated else buffer
-            if repeated and q is None:
+            if repeated and q_heads is None:
                 raise RewriteError(f"layer {layer}: {user.name!r} reads the shape of {v.name!r} repeated over the "
                                    "query heads, whose count turboquant cannot re-derive")
             b = _Builder(user.graph, user, f"{user.name}_tq_")
-            shape = b("Concat", [b("Shape", [buffer], "batch", ir.DataType.INT64, [1], start=0, end=1),
-                                 b("Shape", [heads_src], "heads", ir.DataType.INT64, [1], start=1, end=2),
-                                 rows_1d, b.const("head_dim", np.array([head_dim], np.int64))],
-                      "shape", ir.DataType.INT64, [4], axis=0)
-            start, end = user.attributes.get("start"), user.attributes.get("end")
-            if start is not None or end is not None:
-                shape = b("Slice", [shape, b.const("start", np.array([start.value if start else 0], np.int64)),
-                                    b.const("end", np.array([end.value if end else 4], np.int64))], "slice", ir.DataType.INT64)
-            user.outputs[0].replace_all_uses_with(shape)
+            heads = (b.const("heads", np.array([q_heads], np.int64)) if repeated
+                     else b("Shape", [buffer], "heads", ir.DataType.INT64, [1], start=1, end=2))
+            _replace_shape_reader(user, [b("Shape", [buffer], "batch", ir.DataType.INT64, [1], start=0, end=1), heads,
+                                         rows_1d, b.const("head_dim", np.array([head_dim], np.int64))])
 
 
 def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, boundary: int = 2, skip_layers=None,
@@ -281,10 +319,10 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
     fused = {} if rotary_positions is None else rotary_fusion.plan(
         model, {p.index: (sites[p.index].q, sites[p.index].k_new) for p in plans},
         {p.index: p.head_dim for p in plans}, dtype, rotary_positions)
-    done = []
+    done, heads_of = [], {}
     for plan in plans:
         i, site, layer = plan.index, sites[plan.index], layers[plan.index]
-        heads = query_heads(site) or q_heads.get(i)
+        heads = heads_of[i] = query_heads(site) or q_heads.get(i)
         if not heads or plan.kv_heads is None:
             raise RewriteError(f"layer {i}: cannot tell its query and KV head counts for the in-place form")
         if layer.v_head_dim != layer.head_dim:  # GroupQueryAttention's caches share one head size
@@ -294,22 +332,22 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
         kscale = calibration.key_scales.get(i) if use and key_scales else None
         if not plan.compressed and (kept_raw16 or layer.past_key.dtype == ir.DataType.BFLOAT16):
             plan.key_format = plan.value_format = BOUNDARY_FORMAT
-        node = apply_in_place(model, site, layer, plan, lens, heads, cfg["norm_correction"],
-                              calibration.keys.get(i) if use else None,
-                              calibration.values.get(i) if use and value_offsets else None, kscale,
-                              calibration.value_scales.get(i) if use else None, fused.get(i))
-        plan.form = f"{site.form}, {FORM}" + (", rotary in the op" if i in fused else "")
         if i in fused:  # shapes read off the rotated Q and K: the unrotated ones have them, and the rotary can go
             for rotated, unrotated in ((site.q, fused[i].q), (site.k_new, fused[i].k)):
                 for user in list(rotated.consumers()):
                     if user.op_type == "Shape":
                         user.replace_input_with(0, unrotated)
+        node = apply_in_place(model, site, layer, plan, lens, heads, cfg["norm_correction"],
+                              calibration.keys.get(i) if use else None,
+                              calibration.values.get(i) if use and value_offsets else None, kscale,
+                              calibration.value_scales.get(i) if use else None, fused.get(i))
+        plan.form = f"{site.form}, {FORM}" + (", rotary in the op" if i in fused else "") + (
+            ", Q, K and V packed" if node.inputs[1] is None else "")
         done.append((site, node, layer, plan))
     common_passes.RemoveUnusedNodesPass()(model)
     for site, node, layer, plan in done:  # shape readers left of the old caches (TorchScript's reshapes)
-        q4 = (fused[layer.index].q if layer.index in fused else site.q) if _rank(site.q, site) == 4 else None
         for old, buffer in ((site.present_key, node.outputs[1]), (site.present_value, node.outputs[2])):
-            reroute_shapes(old, buffer, lens.total_1d, plan.head_dim, q4, layer.index)
+            reroute_shapes(old, buffer, lens.total_1d, plan.head_dim, heads_of[layer.index], layer.index)
     common_passes.RemoveUnusedNodesPass()(model)
     for site, node, layer, plan in done:  # then of the past inputs (exporters' past_len: Shape(past)[2])
         for past in (layer.past_key, layer.past_value):
@@ -342,6 +380,10 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
                 if len(packed) < len(plans) else "")]
     if rotary_positions is not None:
         notes.append(_rotary_note(fused, plans, rotary_positions))
+    packed_layers = [n.name for _, n, _, _ in done if n.inputs[1] is None]
+    if packed_layers:
+        notes.append(f"Q, K and V from one product in {len(packed_layers)} of {len(done)} layers (the exporter's three "
+                     "weights side by side, its reshapes and transposes gone)")
     return RewriteResult(preset, plans, None, notes)
 
 
