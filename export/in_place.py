@@ -5,8 +5,8 @@ binds as both its past input and its present output, so that a step writes only 
 Compressed layers get turboquant.TQGroupQueryAttention over packed uint8 rows (the width of the
 larger of their formats, as in export/gqa.py); boundary and kept layers get ONNX Runtime's own
 com.microsoft.GroupQueryAttention over float rows of the model's dtype (bfloat16 models: raw16
-TQGroupQueryAttention, which ORT's op does not take). Neither recomputes rotary: the exporter's
-rotary stays outside the op (do_rotary 0).
+TQGroupQueryAttention, which ORT's op does not take). Both take the exporter's rotary inside
+(do_rotary) where export/rotary.py verifies it; elsewhere it stays outside the op (do_rotary 0).
 
 Masks as lengths: the exporter's attention mask (attention_mask combined with causal) is replaced
 by each sequence's length, sum(attention_mask[b]), and the op's causal alignment. That is
@@ -17,6 +17,10 @@ default (concat) form, which keeps the mask.
 
 Shape computations that read a cache's sequence length (exporters' past_len, Shape(past)[2]) are
 given it from the lengths instead: attention_mask's length less input_ids'.
+
+The step then runs about the nodes of a genai model: the exporter's rotary inside the op
+(export/rotary.py), Q, K and V from one product (export/packed_qkv.py) and the op's output fed to
+the output projection as it is, where export/mask_probe.py found the value that holds it.
 """
 
 from __future__ import annotations
@@ -141,10 +145,13 @@ def packs(plan: LayerPlan) -> bool:
 
 def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: LayerPlan, lens: Lengths, q_heads: int,
                    norm_correction: bool, key_offset=None, value_offset=None, key_scale=None, value_scale=None,
-                   rotary: rotary_fusion.Fused | None = None) -> ir.Node:
+                   rotary: rotary_fusion.Fused | None = None, y_flat: tuple[ir.Value, int | None] | None = None) -> ir.Node:
     """Replaces one layer's attention by the in-place op (module docstring); returns the new node.
     The old attention and its cache concats are left for RemoveUnusedNodesPass, their shape
-    readers for reroute_shapes. rotary: the op rotates Q and K itself (export/rotary.py)."""
+    readers for reroute_shapes. rotary: the op rotates Q and K itself (export/rotary.py). y_flat:
+    a value after the attention that is its output as [B, S, Hq * D] and the type a Cast on the way
+    gave it (None: the output's own), which the op's output replaces (the reshapes and transposes
+    between them then go)."""
     graph = site.anchor.graph
     i = layer.index
     b = _Builder(graph, site.anchor, f"tq_in_place_{i}_")
@@ -205,6 +212,14 @@ def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan
     if value_scale is not None:  # [B, S, Hq * D]: each query head's channels by its KV head's scale
         factor = np.repeat(value_scale, q_heads // hkv, axis=0).reshape(-1).astype(layer.past_key.dtype.numpy())
         y = _scaled(graph, site.anchor, y, factor, f"tq_output_scaled_{i}")
+    if y_flat is not None:  # export/mask_probe.py found it
+        flat, to = y_flat
+        to = to if to is not None else site.y_cast_to
+        if to is not None and to != int(y.dtype):
+            flat_y = b("Cast", [y], "y_flat_cast", ir.DataType(to), to=ir.DataType(to))
+        else:
+            flat_y = y
+        flat.replace_all_uses_with(flat_y)
     if _rank(site.q, site) == 4:  # the original Y is [B, Hq, S, Dv]
         y4 = b("Reshape", [y, b.const("y_shape", np.array([0, 0, q_heads, d], np.int64))], "y_bshd", y.dtype)
         y = b("Transpose", [y4], "y_bhsd", y.dtype, perm=[0, 2, 1, 3])
@@ -240,6 +255,11 @@ def _replace_shape_reader(user: ir.Node, parts: list[ir.Value]) -> None:
                             b.const("end", np.array([end.value if end else len(parts)], np.int64))], "slice",
                   ir.DataType.INT64)
     user.outputs[0].replace_all_uses_with(shape)
+
+
+def _flat(by_name: dict, found: tuple[str, int | None] | None) -> tuple[ir.Value, int | None] | None:
+    """The probe's flat output (export/mask_probe.py) as a value of this model."""
+    return None if found is None or found[0] not in by_name else (by_name[found[0]], found[1])
 
 
 def _packed_qkv(model: ir.Model, b: _Builder, rotary: rotary_fusion.Fused, v4: ir.Value, heads: tuple[int, int, int],
@@ -298,13 +318,16 @@ def reroute_shapes(old: ir.Value, buffer: ir.Value, rows_1d: ir.Value, head_dim:
 
 def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, boundary: int = 2, skip_layers=None,
                      keep_layers=None, calibration=None, value_offsets: bool = False, key_scales: bool = True,
-                     kept_raw16: bool = False, rotary_positions: int | None = None) -> RewriteResult:
+                     kept_raw16: bool = False, rotary_positions: int | None = None,
+                     flat_outputs: dict[int, tuple[str, int | None]] | None = None) -> RewriteResult:
     """Rewrites an exported decoder into the in-place form (module docstring); returns what was done.
     q_heads: each layer's query heads where the graph does not say them (probe_query_heads).
     calibration as in export.rewrite.rewrite_model. kept_raw16: the kept layers as raw16
     TQGroupQueryAttention too (TensorRT, which has no GroupQueryAttention; exact for 16-bit models).
     rotary_positions: the exporter's rotary moved into the ops with tables of that many positions
-    where it is verified to be theirs (export/rotary.py); None keeps it outside."""
+    where it is verified to be theirs (export/rotary.py); None keeps it outside. flat_outputs: per
+    layer, the name of the value after its attention that the probe found to hold the output as
+    [B, S, heads * D] (export/mask_probe.py): the op's output takes its place."""
     plans, layers = plan_layers(model, preset, boundary, skip_layers, keep_layers)
     cfg = TQ_PRESETS[preset]
     sites = {p.index: locate(layers[p.index]) for p in plans}
@@ -320,6 +343,7 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
         model, {p.index: (sites[p.index].q, sites[p.index].k_new) for p in plans},
         {p.index: p.head_dim for p in plans}, dtype, rotary_positions)
     done, heads_of = [], {}
+    by_name = {v.name: v for n in model.graph for v in n.outputs}
     for plan in plans:
         i, site, layer = plan.index, sites[plan.index], layers[plan.index]
         heads = heads_of[i] = query_heads(site) or q_heads.get(i)
@@ -340,9 +364,11 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
         node = apply_in_place(model, site, layer, plan, lens, heads, cfg["norm_correction"],
                               calibration.keys.get(i) if use else None,
                               calibration.values.get(i) if use and value_offsets else None, kscale,
-                              calibration.value_scales.get(i) if use else None, fused.get(i))
+                              calibration.value_scales.get(i) if use else None, fused.get(i),
+                              _flat(by_name, (flat_outputs or {}).get(i)))
         plan.form = f"{site.form}, {FORM}" + (", rotary in the op" if i in fused else "") + (
-            ", Q, K and V packed" if node.inputs[1] is None else "")
+            ", Q, K and V packed" if node.inputs[1] is None else "") + (
+            ", output as the projection reads it" if _flat(by_name, (flat_outputs or {}).get(i)) else "")
         done.append((site, node, layer, plan))
     common_passes.RemoveUnusedNodesPass()(model)
     for site, node, layer, plan in done:  # shape readers left of the old caches (TorchScript's reshapes)
@@ -380,6 +406,10 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
                 if len(packed) < len(plans) else "")]
     if rotary_positions is not None:
         notes.append(_rotary_note(fused, plans, rotary_positions))
+    flat_layers = [p.index for _, _, _, p in done if p.form.endswith("reads it")]
+    if flat_layers:
+        notes.append(f"the attention's output fed to the output projection as it is in {len(flat_layers)} of {len(done)} "
+                     "layers (the exporter's reshapes and transposes after it gone: checked on the probe run)")
     packed_layers = [n.name for _, n, _, _ in done if n.inputs[1] is None]
     if packed_layers:
         notes.append(f"Q, K and V from one product in {len(packed_layers)} of {len(done)} layers (the exporter's three "

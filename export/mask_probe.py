@@ -43,8 +43,26 @@ def _allowed(mask: np.ndarray) -> np.ndarray | None:
     return mask > -1.0
 
 
-def probe(model_path, plan_args: dict) -> tuple[dict[int, int], dict[int, str]]:
-    """(query heads per layer, the reason each layer whose mask lengths cannot replace) from one run."""
+def _flat_candidates(y: ir.Value) -> list[tuple[ir.Value, int | None]]:
+    """The values of the Reshape/Transpose/Cast chain after the attention's output y (Shape readers
+    aside), each with the type the last Cast before it gave (None: y's own): where one is y as
+    [B, S, heads * D] (what the output projection reads), the in-place op's own output can take its
+    place and the chain can go."""
+    out, v, to = [], y, None
+    while True:
+        users = [n for n in v.consumers() if n.op_type != "Shape"]
+        if len(users) != 1 or users[0].op_type not in ("Reshape", "Transpose", "Cast"):
+            return out
+        if users[0].op_type == "Cast":
+            to = int(users[0].attributes["to"].value)
+        v = users[0].outputs[0]
+        out.append((v, to))
+
+
+def probe(model_path, plan_args: dict) -> tuple[dict[int, int], dict[int, str], dict[int, tuple[str, int | None]]]:
+    """(query heads per layer, the reason each layer whose mask lengths cannot replace, the value
+    after each layer's attention that holds its output as [B, S, heads * D], with the type a Cast
+    on the way gave it (None: the output's own)) from one run."""
     import onnxruntime as ort
 
     from turboquant.ort import session_options_beside
@@ -52,6 +70,8 @@ def probe(model_path, plan_args: dict) -> tuple[dict[int, int], dict[int, str]]:
     model = ir.load(model_path)
     plans, layers = plan_layers(model, **plan_args)
     outputs: dict[int, tuple] = {}  # layer -> (Q output, mask output or None, 3-D heads or 0, is_causal)
+    # layer -> [(value name, its probe output, the type a Cast gave it)]: the attention's output, then its chain
+    chains: dict[int, list] = {}
     named: dict[int, str] = {}
     for plan in plans:
         site = locate(layers[plan.index])
@@ -70,6 +90,14 @@ def probe(model_path, plan_args: dict) -> tuple[dict[int, int], dict[int, str]]:
                 named[id(site.mask)] = cast_mask.outputs[0].name
             mask = named[id(site.mask)]
         outputs[plan.index] = (cast.outputs[0].name, mask, int(site.q_num_heads or 0), site.is_causal)
+        # the attention's output and the values after it of the model's dtype, as float32
+        chain = [(site.y, None)] + _flat_candidates(site.y)
+        for k, (v, to) in enumerate(chain):
+            c = ir.node("Cast", [v], {"to": ir.DataType.FLOAT}, name=f"tq_probe_y_{plan.index}_{k}")
+            v.producer().graph.insert_after(v.producer(), c)
+            c.outputs[0].name, c.outputs[0].dtype = f"tq_probe_y_{plan.index}_{k}", ir.DataType.FLOAT
+            model.graph.outputs.append(c.outputs[0])
+            chains.setdefault(plan.index, []).append((v.name, c.outputs[0].name, to))
     # from memory, its weights still read from the model's own data files: a copy would be another
     # 16 GB written at the 8B shape
     sess = ort.InferenceSession(ir.to_proto(model).SerializeToString(), session_options_beside(model_path),
@@ -79,6 +107,7 @@ def probe(model_path, plan_args: dict) -> tuple[dict[int, int], dict[int, str]]:
     values = dict(zip(names, sess.run(None, feeds)))
     del sess
     heads, bad = {}, {}
+    flat = {i: name for i, chain in chains.items() if (name := _flat_value(chain, values))}
     want = expected_mask()
     for i, (q, mask, heads_3d, causal) in outputs.items():
         heads[i] = heads_3d or values[q].shape[1]
@@ -99,7 +128,18 @@ def probe(model_path, plan_args: dict) -> tuple[dict[int, int], dict[int, str]]:
             got = got & np.broadcast_to(_causal(), got.shape)
         if not np.array_equal(got, exp):
             bad[i] = "its mask is not attention_mask's padding with causal (a sliding window, or another pattern)"
-    return heads, bad
+    return heads, bad, flat
+
+
+def _flat_value(chain: list, values: dict) -> tuple[str, int | None] | None:
+    """The last value of the chain that is the attention's output [B, H, S, D] as [B, S, H * D]."""
+    y = values[chain[0][1]]
+    if y.ndim != 4:
+        return None
+    want = y.transpose(0, 2, 1, 3).reshape(y.shape[0], y.shape[2], -1)
+    found = [(name, to) for name, out, to in chain[1:] if values[out].shape == want.shape
+             and np.array_equal(values[out], want)]
+    return found[-1] if found else None
 
 
 def _feeds(sess) -> dict:

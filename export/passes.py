@@ -33,17 +33,19 @@ class RewritePreconditionError(RewriteError, ir.passes.PreconditionError):
 class TurboQuantRewrite(ir.passes.InPlacePass):
     def __init__(self, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None, cache: str = "concat",
                  calibration=None, value_offsets: bool = False, key_scales: bool = True, q_heads: dict | None = None,
-                 kept_raw16: bool = False, rotary_positions: int | None = None, unsupported: str = "refuse",
+                 kept_raw16: bool = False, rotary_positions: int | None = None, flat_outputs: dict | None = None,
+                 unsupported: str = "refuse",
                  per_layer: bool | None = None, progress: bool | None = None):
         """cache: "concat" (export.rewrite.rewrite_model) or "in-place" (export.in_place; q_heads for
         graphs that do not say their query heads, kept_raw16 for TensorRT, rotary_positions for the
-        rotary inside the ops); onnxruntime-genai models
+        rotary inside the ops, flat_outputs from export.mask_probe); onnxruntime-genai models
         take export.gqa whatever it says (unsupported, per_layer are its options)."""
         super().__init__()
         self.preset, self.cache = preset, cache
         self.plan_args = dict(boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers)
         self.calibration, self.value_offsets, self.key_scales = calibration, value_offsets, key_scales
         self.q_heads, self.kept_raw16, self.rotary_positions = q_heads or {}, kept_raw16, rotary_positions
+        self.flat_outputs = flat_outputs or {}
         self.unsupported, self.per_layer, self.progress = unsupported, per_layer, progress
         self.result = None  # the RewriteResult of the last call
 
@@ -71,7 +73,8 @@ class TurboQuantRewrite(ir.passes.InPlacePass):
             from .in_place import rewrite_in_place
 
             self.result = rewrite_in_place(model, self.preset, self.q_heads, kept_raw16=self.kept_raw16,
-                                           rotary_positions=self.rotary_positions, **opts)
+                                           rotary_positions=self.rotary_positions, flat_outputs=self.flat_outputs,
+                                           **opts)
         else:
             from .rewrite import rewrite_model
 

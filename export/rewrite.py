@@ -218,9 +218,9 @@ def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibrati
     value_offsets, key_scales = plan_args.pop("value_offsets"), plan_args.pop("key_scales")
     plans, layers = plan_layers(model, preset, **plan_args)
     sites = [locate(layers[p.index]) for p in plans]
-    heads = {}
+    heads, flat = {}, {}
     if any(s.mask is not None or not s.is_causal or query_heads(s) is None for s in sites):
-        heads, bad = probe(src, dict(preset=preset, **plan_args))
+        heads, bad, flat = probe(src, dict(preset=preset, **plan_args))
         if bad:
             from .plan import _ranges
 
@@ -235,7 +235,7 @@ def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibrati
     positions = rotary_positions if target == "onnxruntime" and rotary_positions > 0 else None
     rewrite = TurboQuantRewrite(preset, cache="in-place", q_heads=heads, calibration=calibration, value_offsets=value_offsets,
                                 key_scales=key_scales, kept_raw16=target == "tensorrt", rotary_positions=positions,
-                                **plan_args)
+                                flat_outputs=flat, **plan_args)
     rewrite(model)
     return rewrite.result
 

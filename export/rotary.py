@@ -123,7 +123,9 @@ def _subgraph(outputs: list[ir.Value], inputs: list[tuple[ir.Value, ir.DataType]
             needed.add(id(n))
             frontier.extend(i for i in n.inputs if i is not None)
     nodes = [ir.serde.serialize_node(n) for n in graph if id(n) in needed]
-    tensors = [ir.serde.serialize_tensor(v.const_value) for v in initializers.values()]
+    # (an external tensor's bytes are read in: a model made from bytes cannot reach the data file)
+    tensors = [ir.serde.serialize_tensor(ir.tensor(v.const_value.numpy()) if isinstance(v.const_value, ir.ExternalTensor)
+                                         else v.const_value) for v in initializers.values()]
     for t, name in zip(tensors, initializers):
         t.name = name
     proto = onnx.helper.make_graph(

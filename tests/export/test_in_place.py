@@ -194,3 +194,21 @@ def test_value_scales_are_exact_and_tracked(exported, rewritten, tmp_path):
     for kw, says in ((dict(cache="concat"), "in-place cache form only"), (dict(offsets=False), "contradict")):
         with pytest.raises(RewriteError, match=says):
             export(exported(name), PRESET, tmp_path / "refused.onnx", value_scales=True, progress=False, **kw)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-torchscript", "llama-gqa-torchscript-fp16", "llama-gqa-dynamo"])
+def test_attention_output_feeds_the_projection_as_it_is(rewritten, name):
+    """The probe run finds each layer's output as [B, S, Hq * D] after the exporter's reshapes and
+    transposes (export/mask_probe.py), so the op's output goes to the output projection directly (a
+    Cast between them where the exporter attends in float32); with Q, K and V packed (TorchScript), no
+    Transpose is left in the graph (the decode tests above run these models)."""
+    r = rewritten(name, PRESET, "in-place")
+    assert all(p.form.endswith("output as the projection reads it") for p in r.layers)
+    m = onnx.load(str(r.output), load_external_data=False)
+    assert "Transpose" not in {n.op_type for n in m.graph.node} or "dynamo" in name
+    producers = {o: n for n in m.graph.node for o in n.output}
+    for n in m.graph.node:
+        if n.op_type in ("TQGroupQueryAttention", "GroupQueryAttention"):
+            users = [u for u in m.graph.node if n.output[0] in u.input]
+            assert len(users) == 1 and users[0].op_type in ("MatMul", "Cast"), [u.op_type for u in users]
+            assert producers.get(users[0].output[0]) is users[0]

@@ -128,7 +128,12 @@ def inspect(path: str | pathlib.Path) -> ModelInfo:
     for o in m.graph.output:
         if o.name == "logits" and o.type.tensor_type.shape.dim[-1].HasField("dim_value"):
             vocab = o.type.tensor_type.shape.dim[-1].dim_value
-    shapes = Counter(tuple(t.dims) for t in m.graph.initializer if len(t.dims) >= 2 and int(np.prod(t.dims)) >= 4096)
+    # (the in-place form's rotary tables are the rewrite's own; its packed Q, K and V weight holds the
+    # exporter's three side by side: other weights' shapes are compared, and all their elements)
+    large = [t for t in m.graph.initializer if len(t.dims) >= 2 and int(np.prod(t.dims)) >= 4096
+             and not t.name.startswith("tq_rotary_")]
+    shapes = Counter(tuple(t.dims) for t in large if not t.name.startswith("tq_qkv_weight_"))
+    shapes["elements"] = sum(int(np.prod(t.dims)) for t in large)
     return ModelInfo(onnx_path, folder, caches, any(n.op_type in _SHARED_OPS for n in m.graph.node),
                      meta.get("turboquant.preset"), vocab or config.get("vocab_size"), shapes, config.get("context_length"))
 
@@ -170,6 +175,11 @@ def check_same_model(first: ModelInfo, other: ModelInfo, arg: str, weights: bool
                 fail(f"layer {c.layer}'s {c.key_format} rows of {c.width} bytes do not pack head_dim {ref.width}")
     if first.vocab and other.vocab and first.vocab != other.vocab:
         fail(f"vocabulary {other.vocab} against {first.vocab}")
-    small, large = sorted((first.weight_shapes, other.weight_shapes), key=lambda s: sum(s.values()))
-    if weights and small - large:
+    if not weights:
+        return
+    if first.weight_shapes["elements"] != other.weight_shapes["elements"]:
+        fail(f"{other.weight_shapes['elements']} weight elements against {first.weight_shapes['elements']}")
+    shapes = [Counter({k: n for k, n in w.items() if k != "elements"}) for w in (first.weight_shapes, other.weight_shapes)]
+    small, large = sorted(shapes, key=lambda s: sum(s.values()))
+    if small - large:
         fail(f"weights of shapes {sorted(small - large)[:3]} are missing")
