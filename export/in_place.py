@@ -342,7 +342,7 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
     fused = {} if rotary_positions is None else rotary_fusion.plan(
         model, {p.index: (sites[p.index].q, sites[p.index].k_new) for p in plans},
         {p.index: p.head_dim for p in plans}, dtype, rotary_positions)
-    done, heads_of = [], {}
+    done, heads_of, flat_layers = [], {}, []
     by_name = {v.name: v for n in model.graph for v in n.outputs}
     for plan in plans:
         i, site, layer = plan.index, sites[plan.index], layers[plan.index]
@@ -361,14 +361,15 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
                 for user in list(rotated.consumers()):
                     if user.op_type == "Shape":
                         user.replace_input_with(0, unrotated)
+        flat = _flat(by_name, (flat_outputs or {}).get(i))
         node = apply_in_place(model, site, layer, plan, lens, heads, cfg["norm_correction"],
                               calibration.keys.get(i) if use else None,
                               calibration.values.get(i) if use and value_offsets else None, kscale,
-                              calibration.value_scales.get(i) if use else None, fused.get(i),
-                              _flat(by_name, (flat_outputs or {}).get(i)))
+                              calibration.value_scales.get(i) if use else None, fused.get(i), flat)
+        if flat is not None:
+            flat_layers.append(i)
         plan.form = f"{site.form}, {FORM}" + (", rotary in the op" if i in fused else "") + (
-            ", Q, K and V packed" if node.inputs[1] is None else "") + (
-            ", output as the projection reads it" if _flat(by_name, (flat_outputs or {}).get(i)) else "")
+            ", Q, K and V packed" if node.inputs[1] is None else "") + (", output as the projection reads it" if flat else "")
         done.append((site, node, layer, plan))
     common_passes.RemoveUnusedNodesPass()(model)
     for site, node, layer, plan in done:  # shape readers left of the old caches (TorchScript's reshapes)
@@ -406,7 +407,6 @@ def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, b
                 if len(packed) < len(plans) else "")]
     if rotary_positions is not None:
         notes.append(_rotary_note(fused, plans, rotary_positions))
-    flat_layers = [p.index for _, _, _, p in done if p.form.endswith("reads it")]
     if flat_layers:
         notes.append(f"the attention's output fed to the output projection as it is in {len(flat_layers)} of {len(done)} "
                      "layers (the exporter's reshapes and transposes after it gone: checked on the probe run)")

@@ -1,7 +1,8 @@
 """What the in-place form needs to know of an exported decoder that its graph may not say: each
-layer's query heads (TorchScript exports carry no shapes) and whether each layer's attention mask is
+layer's query heads (TorchScript exports carry no shapes), whether each layer's attention mask is
 the one lengths can replace: attention_mask's padding combined with causal, nothing else (a sliding
-window, ALiBi or any other bias is something else).
+window, ALiBi or any other bias is something else), and which value after each layer's attention
+holds its output as [B, S, heads * D], the layout the in-place op gives it in.
 
 Both are read off one run of the original model in ONNX Runtime on a probe input: two sequences
 with a past of PAST tokens and NEW new ones, the second with a hole in its attention_mask, whose
@@ -90,7 +91,7 @@ def probe(model_path, plan_args: dict) -> tuple[dict[int, int], dict[int, str], 
                 named[id(site.mask)] = cast_mask.outputs[0].name
             mask = named[id(site.mask)]
         outputs[plan.index] = (cast.outputs[0].name, mask, int(site.q_num_heads or 0), site.is_causal)
-        # the attention's output and the values after it of the model's dtype, as float32
+        # the attention's output and the chain after it, as float32
         chain = [(site.y, None)] + _flat_candidates(site.y)
         for k, (v, to) in enumerate(chain):
             c = ir.node("Cast", [v], {"to": ir.DataType.FLOAT}, name=f"tq_probe_y_{plan.index}_{k}")
