@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from .rotary import _producer, _run, _subgraph
+from .subgraph import producer, run, subgraph
 
 
 @dataclasses.dataclass
@@ -32,7 +32,7 @@ class Projection:
 
 def _const(v: ir.Value | None) -> np.ndarray | None:
     """v's constant value, through Identity nodes (TorchScript aliases equal initializers by them)."""
-    while v is not None and _producer(v, "Identity") is not None:
+    while v is not None and producer(v, "Identity") is not None:
         v = v.producer().inputs[0]
     t = ir.convenience.get_const_tensor(v) if v is not None else None
     return None if t is None else t.numpy()
@@ -40,22 +40,22 @@ def _const(v: ir.Value | None) -> np.ndarray | None:
 
 def projection(x4: ir.Value) -> Projection | None:
     """h, W, b where x4 = Transpose(perm 0, 2, 1, 3)(Reshape(h @ W + b))."""
-    t = _producer(x4, "Transpose")
+    t = producer(x4, "Transpose")
     if t is None or list(t.attributes.get("perm").value if t.attributes.get("perm") else []) != [0, 2, 1, 3]:
         return None
-    r = _producer(t.inputs[0], "Reshape")
+    r = producer(t.inputs[0], "Reshape")
     if r is None:
         return None
     src, bias = r.inputs[0], None
-    add = _producer(src, "Add")
+    add = producer(src, "Add")
     if add is not None:
         for a, b in ((0, 1), (1, 0)):
-            if _const(add.inputs[b]) is not None and _producer(add.inputs[a], "MatMul") is not None:
+            if _const(add.inputs[b]) is not None and producer(add.inputs[a], "MatMul") is not None:
                 src, bias = add.inputs[a], _const(add.inputs[b])
                 break
         else:
             return None
-    mm = _producer(src, "MatMul")
+    mm = producer(src, "MatMul")
     weight = _const(mm.inputs[1]) if mm is not None else None
     if weight is None or weight.ndim != 2 or (bias is not None and bias.shape != (weight.shape[1],)):
         return None
@@ -65,12 +65,12 @@ def projection(x4: ir.Value) -> Projection | None:
 def _verified(model: ir.Model, projections: list[Projection], values: list[ir.Value], heads: list[int], d: int,
               dtype: ir.DataType) -> bool:
     h = projections[0].h
-    sub = _subgraph(values, [(h, dtype)], dict(model.opset_imports))
+    sub = subgraph(values, [(h, dtype)], dict(model.opset_imports))
     if sub is None:
         return False
     hv = np.random.default_rng(2).standard_normal((1, 3, projections[0].weight.shape[0])).astype(dtype.numpy())
     try:
-        got = _run(sub, {h.name: hv})
+        got = run(sub, {h.name: hv})
     except Exception:  # noqa: BLE001 - a subgraph ORT cannot run alone keeps the exporter's products
         return False
     tol = 1e-4 if dtype == ir.DataType.FLOAT else 2e-2

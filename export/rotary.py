@@ -21,8 +21,9 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import onnx
 import onnx_ir as ir
+
+from .subgraph import producer, run, subgraph
 
 # Positions the tables hold where the source folder's config.json does not say
 # (max_position_embeddings): Llama 3's 131072, 32 MiB of fp16 tables at head size 128.
@@ -45,18 +46,13 @@ class RotaryTables:
     seq_axis: int  # the axis of Q and K that holds the sequence
 
 
-def _producer(v: ir.Value, op: str) -> ir.Node | None:
-    n = v.producer()
-    return n if n is not None and n.op_type == op and n.domain in ("", "ai.onnx") else None
-
-
 def _rotate_half_of(v: ir.Value) -> ir.Value | None:
     """x where v = Concat(Neg(Slice(x)), Slice(x)) (which halves the slices take is checked numerically)."""
-    cat = _producer(v, "Concat")
+    cat = producer(v, "Concat")
     if cat is None or len(cat.inputs) != 2:
         return None
-    neg = _producer(cat.inputs[0], "Neg")
-    lo, hi = (_producer(neg.inputs[0], "Slice") if neg else None), _producer(cat.inputs[1], "Slice")
+    neg = producer(cat.inputs[0], "Neg")
+    lo, hi = (producer(neg.inputs[0], "Slice") if neg else None), producer(cat.inputs[1], "Slice")
     if lo is None or hi is None or lo.inputs[0] is not hi.inputs[0]:
         return None
     return lo.inputs[0]
@@ -67,16 +63,16 @@ def _rotary_parts(x_rot: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value, bool] 
     operands in either order, cos and sin over the whole head (doubled: their halves repeat), as
     the TorchScript exporter and optimum write it; or ONNX's RotaryEmbedding (opset 23, torch.onnx
     dynamo) of a 4-D x, not interleaved, over the whole head, with cos and sin [B, S, D / 2]."""
-    rope = _producer(x_rot, "RotaryEmbedding")
+    rope = producer(x_rot, "RotaryEmbedding")
     if rope is not None:
         attrs = {k: a.value for k, a in rope.attributes.items()}
         if attrs.get("interleaved", 0) or attrs.get("rotary_embedding_dim", 0) or len(rope.inputs) != 3:
             return None
         return rope.inputs[0], rope.inputs[1], rope.inputs[2], False
-    add = _producer(x_rot, "Add")
+    add = producer(x_rot, "Add")
     if add is None:
         return None
-    muls = [_producer(v, "Mul") for v in add.inputs]
+    muls = [producer(v, "Mul") for v in add.inputs]
     if any(m is None for m in muls):
         return None
     for plain, turned in (muls, muls[::-1]):
@@ -100,57 +96,14 @@ def match(q_rot: ir.Value, k_rot: ir.Value) -> RotarySite | None:
     return RotarySite(q[0], k[0], q[1], q[2], q[3])
 
 
-def _subgraph(outputs: list[ir.Value], inputs: list[tuple[ir.Value, ir.DataType]],
-              opsets: dict[str, int]) -> onnx.ModelProto | None:
-    """The nodes from `inputs` (value, its type) and constants to `outputs` as a model; None where the
-    outputs depend on any other graph input."""
-    graph = outputs[0].graph
-    stop = {id(v) for v, _ in inputs}
-    needed, frontier, initializers = set(), list(outputs), {}
-    while frontier:
-        v = frontier.pop()
-        if id(v) in stop:
-            continue
-        if v.is_initializer() or (v.const_value is not None and v.producer() is None):
-            initializers[v.name] = v
-            continue
-        n = v.producer()
-        if n is None:  # a graph input other than the given ones
-            return None
-        if n.graph is not graph or n.op_type in ("If", "Loop", "Scan"):
-            return None
-        if id(n) not in needed:
-            needed.add(id(n))
-            frontier.extend(i for i in n.inputs if i is not None)
-    nodes = [ir.serde.serialize_node(n) for n in graph if id(n) in needed]
-    # (an external tensor's bytes are read in: a model made from bytes cannot reach the data file)
-    tensors = [ir.serde.serialize_tensor(ir.tensor(v.const_value.numpy()) if isinstance(v.const_value, ir.ExternalTensor)
-                                         else v.const_value) for v in initializers.values()]
-    for t, name in zip(tensors, initializers):
-        t.name = name
-    proto = onnx.helper.make_graph(
-        nodes, "rotary", [onnx.helper.make_tensor_value_info(v.name, int(t), None) for v, t in inputs],
-        [onnx.ValueInfoProto(name=v.name) for v in outputs], tensors)
-    return onnx.helper.make_model(proto, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
-                                  ir_version=10)
-
-
-def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
-
-
 def tables(model: ir.Model, site: RotarySite, position_ids: ir.Value, positions: int) -> RotaryTables | None:
     """cos/sin [positions, D / 2] from the exporter's own subgraph at positions 0 .. positions - 1,
     or None where they depend on more than position_ids or are not two equal halves."""
-    sub = _subgraph([site.cos, site.sin], [(position_ids, ir.DataType.INT64)], dict(model.opset_imports))
+    sub = subgraph([site.cos, site.sin], [(position_ids, ir.DataType.INT64)], dict(model.opset_imports))
     if sub is None:
         return None
     try:
-        cos, sin = _run(sub, {position_ids.name: np.arange(positions, dtype=np.int64)[None]})
+        cos, sin = run(sub, {position_ids.name: np.arange(positions, dtype=np.int64)[None]})
     except Exception:  # noqa: BLE001 - a subgraph ORT cannot run alone is left to the exporter's nodes
         return None
     if cos.shape != sin.shape or cos.ndim != (4 if site.doubled else 3):
@@ -187,7 +140,7 @@ def rotate(x: np.ndarray, t: RotaryTables, pos: np.ndarray, dtype) -> np.ndarray
 def verified(model: ir.Model, x: ir.Value, x_rot: ir.Value, t: RotaryTables, position_ids: ir.Value,
              head_dim: int, dtype: ir.DataType) -> bool:
     """Whether the exporter's rotary of x (x_rot) is the op's at sampled positions, on random input."""
-    sub = _subgraph([x_rot], [(x, dtype), (position_ids, ir.DataType.INT64)], dict(model.opset_imports))
+    sub = subgraph([x_rot], [(x, dtype), (position_ids, ir.DataType.INT64)], dict(model.opset_imports))
     if sub is None:
         return False
     positions = len(t.cos)
@@ -197,7 +150,7 @@ def verified(model: ir.Model, x: ir.Value, x_rot: ir.Value, t: RotaryTables, pos
     np_dtype = dtype.numpy()
     xv = np.random.default_rng(1).standard_normal(shape).astype(np_dtype)
     try:
-        (got,) = _run(sub, {x.name: xv, position_ids.name: pos[None].astype(np.int64)})
+        (got,) = run(sub, {x.name: xv, position_ids.name: pos[None].astype(np.int64)})
     except Exception:  # noqa: BLE001 - as in tables()
         return False
     want = rotate(xv.astype(np.float64), t, pos, np_dtype)
