@@ -16,10 +16,24 @@ import numpy as np
 import onnxruntime as ort
 
 from .ort import session_options
+from .step_masks import StepMasks
 
 _PAST = re.compile(r"^(?:past_key_values|past)\.(\d+)\.(key|value)$|^past_(key|value)[._](\d+)$")
 _PRESENT = re.compile(r"^present(?:_key_values)?\.(\d+)\.(key|value)$|^present_(key|value)[._](\d+)$")
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(uint8)": np.uint8}
+
+
+def greedy(logits: np.ndarray) -> np.ndarray:
+    """The highest-scoring token of each row (the argmax over the last axis). float16 goes by its bits
+    as ordered int16 keys: numpy's argmax over float16, or its conversion to float32, runs element by
+    element (1.6 and 0.7 ms for 8 rows of 32000 on the H200 machine, per decode step)."""
+    logits = np.asarray(logits)
+    if logits.dtype != np.float16:
+        return logits.argmax(-1)
+    bits = logits.view(np.int16)
+    keys = bits ^ ((bits >> 15) & 0x7FFF)  # negatives' magnitudes reversed: int16 order is float order
+    keys[bits == np.int16(-32768)] = 0  # -0.0 ties +0.0, as in float comparison
+    return keys.argmax(-1)
 
 
 def _layer_kind(m: re.Match) -> tuple[int, str]:
@@ -63,6 +77,7 @@ class DecoderSession:
         self.logits_name = "logits" if "logits" in self.output_names else self.output_names[0]
         # On the GPU the cache stays there: IO binding, device-resident OrtValues fed back each step.
         self.on_cuda = self.session.get_providers()[0] == "CUDAExecutionProvider"
+        self._masks = StepMasks()
 
     def empty_cache(self, batch: int = 1) -> dict:
         """Zero-length caches of the dtype and shape each cache input wants (numpy arrays on the
@@ -79,6 +94,10 @@ class DecoderSession:
             cache[arg.name] = ort.OrtValue.ortvalue_from_numpy(empty, "cuda", 0) if self.on_cuda else empty
         return cache
 
+    def release(self) -> None:
+        """Lets go of cache buffers held between steps: none here (SharedBufferDecoder holds its
+        last cache's binding)."""
+
     def run_all(self, input_ids: np.ndarray, cache: dict[str, np.ndarray], past_len: int) -> dict[str, np.ndarray]:
         """Every output of the model (by name) for new tokens input_ids [B, S] after past_len cached ones (CPU)."""
         return dict(zip(self.output_names, self.session.run(None, self.feeds(input_ids, cache, past_len))))
@@ -88,7 +107,7 @@ class DecoderSession:
         b, s = input_ids.shape
         feeds = {"input_ids": input_ids.astype(np.int64), **cache}
         if "attention_mask" in self.input_names:
-            feeds["attention_mask"] = np.ones((b, past_len + s), np.int64)
+            feeds["attention_mask"] = self._masks.ones(b, past_len + s)
         if "position_ids" in self.input_names:
             feeds["position_ids"] = np.broadcast_to(np.arange(past_len, past_len + s, dtype=np.int64), (b, s)).copy()
         if "use_cache_branch" in self.input_names:  # merged decoders (an If on whether a past exists)
@@ -131,7 +150,7 @@ class DecoderSession:
         logits, cache = self.step(prompt_ids, cache, 0)
         past = prompt_ids.shape[1]
         for t in range(max_new_tokens):
-            out[:, t] = logits[:, -1].argmax(-1)
+            out[:, t] = greedy(logits[:, -1])
             if t + 1 < max_new_tokens:
                 logits, cache = self.step(out[:, t:t + 1], cache, past)
                 past += 1

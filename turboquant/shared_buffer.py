@@ -94,6 +94,7 @@ class SharedBufferDecoder(DecoderSession):
         self.cuda_graph = bool(cuda_graph)
         self.static_shapes = bool(static_shapes) or self.cuda_graph
         self._binding: _Binding | None = None
+        self._dynamic: tuple | None = None  # (ids of the cache's OrtValues, IOBinding, the OrtValues)
         self._next_graph = 1  # ORT reserves annotation id 0
         self._prompt_options = None
         if self.static_shapes:
@@ -134,6 +135,7 @@ class SharedBufferDecoder(DecoderSession):
         cuda_graph: the buffers of the last decode step's binding where they have this batch and
         max_length, as they are (no step reads a row past its sequence's length), so that another
         generation replays the graph captured on them."""
+        self.release()
         bound = self._binding
         if self.cuda_graph and bound is not None and bound.key[0] == batch and bound.rows == self.max_length:
             return dict(bound.cache)
@@ -160,16 +162,35 @@ class SharedBufferDecoder(DecoderSession):
         feeds = self.feeds(input_ids, {}, past_len)
         if lengths is not None:
             feeds.update(self._padded(np.asarray(lengths, np.int64), b, s, past_len))
-        io = self.session.io_binding()
+        io = self._dynamic_binding(cache)
         for name, value in feeds.items():
             io.bind_cpu_input(name, np.ascontiguousarray(value))
-        io.bind_output(self.logits_name, "cpu")  # first: get_outputs() follows the binding order
-        self._bind_cache(io, cache)
+        io.bind_output(self.logits_name, "cpu")
         for name in self.output_names:
             if name != self.logits_name and name not in self.cache_outputs.values():
                 io.bind_output(name, self.device[0])
         self.session.run_with_iobinding(io, self._prompt_options)
         return io.get_outputs()[0].numpy(), cache
+
+    def _dynamic_binding(self, cache: dict) -> ort.IOBinding:
+        """The binding of steps of any shape on these cache buffers, kept from step to step (binding
+        every layer's two buffers costs the host a few hundred us a step); the other inputs and outputs
+        are bound again by each step, replacing the last step's. It holds the buffers until
+        another cache is stepped on, empty_cache or release."""
+        values = [cache[arg.name] for arg in self.cache_inputs.values()]
+        key = tuple(map(id, values))  # ids of values held below, so not reused by others meanwhile
+        if self._dynamic is None or self._dynamic[0] != key:
+            self._dynamic = None
+            io = self.session.io_binding()
+            io.bind_output(self.logits_name, "cpu")  # first: get_outputs() follows the binding order
+            self._bind_cache(io, cache)
+            self._dynamic = (key, io, values)
+        return self._dynamic[1]
+
+    def release(self) -> None:
+        """Lets go of the cache buffers the last steps' binding holds (empty_cache does too), so that
+        a cache the caller dropped is freed before another is allocated."""
+        self._dynamic = None
 
     def _bind_cache(self, io: ort.IOBinding, cache: dict) -> None:
         for key, arg in self.cache_inputs.items():
@@ -179,13 +200,11 @@ class SharedBufferDecoder(DecoderSession):
     def _static_step(self, input_ids: np.ndarray, cache: dict, past_len: int, lengths) -> np.ndarray:
         b = input_ids.shape[0]
         lengths = np.full(b, past_len + 1, np.int64) if lengths is None else np.asarray(lengths, np.int64)
-        feeds = self.feeds(input_ids, {}, past_len)
-        feeds.update(self._padded(lengths, b, 1, past_len))
         bound = self._bind_static(b, cache)
         if (lengths > bound.rows).any():
             raise ValueError(f"lengths {lengths.tolist()} do not fit the buffers' {bound.rows} rows")
-        if "attention_mask" in feeds:
-            feeds["attention_mask"] = np.arange(bound.rows)[None] < lengths[:, None]
+        feeds = self.feeds(input_ids, {}, past_len)
+        feeds.update(self._padded(lengths, b, 1, past_len, width=bound.rows))
         for name, value in bound.inputs.items():
             value.update_inplace(np.ascontiguousarray(feeds[name], dtype=_TYPES[self._input_types[name]]))
         try:
@@ -240,13 +259,14 @@ class SharedBufferDecoder(DecoderSession):
         if hasattr(self.session, "release_captured_graph"):  # not in every ORT release
             self.session.release_captured_graph(bound.graph_id)
 
-    def _padded(self, lengths: np.ndarray, b: int, s: int, past_len: int) -> dict:
+    def _padded(self, lengths: np.ndarray, b: int, s: int, past_len: int, width: int | None = None) -> dict:
+        """The mask (width columns, default past_len + s) and positions of sequences of these lengths."""
         total = past_len + s
         if lengths.shape != (b,) or (lengths > total).any() or (lengths < (1 if past_len == 0 else s)).any():
             raise ValueError(f"lengths must be {b} counts in [{1 if past_len == 0 else s}, {total}], got {lengths.tolist()}")
         feeds = {}
         if "attention_mask" in self.input_names:
-            feeds["attention_mask"] = (np.arange(total)[None] < lengths[:, None]).astype(np.int64)
+            feeds["attention_mask"] = self._masks.padded(lengths, width or total)
         if "position_ids" in self.input_names:
             start = np.zeros(b, np.int64) if past_len == 0 else lengths - s
             feeds["position_ids"] = start[:, None] + np.arange(s, dtype=np.int64)[None]

@@ -2,12 +2,14 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from turboquant import random_decoders  # noqa: E402
-from turboquant.decoder import DecoderSession  # noqa: E402
+from turboquant.decoder import DecoderSession, greedy  # noqa: E402
 from turboquant.export import export  # noqa: E402
 
 
@@ -82,3 +84,20 @@ def test_shared_buffer_generate_fills_the_buffer_exactly(tmp_path):
     want = SharedBufferDecoder(model, 64).generate(prompt, 5)
     np.testing.assert_array_equal(SharedBufferDecoder(model, 6 + 5 - 1).generate(prompt, 5), want)
     assert SharedBufferDecoder(model, 6).generate(prompt, 0).shape == (2, 0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 70), st.integers(0, 2**31 - 1), st.sampled_from([1e-6, 1.0, 3e4]))
+def test_greedy_over_float16_picks_float32s_argmax(rows, vocab, seed, scale):
+    """greedy's int16 keys order float16 as float comparison does: negatives, signed zeros (ties),
+    infinities, subnormals and repeated maxima give float32's argmax (the first of equal scores)."""
+    rng = np.random.default_rng(seed)
+    with np.errstate(over="ignore"):  # scores past float16's range become infinities, as a model's would
+        x = (rng.standard_normal((rows, vocab)) * scale).astype(np.float16)
+    for value, share in ((0.0, 0.1), (-0.0, 0.1), (np.inf, 0.02), (-np.inf, 0.05), (np.float16(6e-8), 0.05)):
+        x[rng.random(x.shape) < share] = value
+    x[:, rng.integers(vocab):] *= rng.choice([1, -1])
+    want = x.astype(np.float32).argmax(-1)
+    np.testing.assert_array_equal(greedy(x), want)
+    np.testing.assert_array_equal(greedy(x.astype(np.float32)), want)
+    assert x.dtype == np.float16 and np.array_equal(greedy(x[:, None]), want[:, None])  # any leading axes

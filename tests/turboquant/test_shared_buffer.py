@@ -2,6 +2,8 @@
 inputs keep one shape (attention_mask as wide as the buffers), bound once and updated in place,
 against the growing mask's steps; on a GPU, the same steps replayed from ONNX Runtime's CUDA graphs."""
 
+import weakref
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -110,6 +112,40 @@ def test_static_inputs_are_bound_once(models):
     assert dec._binding is not bound and dec._binding.key[0] == 1
     with pytest.raises(ValueError, match=r"lengths must be 2 counts in \[1, 13\]"):
         dec.step(ids[:, :1], cache, 12, lengths=[14, 5])
+
+
+def test_steps_keep_one_binding_per_cache_and_let_it_go_with_the_cache(models):
+    """Steps of any shape on one cache reuse its binding (the layers' buffers bound once), give the
+    logits of a decoder binding anew each step, bind another cache anew, and let the binding (which
+    holds the buffers) go on release and before empty_cache allocates, so that a dropped cache is freed."""
+    path = models("genai-tq")
+    ids = np.random.default_rng(4).integers(3, 320, (2, 30))
+    lens = np.array([11, 6])
+    dec = SharedBufferDecoder(path, MAX_LENGTH)
+    want = _padded_decode(SharedBufferDecoder(path, MAX_LENGTH), ids, lens, 6)
+    np.testing.assert_allclose(_padded_decode(dec, ids, lens, 6), want, rtol=1e-5, atol=1e-5)
+    cache = dec.empty_cache(2)
+    dec.step(ids[:, :5], cache, 0)
+    bound = dec._dynamic
+    for t in range(5, 8):
+        dec.step(ids[:, t:t + 1], cache, t)
+        assert dec._dynamic is bound
+    other = dec.empty_cache(2)
+    dec.step(ids[:, :5], other, 0)
+    assert dec._dynamic is not bound
+    del bound
+    np.testing.assert_allclose(_padded_decode(dec, ids, lens, 6), want, rtol=1e-5, atol=1e-5)  # its own cache
+    dec.step(ids[:, :5], other, 0)
+    ref = weakref.ref(other[next(iter(other))])
+    del other
+    assert ref() is not None  # held by the binding
+    dec.release()
+    assert dec._dynamic is None and ref() is None
+    dec.step(ids[:, :5], cache, 0)
+    ref = weakref.ref(cache[next(iter(cache))])
+    del cache
+    dec.empty_cache(2)
+    assert ref() is None
 
 
 def test_graph_bookkeeping_on_the_cpu(models):

@@ -20,6 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
+from ..decoder import greedy
 from . import memory
 from .cache_layout import ModelInfo
 
@@ -118,7 +119,7 @@ def prefill(dec, ids: np.ndarray, chunk: int | None, budget: float | None = None
         done += n
         if budget is not None and done < s and time.perf_counter() - t0 > budget:
             return None, cache, done
-    logits[:, -1].argmax(-1)  # the first token, as a user's loop picks it
+    greedy(logits[:, -1])  # the first token, as a user's loop picks it
     return time.perf_counter() - t0, cache, done
 
 
@@ -136,7 +137,7 @@ def decode_steps(dec, ids: np.ndarray, cache, past: int, steps: int, warmup: int
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         logits, cache = dec.step(ids[:, past + i:past + i + 1], cache, past + i)
-        logits[:, -1].argmax(-1)
+        greedy(logits[:, -1])
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
@@ -189,6 +190,7 @@ def run_ort(info: ModelInfo, opts: Options, dec, ids: np.ndarray, rec: Record) -
             rec.ttft_how = "not measured (--ttft-budget 0)"
         rows = dec.max_length if info.shared else s
         numpy = not info.shared and opts.device == "cpu"
+        dec.release()  # the prefill's cache, before this one is allocated
         cache = RandomFill(opts.device, opts.seed).caches(info.caches, b, rows, numpy=numpy)
         rec.fill = "random (random K/V repeated to S rows; packed layers through TQPack)"
     times = decode_steps(dec, ids, cache, s, opts.steps)
