@@ -39,7 +39,7 @@ from .cache_io import CacheLayer
 from .errors import RewriteError
 from .forms import AttentionSite, locate
 from .gqa import BOUNDARY_FORMAT, _describe_widths, row_width
-from . import packed_qkv
+from . import output_projection, packed_qkv
 from . import rotary as rotary_fusion
 from .plan import LayerPlan, RewriteResult, plan_layers
 from .surgery import _REPEAT_CHAIN, _initializer, _replace_graph_output, _scaled
@@ -220,6 +220,8 @@ def apply_in_place(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan
         else:
             flat_y = y
         flat.replace_all_uses_with(flat_y)
+        if flat_y is not y:
+            output_projection.narrow(model, b, y, flat_y, i)
     if _rank(site.q, site) == 4:  # the original Y is [B, Hq, S, Dv]
         y4 = b("Reshape", [y, b.const("y_shape", np.array([0, 0, q_heads, d], np.int64))], "y_bshd", y.dtype)
         y = b("Transpose", [y4], "y_bhsd", y.dtype, perm=[0, 2, 1, 3])
