@@ -170,7 +170,7 @@ class SharedBufferDecoder(DecoderSession):
             if name != self.logits_name and name not in self.cache_outputs.values():
                 io.bind_output(name, self.device[0])
         self.session.run_with_iobinding(io, self._prompt_options)
-        return io.get_outputs()[0].numpy(), cache
+        return io.get_outputs_as_ortvaluevector()[0].numpy(), cache  # (get_outputs wraps every cache output too)
 
     def _dynamic_binding(self, cache: dict) -> ort.IOBinding:
         """The binding of steps of any shape on these cache buffers, kept from step to step (binding
