@@ -4,7 +4,7 @@ torch.onnx's TorchScript export of a float16 decoder computes its attention in f
 the scores' mask in float32), and the output projection with it, on a float32 copy of the float16
 weight (a Cast the exporter folded into the constant). Once the op's float16 output feeds that
 projection (export/mask_probe.py), the product would read twice the weight's bytes and run as a
-float32 GEMM: on the H200, 20 us a layer against 11 for the float16 one (docs/performance.md). Where
+float32 GEMM, about twice the float16 one's time on the H200 (docs/performance.md). Where
 every value of that weight is a value of the op's type, the product is taken in the op's type and
 its result widened after it: the same weights and inputs, only the product's rounding differs.
 """

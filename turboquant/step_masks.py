@@ -1,8 +1,8 @@
 """The attention masks a decode loop feeds each step, written into host buffers kept from step to step.
 
-A mask made anew each step ([B, S] int64: 2 MiB at B = 8, S = 32768, and the temporaries that
-make it) costs the host milliseconds of fresh pages per step, while the device waits for the step's
-feeds (docs/performance.md, "Where a step's time goes").
+A mask made anew each step ([B, S] int64, and the temporaries that make it) costs the host fresh
+pages every step while the device waits for the step's feeds (docs/performance.md, "The loop's own
+time between steps").
 """
 
 from __future__ import annotations
