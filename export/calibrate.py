@@ -6,10 +6,8 @@ query's scores move by one constant, which softmax removes), and LLM keys carry 
 per-channel components that waste the codebook.
 
 Key scales. Scores are unchanged when channel i of every query is multiplied by s_i and channel i of
-every key divided by it. The rotation spreads the quantization error of the stored (scaled) key
-evenly over the channels, so the score error is about sum_i q_i^2 s_i^2 * sum_i k_i^2 / s_i^2 (k
-centred). s_i = (E[k_i^2] / E[q_i^2])^(1/4) minimises it: channels the queries read strongly are
-stored more accurately, channels they hardly read less so. The bytes per token do not change.
+every key divided by it: export/key_scale.py chooses s for Lloyd-Max keys by the error it leaves in
+each attention's output, from the calibration's queries, keys and values. The bytes per token do not change.
 fp8 keys (no rotation) take another scale: s_i = the largest |k_i| calibrated (k centred) / 64, so
 that every channel's extreme key lands on 64, a value e4m3 holds exactly, 7x under its 448
 (fp8_key_scale).
@@ -29,6 +27,7 @@ import numpy as np
 from turboquant.config import TQ_PRESETS
 
 from .errors import RewriteError
+from .key_scale import AttentionMoments
 
 
 @dataclasses.dataclass
@@ -50,16 +49,6 @@ def calibration_metadata(calibration: Calibration | None, value_offsets: bool, k
             "turboquant.key_scales": "yes" if key_scales and calibration.key_scales else "no",
             "turboquant.value_scales": "yes" if calibration.value_scales else "no",
             "turboquant.calibration": f"{calibration.source}, {calibration.tokens} tokens"}
-
-
-def key_scale(key_sq: np.ndarray, query_sq: np.ndarray, limit: float = 16.0) -> np.ndarray:
-    """s = (E[k^2] / E[q^2])^(1/4) per KV head and channel (k centred, q over the head's group),
-    normalised to a geometric mean of 1 per head and kept within [1/limit, limit]."""
-    k = key_sq + 1e-6 * key_sq.mean(-1, keepdims=True) + 1e-30
-    q = query_sq + 1e-6 * query_sq.mean(-1, keepdims=True) + 1e-30
-    s = (k / q) ** 0.25
-    s /= np.exp(np.log(s).mean(-1, keepdims=True))
-    return np.clip(s, 1.0 / limit, limit).astype(np.float32)
 
 
 FP8_KEY_PEAK = 64.0  # where fp8_key_scale puts each channel's largest calibrated |k|: exact in e4m3, 7x under 448
@@ -162,10 +151,11 @@ def _unmerge(model) -> None:
         return
 
 
-def _query_probe(model_path, plan_args: dict, layers: list[int]) -> tuple[bytes, dict[int, tuple[str, int]]]:
+def _query_probe(model_path, plan_args: dict, layers: list[int]) -> tuple[bytes, dict[int, tuple[str, int, float | None]]]:
     """The model (a merged decoder unmerged first) that also outputs, as float32, the queries of the
     given layers' attention, serialized with its weights left in the model's own data files.
-    Returns it and, per layer, (output name, query heads or 0 for 4-D queries)."""
+    Returns it and, per layer, (output name, query heads or 0 for 4-D queries, the attention's scale
+    or None for 1/sqrt(D))."""
     import onnx_ir as ir
 
     from .forms import locate
@@ -184,7 +174,7 @@ def _query_probe(model_path, plan_args: dict, layers: list[int]) -> tuple[bytes,
         out = cast.outputs[0]
         out.name, out.dtype = f"tq_calibration_q_{i}", ir.DataType.FLOAT
         probe.graph.outputs.append(out)
-        found[i] = (out.name, int(site.q_num_heads or 0))
+        found[i] = (out.name, int(site.q_num_heads or 0), site.scale)
     return ir.to_proto(probe).SerializeToString(), found
 
 
@@ -199,7 +189,7 @@ def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], s
     from turboquant.ort import session_options_beside
 
     ids, window, starts = windows(ids, window, max_windows)
-    queries: dict[int, tuple[str, int]] = {}
+    queries: dict[int, tuple[str, int, float | None]] = {}
     if plan_args is not None:
         # from memory, its weights read from the model's own files: a copy would be another 16 GB
         # written at the 8B shape
@@ -207,27 +197,27 @@ def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], s
         sess = DecoderSession(probe, options=session_options_beside(model_path))
     else:
         sess = DecoderSession(model_path)
-    sums = {name: {} for name in ("k", "k2", "v", "q2")}
-    count, q_heads = 0, {}
+    sums = {name: {} for name in ("k", "k2", "v")}
+    count, q_heads, moments = 0, {}, {i: AttentionMoments() for i in queries}
+    fp8 = plan_args is not None and TQ_PRESETS[plan_args["preset"]]["key_quant_bits"] == 8  # scaled from key peaks alone
     for s in tqdm(starts, desc="calibrating", unit="window", disable=not progress):
         outs = sess.run_all(ids[None, s:s + window], sess.empty_cache(1), 0)
         for layer in layers:
             k = add_cache_sums(sums, outs, sess, layer)
             if layer in queries:
-                name, heads = queries[layer]
+                name, heads, scale = queries[layer]
                 q = np.asarray(outs[name], np.float64)
                 if q.ndim == 3:  # [B, S, Hq * D] -> [B, Hq, S, D]
                     q = q.reshape(q.shape[0], q.shape[1], heads, -1).transpose(0, 2, 1, 3)
-                hkv = k.shape[1]
                 q_heads[layer] = q.shape[1]
-                q2 = (q * q).sum(axis=(0, 2)).reshape(hkv, q.shape[1] // hkv, -1).sum(1) / (q.shape[1] // hkv)
-                _add(sums["q2"], layer, q2)
+                if not fp8:
+                    moments[layer].add(q, k, outs[sess.cache_outputs[(layer, "value")]], scale)
         count += window
     mean_k = {i: sums["k"][i] / count for i in layers}
-    if plan_args is not None and TQ_PRESETS[plan_args["preset"]]["key_quant_bits"] == 8:  # fp8 keys
-        scales = {i: fp8_key_scale(key_peaks(sums, i, mean_k[i])) for i in sums["q2"]}
+    if fp8:
+        scales = {i: fp8_key_scale(key_peaks(sums, i, mean_k[i])) for i in moments}
     else:
-        scales = {i: key_scale(sums["k2"][i] / count - mean_k[i] ** 2, sums["q2"][i] / count) for i in sums["q2"]}
+        scales = {i: m.scales(mean_k[i]) for i, m in moments.items()}
     vscales = {i: value_scale(sums["v2"][i] / count) for i in layers} if value_scales else {}
     return Calibration({i: mean_k[i].astype(np.float32) for i in layers},
                        {i: (sums["v"][i] / count).astype(np.float32) for i in layers}, count, source, scales, q_heads,

@@ -22,8 +22,9 @@ import tempfile
 import numpy as np
 import onnx_ir as ir
 
-from .calibrate import Calibration, _add, add_cache_sums, fp8_key_scale, key_peaks, key_scale, windows
+from .calibrate import Calibration, add_cache_sums, fp8_key_scale, key_peaks, windows
 from .gqa import _attr, plan_gqa_layers
+from .key_scale import AttentionMoments
 from .surgery import _initializer
 
 
@@ -77,8 +78,8 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
         probe.graph.outputs.append(out)
         queries[plan.index] = out.name
     heads = {p.index: (_attr(nodes[p.index], "num_heads", 0), _attr(nodes[p.index], "kv_num_heads", 0)) for p in plans}
-    sums = {name: {} for name in ("k", "k2", "v", "q2")}
-    count = 0
+    sums = {name: {} for name in ("k", "k2", "v")}
+    count, moments = 0, {i: AttentionMoments() for i in queries}
     with tempfile.TemporaryDirectory(prefix="turboquant-calibration-") as tmp:
         path = pathlib.Path(tmp) / "probe.onnx"
         ir.save(probe, path, external_data="probe.onnx.data")  # weights beside it, wherever the model keeps them
@@ -91,19 +92,18 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
             outs = sess.run_all(ids[None, s:s + window], empty, 0)
             for plan in layers:
                 i = plan.index
-                add_cache_sums(sums, outs, sess, i)
+                k = add_cache_sums(sums, outs, sess, i)
                 if i in queries:
-                    hq, hkv = heads[i]
+                    hq = heads[i][0]
                     q = np.asarray(outs[queries[i]], np.float32)[..., :hq * plan.head_dim]
                     q = q.reshape(q.shape[0], q.shape[1], hq, plan.head_dim)
                     rows = tables[i][0].shape[0]
                     pos = np.minimum(np.arange(q.shape[1]), rows - 1)[None, :]  # clamped to the table, as the op does
-                    q = rotary(q, pos, *tables[i]).astype(np.float64)
-                    q2 = (q * q).sum(axis=(0, 1)).reshape(hkv, hq // hkv, -1).mean(1)
-                    _add(sums["q2"], i, q2)
+                    q = rotary(q, pos, *tables[i]).transpose(0, 2, 1, 3)
+                    moments[i].add(q, k, outs[sess.cache_outputs[(i, "value")]], _attr(nodes[i], "scale", 0.0) or None)
             count += window
     mean_k = {p.index: sums["k"][p.index] / count for p in layers}
-    scales = {i: key_scale(sums["k2"][i] / count - mean_k[i] ** 2, sums["q2"][i] / count) for i in sums["q2"]}
+    scales = {i: m.scales(mean_k[i]) for i, m in moments.items()}
     scales.update({i: fp8_key_scale(key_peaks(sums, i, mean_k[i])) for i in fp8})
     calibration = Calibration({i: m.astype(np.float32) for i, m in mean_k.items()},
                               {p.index: (sums["v"][p.index] / count).astype(np.float32) for p in layers}, count,
