@@ -7,9 +7,10 @@ ONNX Runtime on windows of calibration tokens from empty caches (a prefill: ever
 
 Key scales. The op multiplies the rotated queries by its key_scale input and divides the rotated
 keys by it, leaving every score unchanged, so the scales are those of plain exports
-(export/calibrate.py: s = (E[k^2] / E[q^2])^(1/4), k centred) over rotated queries and keys: the
-keys from present_key, the queries where the op takes them (a Cast of its input 0 made a model
-output), turned here by the op's own tables at the window's positions 0, 1, ... fp8 keys take
+(export/key_scale.py: weighed by what each attention reads) over rotated queries and keys, with the
+values: the keys and values from present_key and present_value, the queries where the op takes them
+(a Cast of its input 0 made a model output), turned here by the op's own tables at the window's
+positions 0, 1, ..., and the op's scale (1/sqrt(D) where it has none). fp8 keys take
 export/calibrate.py's fp8_key_scale from the rotated keys alone.
 """
 
