@@ -14,6 +14,7 @@ from .conftest import MODELS
 
 PRESET = "turboquant_4bit_nc"
 STEPS = 32
+SEQUENCES = 8  # as test_rewrite_real_models: 256 scored tokens
 NAMES = ["llama-gqa-torchscript", "llama-gqa-dynamo", "qwen2-gqa-dynamo-d128", "gpt2-mha-torchscript",
          "llama-gqa-torchscript-fp16"]
 
@@ -26,7 +27,7 @@ def test_in_place_matches_the_concat_form(exported, rewritten, name):
     cfg, _ = MODELS[name]
     in_place, concat = rewritten(name, PRESET, "in-place"), rewritten(name, PRESET)
     assert in_place.compressed == concat.compressed
-    ids = np.random.default_rng(cfg.seed + 1).integers(0, cfg.vocab, (2, 12 + STEPS))
+    ids = np.random.default_rng(cfg.seed + 1).integers(0, cfg.vocab, (SEQUENCES, 12 + STEPS))
     a = DecoderSession(exported(name)).teacher_forced(ids, 12).astype(np.float32)
     b = DecoderSession(concat.output).teacher_forced(ids, 12).astype(np.float32)
     c = SharedBufferDecoder(in_place.output, max_length=64).teacher_forced(ids, 12).astype(np.float32)
@@ -39,7 +40,7 @@ def test_in_place_matches_the_concat_form(exported, rewritten, name):
     print(f"{name}: KL in-place vs concat {kl_forms:.2e}, vs the original {kl_original:.2e}")
     assert kl_forms < 0.1 * kl_original, (kl_forms, kl_original)
     top1 = float((a[:, 1:].argmax(-1) == c[:, 1:].argmax(-1)).mean())
-    assert top1 >= 0.9, (kl_original, top1)
+    assert top1 >= 0.85, (kl_original, top1)
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-torchscript", "llama-gqa-dynamo"])
