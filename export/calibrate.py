@@ -225,12 +225,17 @@ def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], s
 
 
 def windows(ids: np.ndarray, window: int, max_windows: int) -> tuple[np.ndarray, int, list[int]]:
-    """The ids as one row, the window length (at most the ids'), and up to max_windows window starts."""
+    """The ids as one row, the window length (at most the ids'), and up to max_windows starts of
+    windows that do not overlap, spread evenly over the whole text when it holds more: a text's
+    first 4096 tokens cover few of its topics, and the calibration came out worse from them
+    (docs/performance.md, Quality: text calibration)."""
     ids = np.asarray(ids, np.int64).reshape(-1)
     if ids.size < 2:
         raise RewriteError("calibration needs at least 2 tokens")
     window = min(window, ids.size)
-    return ids, window, list(range(0, ids.size - window + 1, window))[:max_windows]
+    count = ids.size // window
+    picks = np.linspace(0, count - 1, min(count, max_windows)).round().astype(np.int64)
+    return ids, window, [int(p) * window for p in picks]
 
 
 def value_scale(value_sq: np.ndarray, limit: float = 16.0) -> np.ndarray:

@@ -5,6 +5,8 @@ import json
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from turboquant import random_decoders
 from turboquant.decoder import DecoderSession
@@ -148,3 +150,20 @@ def test_calibration_reads_a_models_external_data_in_place(biased_model, tmp_pat
     for i in (1, 2):
         np.testing.assert_allclose(a.keys[i], b.keys[i], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(a.key_scales[i], b.key_scales[i], rtol=1e-5)
+
+
+@given(size=st.integers(2, 20000), window=st.integers(2, 512), most=st.integers(1, 64))
+def test_calibration_windows_spread_over_the_whole_text(size, window, most):
+    """Whole windows that do not overlap, as many as the text holds up to the most asked for, the
+    first at the text's start and, when the text holds more, the last in its final stretch."""
+    from turboquant.export.calibrate import windows
+
+    _, w, starts = windows(np.arange(size), window, most)
+    held = size // w
+    assert w == min(window, size)
+    assert len(starts) == min(held, most)
+    assert starts[0] == 0 and all(s % w == 0 for s in starts)
+    assert all(b - a >= w for a, b in zip(starts, starts[1:]))
+    assert starts[-1] + w <= size
+    if held > 1 and len(starts) > 1:
+        assert starts[-1] == (held - 1) * w
