@@ -44,7 +44,8 @@ def parse(argv):
     p.add_argument("--sensitivity-mode", choices=["only", "all-but-one"], default="only",
                    help="'only': that layer alone compressed; 'all-but-one': every compressed layer but that one")
     p.add_argument("--layers", type=_layers, help="with --sensitivity, only these layers")
-    p.add_argument("--boundary", type=int, default=2, help="with --sensitivity all-but-one: first and last N layers kept (default 2)")
+    p.add_argument("--boundary", type=int, default=2, help="with --sensitivity: the first and last N layers the rewrite keeps (default 2); all-but-one keeps them, "
+                   "only names the 2N costliest layers to keep instead")
     p.add_argument("--cache-dir", metavar="DIR", help="where the original's log-probabilities are kept for later runs "
                    "on the same original, text and settings (default $TURBOQUANT_CACHE/eval, else ~/.cache/turboquant/eval)")
     p.add_argument("--no-cache", action="store_true", help="run the original and keep nothing")
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .cache import default_dir
     from .runner import Evaluator, Windows
-    from .sensitivity import choose_layers, layer_sensitivity
+    from .sensitivity import choose_layers, costliest_layers, layer_sensitivity
 
     try:
         vocab = _check_models(args.original, args.rewritten)
@@ -100,18 +101,26 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.rewritten:
             results.append(ev.compare(path, _label(path, args.rewritten)))
             _row(results[-1])
+        keep = None
         if args.sensitivity:
-            for _, r in layer_sensitivity(ev, args.original, args.sensitivity, mode=args.sensitivity_mode,
-                                          layers=args.layers, boundary=args.boundary):
+            rows = []
+            for layer, r in layer_sensitivity(ev, args.original, args.sensitivity, mode=args.sensitivity_mode,
+                                              layers=args.layers, boundary=args.boundary):
+                rows.append((layer, r))
                 results.append(r)
                 _row(r)
+            count = 2 * args.boundary  # the default's kept layers: the same bytes when the layers' shapes agree
+            if args.sensitivity_mode == "only" and 0 < count < len(rows):
+                keep = costliest_layers(rows, count)
+                print(f"the {count} layers costliest by mean KL, to keep instead of the first and last "
+                      f"{args.boundary}: --keep-layers {','.join(map(str, keep))}")
     except (ValueError, RewriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
         doc = {"text": source, "original_cached": ev.cached, "text_tokens": int(ids.size), "scored_tokens": ev.scored_tokens, "context": args.context,
                "prefill": args.prefill, "original": args.original, "ppl_original": ev.original.perplexity,
-               "results": [r.as_dict() for r in results]}
+               "results": [r.as_dict() for r in results], "costliest_layers": keep}
         out = json.dumps(doc, indent=2)
         if args.json == "-":
             print(out)

@@ -74,3 +74,10 @@ def layer_sensitivity(evaluator: Evaluator, original: str | os.PathLike, preset:
             for f in pathlib.Path(tmp).iterdir():
                 if f.name != "calibration.npy":
                     f.unlink()
+
+
+def costliest_layers(rows: list[tuple[int, object]], count: int) -> list[int]:
+    """The `count` layers whose compression alone cost most (mode "only" rows of (layer, Comparison)),
+    by mean KL, which ranks layers more steadily than perplexity on a short text; sorted."""
+    ranked = sorted(rows, key=lambda r: r[1].mean_kl, reverse=True)
+    return sorted(layer for layer, _ in ranked[:count])

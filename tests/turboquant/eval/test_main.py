@@ -32,13 +32,21 @@ def test_sensitivity_mode(tiny, tmp_path, mode, capsys, monkeypatch):
     monkeypatch.setattr(self_text, "self_generated_tokens", lambda *a, **k: written.append(1) or real(*a, **k))
     src, _, text = tiny
     out = tmp_path / "s.json"
+    layers = (0, 1, 2) if mode == "only" else (1, 2)
     assert main([str(src), "--text", str(text), "--context", "48", "--prefill", "24", "--max-tokens", "24",
-                 "--sensitivity", "turboquant_3bit_nc", "--sensitivity-mode", mode, "--layers", "1,2",
+                 "--sensitivity", "turboquant_3bit_nc", "--sensitivity-mode", mode, "--layers", ",".join(map(str, layers)),
                  "--boundary", "1", "--json", str(out), "--no-progress"]) == 0
-    rows = json.loads(out.read_text())["results"]
-    assert [r["model"] for r in rows] == [f"turboquant_3bit_nc {'only' if mode == 'only' else 'all but'} layer {i}" for i in (1, 2)]
+    doc = json.loads(out.read_text())
+    rows = doc["results"]
+    assert [r["model"] for r in rows] == [f"turboquant_3bit_nc {'only' if mode == 'only' else 'all but'} layer {i}" for i in layers]
     assert all(np.isfinite(r["ppl_increase"]) and r["mean_kl"] > 0 for r in rows)
     assert len(written) == 1
+    if mode == "only":  # the two (2 x boundary) layers of highest mean KL, offered as --keep-layers
+        by_kl = sorted(layers, key=lambda i: rows[layers.index(i)]["mean_kl"])
+        assert doc["costliest_layers"] == sorted(by_kl[1:])
+        assert f"--keep-layers {','.join(map(str, sorted(by_kl[1:])))}" in capsys.readouterr().out
+    else:
+        assert doc["costliest_layers"] is None
 
 
 def test_errors_name_what_was_wrong(tiny, tmp_path, capsys):
