@@ -19,6 +19,15 @@ def _layer_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
 
 
+def _kept_layers(text: str) -> list[int] | str:
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return _layer_list(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers or 'auto', got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m turboquant.export",
@@ -31,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", help="where to write (default: MODEL.<preset>.onnx next to the input)")
     p.add_argument("--boundary", type=non_negative, default=2, help="first and last N attention layers kept uncompressed (default 2)")
     p.add_argument("--skip-layers", type=_layer_list, help="also keep these layers uncompressed, e.g. 0,1,5")
-    p.add_argument("--keep-layers", type=_layer_list, help="keep exactly these layers uncompressed (replaces --boundary)")
+    p.add_argument("--keep-layers", type=_kept_layers, metavar="N,N,...|auto",
+                   help="keep exactly these layers uncompressed (replaces --boundary's choice); auto: the 2 x --boundary "
+                   "layers whose packing alone costs most, measured on the calibration tokens")
     p.add_argument("--calibrate", metavar="FILE|random|self", help="what the original model runs on in ONNX Runtime to compute "
                    "per-layer key offsets and scales: token ids (.npy/.ids) or text (with --tokenizer), or data-free: "
                    "'random' (random token ids) or 'self' (text the model writes itself, sampled with a fixed seed from "

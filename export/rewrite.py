@@ -112,7 +112,9 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     value offsets), or a data-free source: "random" (random token ids) or "self" (text the model
     writes itself, export/self_text.py). Without it, every preset calibrates on DATA_FREE_DEFAULT
     ("self");
-    offsets=False turns every calibration off. value_scales: also per-channel value scales
+    offsets=False turns every calibration off. keep_layers: the layers left uncompressed instead of
+    the first and last `boundary`, or "auto": the 2 x boundary layers whose packing alone costs the
+    calibration tokens most (export/layer_cost.py). value_scales: also per-channel value scales
     (export/calibrate.py value_scale), in the in-place form of exported decoders only.
     target: "onnxruntime" (the default) or "tensorrt" (the nodes as TensorRT's ONNX parser maps them
     to turboquant's plugins; see export/tensorrt.py).
@@ -151,6 +153,12 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     if not dry_run and _saved_external(model):
         _check_writable(_data_file(out), "the output's external data file")
     calibrates = offsets
+    auto_keep = isinstance(keep_layers, str)
+    if auto_keep and keep_layers != "auto":
+        raise RewriteError(f"keep_layers must be a list of layer numbers or 'auto', got {keep_layers!r}")
+    if auto_keep and not offsets:
+        raise RewriteError("--keep-layers auto and --no-offsets contradict each other: the layers are measured with the "
+                           "calibration's offsets and scales")
     gqa = uses_gqa(model)
     if calibrates and calibrate is None:
         calibrate = DATA_FREE_DEFAULT
@@ -168,16 +176,24 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
                            unsupported=unsupported)
     auto = cache == "auto"
     cache, why_concat = _cache_form(model, cache, target)
-    calibration = None
+    calibration, chosen = None, None
     if calibrates:
         from .calibrate import calibration_tokens, collect
+        from .layer_cost import measured_keep
 
-        plans, _ = plan_layers(model, preset, boundary, skip_layers, keep_layers)
+        # auto: every layer calibrated, then the costliest kept
+        planned = [] if auto_keep else keep_layers
+        plans, _ = plan_layers(model, preset, boundary, skip_layers, planned)
         ids, source = calibration_tokens(calibrate, tokenizer, model, src, shows)
         if ids is not None:
-            plan_args = dict(preset=preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers)
+            plan_args = dict(preset=preset, boundary=boundary, skip_layers=skip_layers, keep_layers=planned)
             calibration = collect(src, ids, [p.index for p in plans if p.compressed], source,
                                   plan_args=plan_args if key_scales else None, progress=shows, value_scales=value_scales)
+            if auto_keep:
+                keep_layers, chosen = measured_keep(src, ids, calibration, plans, preset, 2 * boundary,
+                                                    value_offsets=value_offsets, key_scales=key_scales, progress=shows)
+        elif auto_keep:
+            raise RewriteError(f"--keep-layers auto measures the layers on calibration tokens, and there are none: {source}")
     if cache == "in-place":
         try:
             result = _rewrite_in_place(model, src, preset, calibration, target, rotary_positions, boundary=boundary,
@@ -195,6 +211,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
                                     key_scales=key_scales)
         rewrite(model)
         result = rewrite.result
+    if chosen:
+        result.notes.append(chosen)
     if why_concat:
         result.notes.append(f"cache form concat (past and present as the exporter made them): {why_concat}")
     if target == "tensorrt":
@@ -336,15 +354,25 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
     if calibrate is not False:
         from .calibrate import calibration_tokens
         from .calibrate_gqa import collect_gqa
-        from .gqa import check_supported
+        from .gqa import check_supported, plan_gqa_layers
+        from .layer_cost import measured_keep
 
-        check_supported(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
+        auto_keep = keep_layers == "auto"
+        planned = [] if auto_keep else keep_layers  # auto: every layer calibrated, then the costliest kept
+        check_supported(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=planned,
                         unsupported=unsupported)
 
         ids, source = calibration_tokens(calibrate, tokenizer, model, src, progress)
         if ids is not None:
             calibration, notes = collect_gqa(src, ids, source, preset=preset, boundary=boundary, skip_layers=skip_layers,
-                                             keep_layers=keep_layers, key_scales=key_scales, progress=progress)
+                                             keep_layers=planned, key_scales=key_scales, progress=progress)
+            if auto_keep:
+                plans, _, _ = plan_gqa_layers(model, preset, boundary, skip_layers, planned)
+                keep_layers, chosen = measured_keep(src, ids, calibration, plans, preset, 2 * boundary,
+                                                    value_offsets=value_offsets, key_scales=key_scales, progress=progress)
+                notes.append(chosen)
+        elif auto_keep:
+            raise RewriteError(f"--keep-layers auto measures the layers on calibration tokens, and there are none: {source}")
         else:
             notes.append(f"not calibrated: {source}")
     # TensorRT takes each cache's shape as declared: every layer gets its own row width
