@@ -426,7 +426,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // 32 .. in registers, the order and operations of load_query_rows (7 block-wide steps with a
   // barrier each); its largest magnitude; the row into qv.
   // (blocks of fewer warps than rows, raw16's at head size 128, take rows warp + kWarps, ... after)
-  static_assert(kWarps >= kRowsMax || kRowsMax % kWarps == 0, "query rows shared evenly by the warps");
   constexpr int kPer = kD / 32;
   float x[kPer];
   // The query loads go first, then the first tiles' copies (every block's, which fill DRAM's
@@ -923,10 +922,12 @@ cudaError_t launch_tc_split(const AttentionParams& p, const RotaryParams& rot, c
                             const void* mask, const uint8_t* past_key, const uint8_t* past_value, float* partial,
                             cudaStream_t stream) {
   if (plan.kernel != SplitKernel::kTensorCoreBulk) return cudaErrorInvalidValue;
-  if (p.key_format == Format::kRaw16) {  // raw16 pairs: 8 warps at head size 64, 4 at 128 (their buffers' size)
+  if (p.key_format == Format::kRaw16) {  // raw16 pairs: the warps their buffers leave room for (split_geometry.h)
     const uintptr_t a = reinterpret_cast<uintptr_t>(past_key) | reinterpret_cast<uintptr_t>(past_value);
     if ((a & 15) != 0 || p.key_row() % 16 != 0 || p.value_row() % 16 != 0) return cudaErrorMisalignedAddress;
-    if (tc_kd(p) == 64 && plan.warps == 8) return launch_m<16, 16, 64, false, 8>(p, rot, plan, q, mask, past_key, past_value, partial, stream);
+    constexpr int k64 = tc_geometry::kRaw16Warps64, k128 = tc_geometry::kRaw16Warps128;
+    if (tc_kd(p) == 64 && plan.warps == k64) return launch_m<16, 16, 64, false, k64>(p, rot, plan, q, mask, past_key, past_value, partial, stream);
+    if (tc_kd(p) == 128 && plan.warps == k128) return launch_m<16, 16, 128, false, k128>(p, rot, plan, q, mask, past_key, past_value, partial, stream);
     if (tc_kd(p) == 128 && plan.warps == 4) return launch_m<16, 16, 128, false, 4>(p, rot, plan, q, mask, past_key, past_value, partial, stream);
     return cudaErrorInvalidValue;
   }

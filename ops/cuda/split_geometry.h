@@ -20,6 +20,15 @@ constexpr int kStaticBytesMax = 1024;  // the kernel's static shared memory, at 
 #define TQ_TC_WARPS 16  // (developer A/B builds set others: scripts/build_probe.sh)
 #endif
 constexpr int kWideWarps = TQ_TC_WARPS;
+// raw16 blocks' warps at head sizes 64 and 128: as many double buffers as fit (6 measured best at
+// 128: docs/performance.md, kept choices; developer A/B builds set others)
+#ifndef TQ_RAW16_WARPS_64
+#define TQ_RAW16_WARPS_64 8
+#endif
+#ifndef TQ_RAW16_WARPS_128
+#define TQ_RAW16_WARPS_128 6
+#endif
+constexpr int kRaw16Warps64 = TQ_RAW16_WARPS_64, kRaw16Warps128 = TQ_RAW16_WARPS_128;
 
 TQ_HD constexpr int round16(int n) { return (n + 15) / 16 * 16; }
 // A tile's rows land at its buffer's byte (source address mod 16), plus 4 bytes that a funnel shift

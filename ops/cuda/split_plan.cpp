@@ -38,12 +38,13 @@ int tc_warps(const AttentionParams& p, const DeviceProps& dev) {
 // kernel: head sizes 64 and 128, rows of whole 16-byte chunks in 16-byte aligned caches (copied in
 // swizzled chunks, as fp8 keys are), with as many warps as their double buffers leave room for in
 // 227 KiB: a warp's two 32-token tiles of K and V are 16 KiB at head size 64 (8 warps), 32 KiB at
-// 128 (4 warps, each taking two of the block's 8 query rows).
+// 128 (6 warps, the first two also taking the block's query rows 6 and 7; 4 in sm_80's 163 KiB).
 int raw16_warps(const AttentionParams& p, bool aligned16, const DeviceProps& dev) {
   if (p.head_dim != 64 && p.head_dim != 128) return 0;
   if (p.key_row() % 16 != 0 || p.value_row() % 16 != 0 || !aligned16) return 0;
-  const int warps = p.head_dim == 64 ? 8 : 4;
-  return tc_block_bytes(p, warps) <= dev.smem_optin ? warps : 0;
+  const int warps = p.head_dim == 64 ? detail::tc_geometry::kRaw16Warps64 : detail::tc_geometry::kRaw16Warps128;
+  if (tc_block_bytes(p, warps) <= dev.smem_optin) return warps;
+  return p.head_dim == 128 && tc_block_bytes(p, 4) <= dev.smem_optin ? 4 : 0;
 }
 
 // The warps of the bulk kernel for this call, or 0 where it does not take it.

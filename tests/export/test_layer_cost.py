@@ -38,8 +38,11 @@ def test_stored_undoes_offset_and_scale(fmt, seed):
     s = np.exp(rng.uniform(-1.5, 1.5, (2, 64))).astype(np.float32)
     x = y * s[None, :, None] + m[None, :, None]
     got = stored(x, fmt, offset=m, scale=s, norm_correction=True)
-    plain = stored(y, fmt, offset=None, scale=None, norm_correction=True)
-    np.testing.assert_allclose(got, plain * s[None, :, None] + m[None, :, None], rtol=2e-4, atol=2e-4 * np.abs(m).max())
+    # the packer's input as float32 gives it ((x - m) / s, not y: a value at a rounding boundary of
+    # the format would otherwise land on the next code)
+    seen = (x - m[None, :, None]) / s[None, :, None]
+    plain = stored(seen, fmt, offset=None, scale=None, norm_correction=True)
+    np.testing.assert_allclose(got, plain * s[None, :, None] + m[None, :, None], rtol=1e-6, atol=1e-6 * np.abs(m).max())
     assert 0 < np.abs(got - x).max()
 
 

@@ -76,16 +76,21 @@ def test_float32_keeps_the_cuda_core_kernel():
 
 def test_raw16_runs_the_tensor_core_bulk_kernel():
     """raw16 rows (genai's boundary layers) at head sizes 64 and 128, fp16 and bf16 queries: the bulk
-    kernel with as many warps as their double buffers fit (8 at 64, 4 at 128), one wave of blocks."""
+    kernel with as many warps as their double buffers fit (8 at 64, 6 at 128; 4 at 128 in sm_80's
+    163 KiB), one wave of blocks."""
     for dtype in ("float16", "bfloat16"):
         plan = plan_split(**{**PRESET, "dtype": dtype}, key_format="raw16", value_format="raw16")
-        assert (plan.kernel, plan.warps) == ("tc_bulk", 4), (dtype, plan)
-        assert (plan.splits, plan.split_len) == (2, 16384)
-        # query fragments and rows (8 KiB), 4 warps' two tiles of 32 rows of 256 + 256 bytes (+ 20 bytes
+        assert (plan.kernel, plan.warps) == ("tc_bulk", 6), (dtype, plan)
+        # two splits of whole rounds of 6 x 32 tokens
+        assert (plan.splits, plan.split_len) == (2, 16512)
+        # query fragments and rows (8 KiB), 6 warps' two tiles of 32 rows of 256 + 256 bytes (+ 20 bytes
         # of slack each, rounded to 16)
-        assert plan.smem == 8192 + 4 * 2 * 2 * 8224
+        assert plan.smem == 8192 + 6 * 2 * 2 * 8224
     small = plan_split(**{**PRESET, "head_dim": 64}, key_format="raw16", value_format="raw16")
     assert (small.kernel, small.warps, small.smem) == ("tc_bulk", 8, 4096 + 8 * 2 * 2 * 4128)
+    a100 = plan_split(**PRESET, key_format="raw16", value_format="raw16", device=A100)
+    assert (a100.kernel, a100.warps, a100.smem) == ("tc_bulk", 4, 8192 + 4 * 2 * 2 * 8224)
+    assert plan_split(**PRESET, key_format="raw16", value_format="raw16", device=L4).kernel == "cuda_core"
 
 
 @pytest.mark.parametrize("change", [

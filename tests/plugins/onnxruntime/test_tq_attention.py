@@ -285,7 +285,7 @@ def test_the_planned_split_kernel_runs_on_cuda(ort_session, cuda_ready, split_ke
 def test_raw16_caches(ort_session, device, split_kernel_ran, dtype, d, b, hkv, group, sq, sp, offsets):
     """raw16 keys and values (onnxruntime-genai's uncompressed boundary layers) at the head sizes the
     GPU's tensor-core bulk kernel takes them (64 and 128), fp16 and bf16: pasts of one token, of
-    fewer and more than a warp's 32-token tile and than a block's round of tiles (8 warps at 64, 4 at
+    fewer and more than a warp's 32-token tile and than a block's round of tiles (8 warps at 64, 6 at
     128), not multiples of either; several sequences; GQA groups of 1 to 32 query heads (5: padding
     query rows in a block), several query rows, offsets. The output equals the reference's, and on
     the GPU the bulk kernel ran."""
