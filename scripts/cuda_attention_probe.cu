@@ -4,7 +4,7 @@
 // the split kernel that ran and the planner's layout.
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/split_plan.cpp \
 //        ops/cuda/attention.cu ops/cuda/attention_split.cu ops/cuda/finish.cu ops/cuda/copy.cu ops/cuda/prefill.cu ops/cuda/past_chunk.cu ops/cuda/pack.cu ops/cpu/attention.cpp ops/cpu/pack.cpp -o /tmp/probe
-//   /tmp/probe B S key_format value_format [iters] [pad] [width] [inplace] [rotary] [shift]
+//   /tmp/probe B S key_format value_format [iters] [pad] [width] [inplace] [rotary] [shift] [mask]
 //   pad: rows of capacity past S in the past caches; width: bytes per cache row (0: the packed
 //   sizes); inplace 1: past and present share buffers of S + pad + 1 rows, as TQGroupQueryAttention
 //   runs (the new token written in place, no cache copy), else present is a separate buffer;
@@ -12,7 +12,8 @@
 //   lengths from seqlens_k), checked against the CPU's; shift: the past caches start this many bytes
 //   into their allocations (every (b, head) region moves with them: with a capacity that makes
 //   regions a multiple of 16 bytes, shift 4 puts them all at 4 mod 16; shifts that are not multiples
-//   of 4 are refused by the launchers, which the probe prints).
+//   of 4 are refused by the launchers, which the probe prints); mask 1: TQAttention's additive fp16 mask
+//   [B, 1, 1, S + 1] (values in [-2, 0], a padding-style mask's broadcast), not with rotary.
 // Prints the time per step back to back, "alone": each step after a spin kernel that keeps the GPU
 // busy while the host queues it, timed by events (median of up to 100; ~3 us of event overhead
 // included), as a layer's step runs after other kernels, and "idle-started": each step launched on
@@ -61,6 +62,7 @@ int main(int argc, char** argv) {
   const bool inplace = argc > 8 && atoi(argv[8]) != 0;
   const bool rotary = argc > 9 && atoi(argv[9]) != 0;
   const int64_t shift = argc > 10 ? atoll(argv[10]) : 0;
+  const bool masked = argc > 11 && atoi(argv[11]) != 0 && !rotary;
   const int64_t R = S + pad + (inplace ? 1 : 0), Rp = inplace ? R : R + 1;  // rows of past, of present
   AttentionParams p;
   p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = 1, p.new_len = 1, p.past_len = S;
@@ -125,13 +127,22 @@ int main(int argc, char** argv) {
   cudaMemcpy(seqlens, hseq.data(), B * 4, cudaMemcpyHostToDevice);
   RotaryParams rot;
   rot.rotary_dim = D, rot.max_positions = positions, rot.cos = dcos, rot.sin = dsin;
+  std::vector<__half> hmask(masked ? B * (S + 1) : 0);
+  for (auto& m : hmask) m = __float2half(-2.0f * (rand() / (float)RAND_MAX));
+  __half* dmask = nullptr;
+  if (masked) {
+    cudaMalloc(&dmask, hmask.size() * 2);
+    cudaMemcpy(dmask, hmask.data(), hmask.size() * 2, cudaMemcpyHostToDevice);
+    p.mask_type = MaskType::kFloat16;
+    p.mask_stride[0] = S + 1, p.mask_stride[3] = 1;
+  }
   void* ws = nullptr;
   cudaMalloc(&ws, (rotary ? cuda::gqa_workspace_bytes(p, rot, sms) : cuda::attention_workspace_bytes(p, sms)) + 1);
   cudaStream_t st;
   cudaStreamCreate(&st);
   auto step = [&] {
     return rotary ? cuda::gqa_attention(p, rot, seqlens, false, q, k, v, pk, pv, y, ok, ov, ws, sms, st)
-                  : cuda::attention(p, q, k, v, nullptr, pk, pv, y, ok, ov, ws, sms, st);
+                  : cuda::attention(p, q, k, v, dmask, pk, pv, y, ok, ov, ws, sms, st);
   };
   if (const cudaError_t e = step(); e != cudaSuccess) {  // refused (a fault would show as the last error below)
     printf("the launcher refused these caches: %s\n", cudaGetErrorString(e));
@@ -257,7 +268,7 @@ int main(int argc, char** argv) {
     cpu::gqa_attention(hp, hrot, hq.data(), hkn.data(), hvn.data(), cpk, cpv, ry.data(), inplace ? cpk : hok.data(),
                        inplace ? cpv : hov.data(), serial);
   } else {
-    cpu::attention(p, hq.data(), hkn.data(), hvn.data(), nullptr, cpk, cpv, ry.data(), inplace ? cpk : hok.data(),
+    cpu::attention(p, hq.data(), hkn.data(), hvn.data(), masked ? hmask.data() : nullptr, cpk, cpv, ry.data(), inplace ? cpk : hok.data(),
                    inplace ? cpv : hov.data(), serial);
   }
   // the new token's packed rows: the GPU's against the CPU's, byte for byte
@@ -292,8 +303,9 @@ int main(int argc, char** argv) {
   }
   printf("max |Y_cuda - Y_cpu| = %.3g (max |Y| %.3g)\n", worst, mag);
   const double bytes = double(B * Hkv * S) * (kb + vb);
-  printf("rows %lld/%lld bytes, capacity %lld, caches shifted by %lld bytes, %s%s\n", (long long)kb, (long long)vb, (long long)R,
-         (long long)shift, inplace ? "in place" : "present copied", rotary ? ", TQGroupQueryAttention with rotary" : "");
+  printf("rows %lld/%lld bytes, capacity %lld, caches shifted by %lld bytes, %s%s%s\n", (long long)kb, (long long)vb, (long long)R,
+         (long long)shift, inplace ? "in place" : "present copied", rotary ? ", TQGroupQueryAttention with rotary" : "",
+         masked ? ", fp16 mask" : "");
   printf("B=%lld S=%lld %s/%s: %.1f us per call, %.0f GB/s of cache read (%s)\n", (long long)B, (long long)S,
          format_name(kf), format_name(vf), ms * 1e3 / iters, bytes / (ms * 1e-3 / iters) / 1e9,
          cudaGetErrorString(cudaGetLastError()));

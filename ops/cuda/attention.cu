@@ -8,7 +8,8 @@
 //    for a first prompt, one more partial result per row over a past.
 // 4. finish.cu: one block per query row merges the partial results with log-sum-exp, adds the new
 //    tokens exactly (or their part from step 3), restores the value offset and writes Y; other blocks
-//    of the same launch pack the new tokens into the present caches.
+//    of the same launch pack the new tokens into the present caches (a first prompt's: TQPack's
+//    four-lane kernel instead, pack.cu).
 // On sm_90 the tensor-core split kernels and the finish kernel are programmatic dependent launches
 // (split_common.cuh): each may start while the launch before it runs, and waits for it before
 // reading what it wrote.

@@ -12,7 +12,8 @@
 //    table has 32 copies, one per lane, so its lookups never conflict.
 // 2. Online softmax per query row on the accumulators (a row is a column here: 8 lanes x 4 tokens),
 //    after TQAttention's mask where it has one (its element per token and row, read from global
-//    memory: an additive term, or -inf where a bool mask is false).
+//    memory: an additive term, or -inf where a bool mask is false; one element per key when the
+//    block's rows share a mask row).
 // 3. O^T += V^T P^T. A = the tile's value codes as fp16 subnormals: one byte permute pairs two
 //    tokens' bytes, and a mask leaves the low nibble (code * 2^-24, exact) or the high one in place
 //    (code * 2^-20); the powers of two come back when the accumulators are stored. B = the softmax
@@ -536,6 +537,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
   // Scores are kept in base 2 (log2 e folded into the factors) for ex2.approx.
   const float l2fac[2] = {fac[0] * 1.44269504f, fac[1] * 1.44269504f};
+  // Every row of the block on one mask row (a mask broadcast over heads and queries, as padding
+  // masks are): each lane then reads one key's element per tile, and the scores take theirs by
+  // shuffles, instead of eight elements per lane read after the scores (docs/performance.md)
+  bool one_mask_row = kMasked;
+  if constexpr (kMasked) {
+#pragma unroll
+    for (int i = 1; i < kRowsMax; ++i) one_mask_row = one_mask_row && (mask_row[i] < 0 || mask_row[i] == mask_row[0]);
+  }
 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f}, z_run[2] = {0.0f, 0.0f};
   float o[kMt][4];  // O^T: rows = value columns (see the store below), columns 2t, 2t+1 = query rows
@@ -600,6 +609,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const int n_tok = min(kTok, len - r0);
     const bool more = r0 + stride < len;
     if (more) fetch(r0 + stride, (it + 1) & 1);  // the other buffer: read by the previous tile, by every lane
+    float mask_term = 0.0f;  // one_mask_row: key r0 + lane's term in base 2, or -inf; loaded while the tile lands
+    if (kMasked && one_mask_row && lane < n_tok) {
+      float add;
+      mask_term = mask_allows(p, mask, mask_row[0] + (begin + r0 + lane) * p.mask_stride[3], &add) ? add * 1.44269504f
+                                                                                                  : -INFINITY;
+    }
     landed(it & 1, it >> 1, more);
     if (it == 0) TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 18);
     const uint8_t* buf = stage + (it & 1) * tile;
@@ -712,7 +727,16 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     } else {
       scale_scores(std::true_type{});
     }
-    if constexpr (kMasked) {  // the mask's term (or -inf) on each score of a row the block holds
+    if (kMasked && one_mask_row) {  // the term of each score's key, from the lane that read it
+#pragma unroll
+      for (int nu = 0; nu < 2; ++nu)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float term = __shfl_sync(0xffffffffu, mask_term, tile_token(g + 8 * e, nu));
+#pragma unroll
+          for (int c = 0; c < 2; ++c) sc[nu][2 * e + c] += term;  // (lanes past the tile's end hold 0)
+        }
+    } else if constexpr (kMasked) {  // the mask's term (or -inf) on each score of a row the block holds
 #pragma unroll
       for (int nu = 0; nu < 2; ++nu)
 #pragma unroll

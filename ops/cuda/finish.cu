@@ -1,7 +1,8 @@
 // The last launch of a TQAttention call (finish_kernel): one block per query row merges the split
 // kernel's partial results with log-sum-exp, adds the new tokens exactly (float K/V, key offset
 // removed; or their part from prefill.cu), restores the value offset and writes Y; in the same launch,
-// other blocks pack the new tokens into the present caches (pack_warp_per_vector.cuh).
+// other blocks pack the new tokens into the present caches (pack_warp_per_vector.cuh); a call with
+// no rows to merge (a first prompt) packs them by the four-lane kernel alone (pack_four_lanes.cuh).
 #include <cmath>
 #include <type_traits>
 
@@ -9,6 +10,7 @@
 
 #include "attention_steps.cuh"
 #include "cuda_core.cuh"
+#include "pack_four_lanes.cuh"
 #include "pack_warp_per_vector.cuh"
 #include "split_common.cuh"
 #include "turboquant/rotary.h"
@@ -267,6 +269,12 @@ cudaError_t finish(const AttentionParams& p, const RotaryParams& rot, const Layo
   kj.rot = rot;  // the new keys rotated as they are packed (fused), or no rotary
   const PackJob vj = new_token_job(p, p.value_format, p.v_head_dim, p.value_row(), p.v, v, p.value_offset, present_value);
   const int64_t merges = p.q_len > 0 ? p.batch * p.kv_heads * l.rows : 0;
+  if (merges == 0 && stream_pack_supported(kj, p.dtype) && stream_pack_supported(vj, p.dtype)) {
+    // a first prompt's tokens, Y written before: the throughput kernel, several times the one-warp
+    // packing's rate (docs/performance.md, CUDA prefill)
+    cudaError_t e = launch_stream_pack(kj, p.norm_correction, p.dtype, stream);
+    return e == cudaSuccess ? launch_stream_pack(vj, p.norm_correction, p.dtype, stream) : e;
+  }
   const int64_t blocks = merges + kj.blocks + vj.blocks;
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT32_MAX || kj.n > INT32_MAX || vj.n > INT32_MAX) return cudaErrorInvalidValue;

@@ -1,6 +1,7 @@
-// TQPack for throughput: four lanes per vector, eight vectors per warp, byte-identical to the CPU
-// codec (vector_codec.h) like the one-warp-per-vector packing of pack_warp_per_vector.cuh, which stays for
-// the few new tokens of a decode step (latency) and the head sizes below 64.
+// TQPack for throughput (and a first prompt's tokens into the present caches): four lanes per vector,
+// eight vectors per warp, byte-identical to the CPU codec (vector_codec.h) like the one-warp-per-vector
+// packing of pack_warp_per_vector.cuh, which stays for the few new tokens of a decode step (latency)
+// and the head sizes below 64.
 //
 // Why this layout: the codec fixes the order of every rounding, and two orders matter.
 //  - The norm's sum of squares: 32 partial sums (term i goes to partial i % 32, ascending), then a
@@ -572,9 +573,13 @@ constexpr int stream_blocks(Format f, int ks) {
 
 // n vectors of d elements (padded_dim(d) == 32 kS, packed rows of an even size); x, out and
 // offset.data 16-byte aligned. Each warp packs groups of 8 vectors, blocks stride over the groups.
-template <Format F, int kS>
-__global__ void __launch_bounds__(kStreamThreads, stream_blocks(F, kS)) pack_stream_kernel(bool nc, DType dt, int d, const void* x,
-                                                                      uint32_t n, Offset offset, uint8_t* out) {
+// kPresent: the vectors and rows of map (a call's new tokens into the present cache, rows of
+// map.rows.row_bytes, even, after each sequence's past; input strides of whole 16-byte chunks),
+// each row written by its vector's four lanes; else TQPack's (x[v d ..], out[v bytes ..]), a warp's
+// eight rows written as one contiguous run.
+template <Format F, int kS, bool kPresent = false>
+__global__ void __launch_bounds__(kStreamThreads, stream_blocks(F, kS))
+    pack_stream_kernel(bool nc, DType dt, int d, const void* x, uint32_t n, Offset offset, uint8_t* out, VectorMap map) {
   __shared__ StreamSmem<F, kS> sm;
   load_codebook(sm);
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane / kStreamLanes, j = lane % kStreamLanes;
@@ -586,11 +591,15 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks(F, kS)) pack_str
   for (uint32_t group = blockIdx.x * kStreamWarps + warp; group < groups; group += gridDim.x * kStreamWarps) {
     const uint32_t v0 = group * kStreamVectors, v = v0 + g;
     const bool live = v < n;
-    float z[kS][8];
     // (a vector past the end packs the last one's elements: its row is not written out)
-    load_chunks<!is_mse(F) && !is_uint(F)>(dt, x, static_cast<int64_t>(live ? v : n - 1) * d, chunks, j, z);
+    const uint32_t u = live ? v : n - 1;
+    const uint32_t offset_row = offset.data ? static_cast<uint32_t>((u / offset.period) % offset.rows) : 0u;
+    const VectorMap::Where at = kPresent ? map.locate(u, d, bytes, offset)
+                                         : VectorMap::Where{static_cast<int64_t>(u) * d, 0, offset_row, true};
+    float z[kS][8];
+    load_chunks<!is_mse(F) && !is_uint(F)>(dt, x, at.in, chunks, j, z);
     if (offset.data) {
-      const float* off = offset.row_for(live ? v : 0, d);
+      const float* off = offset.data + static_cast<int64_t>(at.offset_row) * d;
 #pragma unroll
       for (int s = 0; s < kS; ++s) {
         const int c = j + 4 * s;
@@ -607,24 +616,47 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks(F, kS)) pack_str
       encode_mse_stream<format_bits(F), kS>(d, nc, fused, z, row, row_out, buckets, j);
     } else if constexpr (is_uint(F)) {
       // the first element, where the codec's min and max start
-      float x0 = live ? load_float(dt, x, static_cast<int64_t>(v) * d) : 0.0f;
-      if (live && offset.data) x0 -= offset.row_for(v, d)[0];
+      float x0 = live ? load_float(dt, x, at.in) : 0.0f;
+      if (live && offset.data) x0 -= offset.data[static_cast<int64_t>(at.offset_row) * d];
       encode_uint_stream<format_bits(F), kS>(d, x0, z, row_out, j);
     } else {
       encode_plain_stream<F, kS>(d, z, row_out, j);
     }
     __syncwarp();
-    // the warp's rows are contiguous in out and start 16-byte aligned (8 rows of an even size)
-    const uint32_t rows = n - v0 < kStreamVectors ? n - v0 : kStreamVectors;
-    const int total = static_cast<int>(rows) * bytes;
-    uint8_t* dst = out + static_cast<int64_t>(v0) * bytes;
-    for (int o = 16 * lane; o + 16 <= total; o += 16 * 32) {
-      __stcs(reinterpret_cast<uint4*>(dst + o), *reinterpret_cast<const uint4*>(stage + o));
+    if constexpr (kPresent) {
+      // rows at any even offset: words where the row and its size allow, else half-words
+      if (live && at.inside) {
+        uint8_t* dst = out + at.out;
+        if (((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 3) == 0) {
+          for (int o = 4 * j; o < bytes; o += 4 * kStreamLanes) {
+            __stcs(reinterpret_cast<uint32_t*>(dst + o), *reinterpret_cast<const uint32_t*>(row_out + o));
+          }
+        } else {
+          for (int o = 2 * j; o < bytes; o += 2 * kStreamLanes) {
+            *reinterpret_cast<uint16_t*>(dst + o) = *reinterpret_cast<const uint16_t*>(row_out + o);
+          }
+        }
+      }
+    } else {
+      // the warp's rows are contiguous in out and start 16-byte aligned (8 rows of an even size)
+      const uint32_t rows = n - v0 < kStreamVectors ? n - v0 : kStreamVectors;
+      const int total = static_cast<int>(rows) * bytes;
+      uint8_t* dst = out + static_cast<int64_t>(v0) * bytes;
+      for (int o = 16 * lane; o + 16 <= total; o += 16 * 32) {
+        __stcs(reinterpret_cast<uint4*>(dst + o), *reinterpret_cast<const uint4*>(stage + o));
+      }
+      const int o = (total & ~15) + 2 * lane;
+      if (o < total) *reinterpret_cast<uint16_t*>(dst + o) = *reinterpret_cast<const uint16_t*>(stage + o);
     }
-    const int o = (total & ~15) + 2 * lane;
-    if (o < total) *reinterpret_cast<uint16_t*>(dst + o) = *reinterpret_cast<const uint16_t*>(stage + o);
     __syncwarp();  // the rows are read before the next group writes them
   }
 }
+
+// Whether the four-lane kernel takes job (padded head size 64, 128 or 256, rows of an even size,
+// 16-byte aligned input and offsets; TQPack's output 16-byte aligned, a present map's rows at even
+// offsets and its input strides whole 16-byte chunks; no fused rotary).
+bool stream_pack_supported(const PackJob& job, DType dt);
+// Launches it (stream_pack_supported first).
+cudaError_t launch_stream_pack(const PackJob& job, bool nc, DType dt, cudaStream_t stream);
 
 }  // namespace turboquant::cuda::detail
