@@ -131,23 +131,6 @@ float dot(const float* a, const float* b, int n) {
   return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
 }
 
-// Codes of a value row as floats, two at a time: a byte holds two 4-bit codes, 6 bits two 3-bit ones.
-struct NibblePairs {
-  float t[256][2];
-  float t3[64][2];
-  NibblePairs() {
-    for (int b = 0; b < 256; ++b) {
-      t[b][0] = static_cast<float>(b & 15);
-      t[b][1] = static_cast<float>(b >> 4);
-    }
-    for (int b = 0; b < 64; ++b) {
-      t3[b][0] = static_cast<float>(b & 7);
-      t3[b][1] = static_cast<float>(b >> 3);
-    }
-  }
-};
-const NibblePairs kNibbles;
-
 struct CentroidFloats {
   float c3[8], c4[16];
   CentroidFloats() {
@@ -183,18 +166,20 @@ void plain_row_as_floats(Format fmt, int d, const uint8_t* in, float* out) {
   decode_vector(fmt, d, in, out);
 }
 
+// A uint row's codes as floats times scale plus zero, eight at a time: the eight codes' bytes as one
+// word, each lane shifting its own code down (a table of code pairs per byte, before, cost a decode step
+// about a quarter more; docs/performance.md, CPU decode attention).
 // Inlined into its callers: a call per value row costs a decode step a fifth of its time.
-__attribute__((always_inline)) inline void codes_as_floats(int bits, int d, const uint8_t* in, float* out) {
-  if (bits == 4) {
-    for (int i = 0; i < d / 2; ++i) std::memcpy(out + 2 * i, kNibbles.t[in[i]], sizeof(float) * 2);
-    return;
-  }
-  for (int i = 0; i < d; i += 8, in += 3) {  // 3 bits: 3 bytes hold 8 codes, read as 4 pairs of 6 bits
-    const uint32_t w = in[0] | (in[1] << 8) | (in[2] << 16);
-    std::memcpy(out + i, kNibbles.t3[w & 63u], sizeof(float) * 2);
-    std::memcpy(out + i + 2, kNibbles.t3[(w >> 6) & 63u], sizeof(float) * 2);
-    std::memcpy(out + i + 4, kNibbles.t3[(w >> 12) & 63u], sizeof(float) * 2);
-    std::memcpy(out + i + 6, kNibbles.t3[w >> 18], sizeof(float) * 2);
+__attribute__((always_inline)) inline void uint_row_as_floats(int bits, int d, const uint8_t* in, float scale, float zero,
+                                                              float* out) {
+  typedef uint32_t U8 __attribute__((vector_size(32)));
+  const U8 shift = bits == 4 ? U8{0, 4, 8, 12, 16, 20, 24, 28} : U8{0, 3, 6, 9, 12, 15, 18, 21};
+  const uint32_t mask = (1u << bits) - 1;
+  for (int i = 0; i < d; i += 8, in += bits) {
+    uint32_t word = in[0] | (in[1] << 8) | (in[2] << 16);
+    if (bits == 4) word |= static_cast<uint32_t>(in[3]) << 24;
+    const U8 codes = ((U8{} + word) >> shift) & mask;
+    tiles::store8(out + i, __builtin_convertvector(codes, tiles::V8) * scale + zero);
   }
 }
 
@@ -494,18 +479,8 @@ class Runner {
   void decode_value_row(const uint8_t* vb, float* out) const {
     const int dv = p_.v_head_dim;
     if (is_uint(p_.value_format)) {
-      // eight codes at a time: their bytes as one word, each lane shifting its own code down
-      typedef uint32_t U8 __attribute__((vector_size(32)));
-      const int bits = format_bits(p_.value_format), nb = payload_bytes(p_.value_format, dv);
-      const float scale = load_f16_le(vb + nb), zero = load_f16_le(vb + nb + 2);
-      const U8 shift = bits == 4 ? U8{0, 4, 8, 12, 16, 20, 24, 28} : U8{0, 3, 6, 9, 12, 15, 18, 21};
-      const uint32_t mask = (1u << bits) - 1;
-      for (int i = 0; i < dv; i += 8, vb += bits) {
-        uint32_t word = vb[0] | (vb[1] << 8) | (vb[2] << 16);
-        if (bits == 4) word |= static_cast<uint32_t>(vb[3]) << 24;
-        const U8 codes = ((U8{} + word) >> shift) & mask;
-        tiles::store8(out + i, __builtin_convertvector(codes, tiles::V8) * scale + zero);
-      }
+      const int nb = payload_bytes(p_.value_format, dv);
+      uint_row_as_floats(format_bits(p_.value_format), dv, vb, load_f16_le(vb + nb), load_f16_le(vb + nb + 2), out);
     } else {
       plain_row_as_floats(p_.value_format, dv, vb, out);
     }
@@ -599,7 +574,7 @@ class Runner {
         const uint8_t* vb = vals + (u0 + u) * value_bytes_;
         float vscale = 1.0f;
         if (uint_fmt) {
-          codes_as_floats(bits, dv, vb, tile[u]);
+          uint_row_as_floats(bits, dv, vb, 1.0f, 0.0f, tile[u]);  // the codes: scale and zero apply below
           vscale = load_f16_le(vb + nb);
           const float vzero = load_f16_le(vb + nb + 2);
           for (int r = 0; r < rows; ++r) zsum[r] += sc[r * kPastChunk + u0 + u] * vzero;
