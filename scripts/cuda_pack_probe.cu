@@ -17,19 +17,11 @@
 #include "turboquant/cpu_kernels.h"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/numerics.h"
+#include "cuda_check.h"
 
 using namespace turboquant;
 
 namespace {
-
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 const cpu::ParallelFor serial = [](size_t n, const std::function<void(size_t)>& fn) {
   for (size_t i = 0; i < n; ++i) fn(i);

@@ -18,17 +18,9 @@
 #include <vector>
 
 #include "../ops/cuda/prefill.cuh"
+#include "cuda_check.h"
 
 using namespace turboquant;
-
-#define CHECK(x)                                                                    \
-  do {                                                                              \
-    cudaError_t e_ = (x);                                                           \
-    if (e_ != cudaSuccess) {                                                        \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
 
 static float to_float(uint16_t bits, bool bf16) {
   if (bf16) {

@@ -84,10 +84,10 @@ if [ "$step" = check ]; then  # compute-sanitizer on every CUDA op test, after `
 fi
 if [ "$step" = prefill ] || [ "$step" = probe ]; then  # the first-prompt kernels alone (their probe; needs no ORT)
   # PREFILL_VARIANTS: NAME:FLAGS ... developer variants of the kernels, timed after the default on the
-  # same shapes (e.g. "pairs:-DTQ_PREFILL_L2_BYTES=1")
+  # same shapes (e.g. "pairs:-DTQ_PREFILL_L2_BYTES=1"; FLAGS comma-separated)
   cd /tmp
   for v in default:-DTQ_SM90A=1 ${PREFILL_VARIANTS:-}; do
-    /usr/local/cuda/bin/nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DTQ_SM90A=1 ${v#*:} --expt-relaxed-constexpr \
+    /usr/local/cuda/bin/nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DTQ_SM90A=1 $(tr , ' ' <<< "${v#*:}") --expt-relaxed-constexpr \
       -I"$root/ops/include" "$root/scripts/cuda_prefill_probe.cu" "$root/ops/cuda/prefill.cu" "$root/ops/cuda/prefill_sm90.cu" \
       "$root/ops/cuda/split_plan.cpp" -o "/tmp/prefill_probe.${v%%:*}" > "$OUT/prefill_probe_build.${v%%:*}.log" 2>&1 &
   done

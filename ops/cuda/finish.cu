@@ -290,8 +290,10 @@ cudaError_t finish(const AttentionParams& p, const RotaryParams& rot, const Layo
   return launch_finish<F::kMse4, F::kUint4, true>(n, p, rot, l, q, k, v, mask, partial, new_part, y, a, kj, vj, stream);
 }
 
-#ifdef TQ_PHASES
-TQ_PHASE_READER(finish_phase_times)
-#endif
-
 }  // namespace turboquant::cuda::detail
+
+#ifdef TQ_PHASES
+namespace turboquant::cuda {
+TQ_PHASE_READER(finish_phase_times)
+}  // namespace turboquant::cuda
+#endif

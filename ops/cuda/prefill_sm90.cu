@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 #include "device_attributes.h"
 #include "flash_tile.cuh"
@@ -186,17 +187,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma::commit();
   };
   // Tile j's online softmax: the weights exp2(s - max) into pa (16 keys kk: n-tiles 2 kk and 2 kk + 1),
-  // the accumulators rescaled to the new maxima.
-  auto softmax = [&](int j) {
+  // the accumulators rescaled to the new maxima. Tiles that some row must not see all of (the end of
+  // the keys, the causal diagonal) take a variant of their own (edge): where one code path held both,
+  // the compiler worked out every score's mask in every tile (some 400 integer instructions a thread).
+  auto edge_tile = [&](int j) {
+    const int64_t t0 = static_cast<int64_t>(j) * kKeys;
+    return t0 + kKeys > p.new_len || (p.is_causal && t0 + kKeys - 1 > wg_row0 + diag);
+  };
+  auto softmax = [&](int j, auto edge_variant) {
+    constexpr bool edge = decltype(edge_variant)::value;
     const int64_t t0 = static_cast<int64_t>(j) * kKeys;
     // element e of n-tile nt: key t0 + 8 nt + 2 (lane % 4) + (e & 1) of row `row + 8 (e >> 1)`
-    const bool edge = t0 + kKeys > p.new_len || (p.is_causal && t0 + kKeys - 1 > wg_row0 + diag);
 #pragma unroll
     for (int nt = 0; nt < kKeys / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = s[4 * nt + e] * scale;
-        if (edge) {
+        float x = s[4 * nt + e];
+        if constexpr (edge) {
           const int64_t t = t0 + 8 * nt + 2 * (lane % 4) + (e & 1), r = row + 8 * (e >> 1);
           if (t >= p.new_len || (p.is_causal && t > r + diag)) x = -INFINITY;
         }
@@ -205,18 +212,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // rows `row` (h = 0) and `row + 8`
-      float mx = m[h];
+      // the raw scores' maximum, then scaled (scale > 0: launch checks), so that each weight is one
+      // fused multiply-add and an exp2
+      float mx = -INFINITY;
 #pragma unroll
       for (int nt = 0; nt < kKeys / 8; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * h], s[4 * nt + 2 * h + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = fmaxf(m[h], mx == -INFINITY ? -INFINITY : mx * scale);
       const float base = mx == -INFINITY ? 0.0f : mx;  // a row that sees no key yet stays empty
       const float alpha = fast_exp2(m[h] - base);
       float sum = 0.0f;
 #pragma unroll
       for (int nt = 0; nt < kKeys / 8; ++nt) {
-        s[4 * nt + 2 * h] = fast_exp2(s[4 * nt + 2 * h] - base);
-        s[4 * nt + 2 * h + 1] = fast_exp2(s[4 * nt + 2 * h + 1] - base);
+        s[4 * nt + 2 * h] = fast_exp2(fmaf(s[4 * nt + 2 * h], scale, -base));
+        s[4 * nt + 2 * h + 1] = fast_exp2(fmaf(s[4 * nt + 2 * h + 1], scale, -base));
         sum += s[4 * nt + 2 * h] + s[4 * nt + 2 * h + 1];
       }
       l[h] = l[h] * alpha + sum;
@@ -243,22 +253,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma::wait<0>();
     wgmma::fence_registers(s);
     mbar_arrive(empty_k(0));
-    softmax(0);
+    if (edge_tile(0)) {
+      softmax(0, std::true_type{});
+    } else {
+      softmax(0, std::false_type{});
+    }
     for (int j = 1; j < tiles; ++j) {
       const int sv = (j - 1) % kStages, sk = j % kStages;
       mbar_wait(full_v(sv), ((j - 1) / kStages) & 1);
       sched_sync();
       values(v_at + sv * tile_bytes<D>());
-      wgmma::wait<0>();
-      wgmma::fence_registers(o);
-      mbar_arrive(empty_v(sv));
       mbar_wait(full_k(sk), (j / kStages) & 1);
       scores(k_at + sk * tile_bytes<D>());
       sched_arrive();
       wgmma::wait<0>();
+      wgmma::fence_registers(o);
       wgmma::fence_registers(s);
+      mbar_arrive(empty_v(sv));
       mbar_arrive(empty_k(sk));
-      softmax(j);
+      if (edge_tile(j)) {
+        softmax(j, std::true_type{});
+      } else {
+        softmax(j, std::false_type{});
+      }
     }
     const int sv = (tiles - 1) % kStages;  // the last tile's values
     mbar_wait(full_v(sv), ((tiles - 1) / kStages) & 1);
@@ -362,6 +379,7 @@ cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const
 
 cudaError_t launch_prefill_sm90(const AttentionParams& p, const void* q, const void* k, const void* v, void* y,
                                 float* part, cudaStream_t stream) {
+  if (!(p.scale > 0.0f)) return cudaErrorNotSupported;  // the softmax takes the raw scores' maximum: launch_prefill takes the other kernel
   using H = __half;
   using B = __nv_bfloat16;
   const bool bf16 = p.dtype == DType::kBFloat16;
