@@ -55,10 +55,10 @@ class AttentionMoments:
             o = p @ v[:, j]
             spread = vsq[:, j, None, :] - 2.0 * o @ v[:, j].transpose(0, 2, 1) + (o * o).sum(-1)[..., None]
             w = p * p * np.maximum(spread, 0.0)
-            q2 = q[:, h] * q[:, h]
-            self.m2[j] += np.einsum("bti,btl->il", q2, w @ (kc[:, j] * kc[:, j]))
-            self.m1[j] += np.einsum("bti,btl->il", q2, w @ kc[:, j])
-            self.m0[j] += np.einsum("bti,bt->i", q2, w.sum(-1))
+            q2 = (q[:, h] * q[:, h]).reshape(-1, d).T  # the sums over b and t as products
+            self.m2[j] += q2 @ (w @ (kc[:, j] * kc[:, j])).reshape(-1, d)
+            self.m1[j] += q2 @ (w @ kc[:, j]).reshape(-1, d)
+            self.m0[j] += q2 @ w.sum(-1).reshape(-1)
 
     def scales(self, mean_key: np.ndarray) -> np.ndarray:
         """s [Hkv, D] (float32) for keys stored as (k - mean_key) / s."""

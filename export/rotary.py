@@ -196,12 +196,14 @@ def plan(model: ir.Model, rotated: dict[int, tuple[ir.Value, ir.Value]], head_di
         key = (id(site.cos), id(site.sin))
         if key not in made:
             t = tables(model, site, position_ids, positions)
-            same = [v for v in made.values() if v is not None and t is not None and v[0].seq_axis == t.seq_axis
-                    and np.array_equal(v[0].cos, t.cos) and np.array_equal(v[0].sin, t.sin)]
+            # each distinct table once (made holds the first of equal ones under every site's key)
+            distinct = {id(v[1]): v for v in made.values() if v is not None}.values()
+            same = next((v for v in distinct if t is not None and v[0].seq_axis == t.seq_axis
+                         and np.array_equal(v[0].cos, t.cos) and np.array_equal(v[0].sin, t.sin)), None)
             if t is None or same:  # (torch.onnx dynamo computes the same tables in every layer: kept once)
-                made[key] = same[0] if same else None
+                made[key] = same
             else:
-                n = len({id(v[1]) for v in made.values() if v is not None})
+                n = len(distinct)
                 cos, sin = (ir.Value(name=f"tq_rotary_{which}_cache{n or ''}",
                                      const_value=ir.tensor(a.astype(dtype.numpy()), name=f"tq_rotary_{which}_cache{n or ''}"))
                             for which, a in (("cos", t.cos), ("sin", t.sin)))
