@@ -133,11 +133,12 @@ DTYPE_NAMES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", Ten
 
 def fp16_centroids(c, device):
     """Whether the reference scores the past through fp16 centroids, as the kernel that runs does:
-    the CUDA tensor-core split kernels (documented to round MSE keys as an fp16 cache would; with
-    "wide" values the scores reach thousands, where that rounding can tip near-equal keys)."""
+    the bulk and chunk tensor-core split kernels (documented to round MSE keys as an fp16 cache would;
+    with "wide" values the scores reach thousands, where that rounding can tip near-equal keys). The
+    mma kernel adds the centroids' fp16 low parts in a product of their own: its keys are not rounded."""
     if device != "cuda" or c["sp"] == 0 or not c["kf"].startswith("mse"):
         return False
-    return plan_split(**planned_call(c), device=cuda_device()).kernel in ("tc_bulk", "tc_mma", "tc_chunk")
+    return plan_split(**planned_call(c), device=cuda_device()).kernel in ("tc_bulk", "tc_chunk")
 
 
 def planned_prefill(c):
