@@ -8,6 +8,7 @@ import sys
 from turboquant.arguments import non_negative
 from turboquant.config import TQ_PRESETS
 
+from .calibrate import DEFAULT_WINDOW
 from .errors import RewriteError
 from .rewrite import export
 
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                    "per-layer key offsets and scales: token ids (.npy/.ids) or text (with --tokenizer), or data-free: "
                    "'random' (random token ids) or 'self' (text the model writes itself, sampled with a fixed seed from "
                    "random-token prompts); a file named so is ./random or ./self (default: self)")
+    p.add_argument("--calibration-window", type=int, default=DEFAULT_WINDOW, metavar="TOKENS",
+                   help=f"tokens in each window the calibration prefills from an empty cache (default {DEFAULT_WINDOW}; 4096 "
+                   "tokens in all, e.g. 4 windows of 1024): the key scales are fitted to attention over that span")
     p.add_argument("--no-offsets", action="store_true", help="no calibration at all: no key offsets or scales")
     p.add_argument("--tokenizer", metavar="DIR", help="local Hugging Face tokenizer folder for a text --calibrate file")
     p.add_argument("--value-offsets", action="store_true", help="with --calibrate, subtract the mean value too")
@@ -79,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                         calibrate=args.calibrate, tokenizer=args.tokenizer, offsets=not args.no_offsets,
                         value_offsets=args.value_offsets,
                         key_scales=not args.no_key_scales, value_scales=args.value_scales, target=args.target,
-                        unsupported=args.unsupported, cache=args.cache, rotary_positions=args.rotary_positions)
+                        unsupported=args.unsupported, cache=args.cache, rotary_positions=args.rotary_positions,
+                        calibration_window=args.calibration_window)
     except RewriteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

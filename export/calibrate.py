@@ -39,6 +39,7 @@ class Calibration:
     key_scales: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # layer -> s, float32 [Hkv, D]
     q_heads: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> query heads
     value_scales: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # layer -> s, float32 [Hkv, D]
+    window: int = 0  # tokens per prefilled window
 
 
 def calibration_metadata(calibration: Calibration | None, value_offsets: bool, key_scales: bool) -> dict[str, str]:
@@ -48,7 +49,7 @@ def calibration_metadata(calibration: Calibration | None, value_offsets: bool, k
     return {"turboquant.offsets": "keys and values" if value_offsets else "keys",
             "turboquant.key_scales": "yes" if key_scales and calibration.key_scales else "no",
             "turboquant.value_scales": "yes" if calibration.value_scales else "no",
-            "turboquant.calibration": f"{calibration.source}, {calibration.tokens} tokens"}
+            "turboquant.calibration": f"{calibration.source}, {calibration.tokens} tokens in windows of {calibration.window}"}
 
 
 FP8_KEY_PEAK = 64.0  # where fp8_key_scale puts each channel's largest calibrated |k|: exact in e4m3, 7x under 448
@@ -81,22 +82,37 @@ def load_tokens(path: str | os.PathLike, tokenizer: str | os.PathLike | None = N
 
 
 DATA_FREE = ("random", "self")  # --calibrate's data-free sources: random token ids, the model's own text
+CALIBRATION_TOKENS = 4096  # what the calibration prefills, in windows of --calibration-window tokens
+DEFAULT_WINDOW = 256
 
 
-def calibration_tokens(calibrate, tokenizer, model, model_path, progress: bool = False) -> tuple[np.ndarray | None, str]:
+def window_count(window: int) -> int:
+    """How many windows of `window` tokens the calibration prefills (at least one)."""
+    return max(1, CALIBRATION_TOKENS // window)
+
+
+def check_window(window) -> None:
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or not 16 <= window <= 65536:
+        raise RewriteError(f"calibration window must be an integer from 16 to 65536 tokens, got {window!r}")
+
+
+def calibration_tokens(calibrate, tokenizer, model, model_path, progress: bool = False,
+                       window: int = DEFAULT_WINDOW) -> tuple[np.ndarray | None, str]:
     """The tokens the rewrite calibrates on, and what they are: calibrate "random" (random token
-    ids), "self" (export/self_text.py: text the original model at model_path writes itself) or a
-    file (load_tokens). Returns (None, reason) when a data-free source cannot be used on this model."""
+    ids), "self" (export/self_text.py: text the original model at model_path writes itself, one
+    sequence per window of `window` tokens) or a file (load_tokens). Returns (None, reason) when a
+    data-free source cannot be used on this model."""
     if isinstance(calibrate, str) and calibrate in DATA_FREE:
         if calibrate == "random":
-            return data_free_tokens(model)
+            return data_free_tokens(model, count=window_count(window) * window)
         from .self_text import self_generated_tokens
 
-        return self_generated_tokens(model_path, vocabulary_size(model), progress=progress)
+        return self_generated_tokens(model_path, vocabulary_size(model), sequences=window_count(window), window=window,
+                                     progress=progress)
     return load_tokens(calibrate, tokenizer, model)
 
 
-def data_free_tokens(model, count: int = 4096, seed: int = 0) -> tuple[np.ndarray | None, str]:
+def data_free_tokens(model, count: int = CALIBRATION_TOKENS, seed: int = 0) -> tuple[np.ndarray | None, str]:
     """Random token ids over the model's vocabulary, for calibrating without text: the fixed
     per-channel parts of keys that offsets remove, and the channel energies that scales balance,
     come mostly from the weights, not from the text (text the model writes itself, "self", does
@@ -179,16 +195,17 @@ def _query_probe(model_path, plan_args: dict, layers: list[int]) -> tuple[bytes,
 
 
 def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], source: str, *, plan_args: dict | None = None,
-            window: int = 256, max_windows: int = 16, progress: bool = True, value_scales: bool = False) -> Calibration:
-    """Mean key and value per layer and KV head over up to max_windows windows of `window` tokens,
-    (given plan_args, the rewrite's plan_layers arguments) the key scales from the queries, and
-    (value_scales) the value scales."""
+            window: int = DEFAULT_WINDOW, max_windows: int | None = None, progress: bool = True,
+            value_scales: bool = False) -> Calibration:
+    """Mean key and value per layer and KV head over up to max_windows (default window_count) windows
+    of `window` tokens, (given plan_args, the rewrite's plan_layers arguments) the key scales from the
+    queries, and (value_scales) the value scales."""
     from tqdm import tqdm
 
     from turboquant.decoder import DecoderSession
     from turboquant.ort import session_options_beside
 
-    ids, window, starts = windows(ids, window, max_windows)
+    ids, window, starts = windows(ids, window, max_windows or window_count(window))
     queries: dict[int, tuple[str, int, float | None]] = {}
     if plan_args is not None:
         # from memory, its weights read from the model's own files: a copy would be another 16 GB
@@ -221,7 +238,7 @@ def collect(model_path: str | os.PathLike, ids: np.ndarray, layers: list[int], s
     vscales = {i: value_scale(sums["v2"][i] / count) for i in layers} if value_scales else {}
     return Calibration({i: mean_k[i].astype(np.float32) for i in layers},
                        {i: (sums["v"][i] / count).astype(np.float32) for i in layers}, count, source, scales, q_heads,
-                       vscales)
+                       vscales, window)
 
 
 def windows(ids: np.ndarray, window: int, max_windows: int) -> tuple[np.ndarray, int, list[int]]:

@@ -23,7 +23,7 @@ import tempfile
 import numpy as np
 import onnx_ir as ir
 
-from .calibrate import Calibration, add_cache_sums, fp8_key_scale, key_peaks, windows
+from .calibrate import DEFAULT_WINDOW, Calibration, add_cache_sums, fp8_key_scale, key_peaks, window_count, windows
 from .gqa import _attr, plan_gqa_layers
 from .key_scale import AttentionMoments
 from .surgery import _initializer
@@ -46,17 +46,17 @@ def rotary_tables(node: ir.Node, head_dim: int) -> tuple[np.ndarray, np.ndarray]
 
 
 def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, preset: str, boundary: int = 2,
-                skip_layers=None, keep_layers=None, key_scales: bool = True, window: int = 256,
-                max_windows: int = 16, progress: bool = True) -> tuple[Calibration, list[str]]:
+                skip_layers=None, keep_layers=None, key_scales: bool = True, window: int = DEFAULT_WINDOW,
+                max_windows: int | None = None, progress: bool = True) -> tuple[Calibration, list[str]]:
     """Mean rotated key and mean value per compressed layer and KV head over up to max_windows
-    windows of `window` tokens, and (key_scales) the key scales. Returns the calibration and notes
-    on layers that got no scales."""
+    (default window_count) windows of `window` tokens, and (key_scales) the key scales. Returns the
+    calibration and notes on layers that got no scales."""
     from tqdm import tqdm
 
     from turboquant.decoder import _NP, DecoderSession
     from turboquant.reference.gqa import rotary
 
-    ids, window, starts = windows(ids, window, max_windows)
+    ids, window, starts = windows(ids, window, max_windows or window_count(window))
     probe = ir.load(model_path)
     plans, _, nodes = plan_gqa_layers(probe, preset, boundary, skip_layers, keep_layers)
     layers = [p for p in plans if p.compressed]
@@ -108,7 +108,7 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
     scales.update({i: fp8_key_scale(key_peaks(sums, i, mean_k[i])) for i in fp8})
     calibration = Calibration({i: m.astype(np.float32) for i, m in mean_k.items()},
                               {p.index: (sums["v"][p.index] / count).astype(np.float32) for p in layers}, count,
-                              source, scales, {i: heads[i][0] for i in scales})
+                              source, scales, {i: heads[i][0] for i in scales}, window=window)
     return calibration, notes
 
 

@@ -18,7 +18,7 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS
 from .errors import RewriteError
 from .forms import locate
 from .cache_io import _KV_NAMES
-from .calibrate import DATA_FREE
+from .calibrate import DATA_FREE, DEFAULT_WINDOW, check_window
 from .gqa import uses_gqa
 from .passes import TurboQuantRewrite
 from .plan import RewriteResult, plan_layers
@@ -104,14 +104,15 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
            calibrate: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
            offsets: bool = True, value_offsets: bool = False, key_scales: bool = True, value_scales: bool = False,
            target: str = "onnxruntime", unsupported: str = "refuse", cache: str = "auto",
-           rotary_positions: int | None = None) -> RewriteResult:
+           rotary_positions: int | None = None, calibration_window: int = DEFAULT_WINDOW) -> RewriteResult:
     """Rewrites the model at model_path and saves it (never over the input). See python -m turboquant.export.
 
     calibrate: token ids (.npy) or text (with tokenizer, a local tokenizer folder) on which the
     original model is run to compute the per-layer key offsets and scales (and, with value_offsets,
     value offsets), or a data-free source: "random" (random token ids) or "self" (text the model
     writes itself, export/self_text.py). Without it, every preset calibrates on DATA_FREE_DEFAULT
-    ("self");
+    ("self"); calibration_window: the tokens of each window the calibration prefills (4096 tokens in
+    all, at least one window; the self-written text one sequence per window);
     offsets=False turns every calibration off. keep_layers: the layers left uncompressed instead of
     the first and last `boundary`, or "auto": the 2 x boundary layers whose packing alone costs the
     calibration tokens most (export/layer_cost.py). value_scales: also per-channel value scales
@@ -135,10 +136,13 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         raise RewriteError(f"rotary_positions must be a non-negative integer (0: the exporter's rotary stays), got {rotary_positions!r}")
     if cache not in ("auto", "concat", "in-place"):
         raise RewriteError(f"cache must be 'auto', 'concat' or 'in-place', got {cache!r}")
+    check_window(calibration_window)
     src = pathlib.Path(model_path)
     out = pathlib.Path(output) if output else default_output(src, preset)
     if calibrate is not None and not offsets:
         raise RewriteError("--calibrate and --no-offsets contradict each other: calibration only computes offsets and scales")
+    if calibration_window != DEFAULT_WINDOW and not offsets:
+        raise RewriteError("--calibration-window and --no-offsets contradict each other: the windows are the calibration's")
     if value_scales and not offsets:
         raise RewriteError("--value-scales and --no-offsets contradict each other: the scales come from the calibration")
     if value_scales and (cache == "concat" or target == "tensorrt"):
@@ -173,7 +177,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         return _export_gqa(model, src, out, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
                            dry_run=dry_run, calibrate=calibrate if calibrates else False, tokenizer=tokenizer,
                            value_offsets=value_offsets, key_scales=key_scales, progress=shows, target=target,
-                           unsupported=unsupported)
+                           unsupported=unsupported, window=calibration_window)
     auto = cache == "auto"
     cache, why_concat = _cache_form(model, cache, target)
     calibration, chosen = None, None
@@ -184,11 +188,12 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         # auto: every layer calibrated, then the costliest kept
         planned = [] if auto_keep else keep_layers
         plans, _ = plan_layers(model, preset, boundary, skip_layers, planned)
-        ids, source = calibration_tokens(calibrate, tokenizer, model, src, shows)
+        ids, source = calibration_tokens(calibrate, tokenizer, model, src, shows, calibration_window)
         if ids is not None:
             plan_args = dict(preset=preset, boundary=boundary, skip_layers=skip_layers, keep_layers=planned)
             calibration = collect(src, ids, [p.index for p in plans if p.compressed], source,
-                                  plan_args=plan_args if key_scales else None, progress=shows, value_scales=value_scales)
+                                  plan_args=plan_args if key_scales else None, progress=shows, value_scales=value_scales,
+                                  window=calibration_window)
             if auto_keep:
                 keep_layers, chosen = measured_keep(src, ids, calibration, plans, preset, 2 * boundary,
                                                     value_offsets=value_offsets, key_scales=key_scales, progress=shows)
@@ -342,9 +347,10 @@ def _save(model: ir.Model, out: pathlib.Path) -> None:
 
 def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: str, *, boundary, skip_layers,
                 keep_layers, dry_run, calibrate, tokenizer, value_offsets, key_scales, progress, target,
-                unsupported) -> RewriteResult:
+                unsupported, window) -> RewriteResult:
     """export() for onnxruntime-genai models (GroupQueryAttention). calibrate: a file, "random" or
-    "self" (data-free), or False (no calibration); export/calibrate_gqa.py measures it."""
+    "self" (data-free), or False (no calibration), in windows of `window` tokens;
+    export/calibrate_gqa.py measures it."""
     from . import genai
 
     genai_folder = target == "onnxruntime" and (src.parent / genai.CONFIG).is_file()  # genai runs ONNX Runtime only
@@ -362,10 +368,10 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
         check_supported(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=planned,
                         unsupported=unsupported)
 
-        ids, source = calibration_tokens(calibrate, tokenizer, model, src, progress)
+        ids, source = calibration_tokens(calibrate, tokenizer, model, src, progress, window)
         if ids is not None:
             calibration, notes = collect_gqa(src, ids, source, preset=preset, boundary=boundary, skip_layers=skip_layers,
-                                             keep_layers=planned, key_scales=key_scales, progress=progress)
+                                             keep_layers=planned, key_scales=key_scales, progress=progress, window=window)
             if auto_keep:
                 plans, _, _ = plan_gqa_layers(model, preset, boundary, skip_layers, planned)
                 keep_layers, chosen = measured_keep(src, ids, calibration, plans, preset, 2 * boundary,

@@ -120,7 +120,7 @@ def test_data_free_calibration_is_the_default(biased_model, tmp_path, preset):
     meta = lambda r: {p.key: p.value for p in onnx.load(str(r.output)).metadata_props}  # noqa: E731
     default = meta(export(src, preset, tmp_path / "a.onnx", boundary=1))
     assert default["turboquant.calibration"].startswith("data-free (self-generated: 16 continuations, sampled")
-    assert default["turboquant.calibration"].endswith(", 4096 tokens")
+    assert default["turboquant.calibration"].endswith(", 4096 tokens in windows of 256")
     assert default["turboquant.key_scales"] == "yes"
     none = {"turboquant.offsets": "none", "turboquant.key_scales": "no", "turboquant.calibration": "none"}
     m = meta(export(src, preset, tmp_path / "b.onnx", boundary=1, offsets=False))

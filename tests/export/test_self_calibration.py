@@ -46,12 +46,29 @@ def test_the_rewrite_records_it(tiny, tmp_path):
     r = export(src, "turboquant_4bit_nc", tmp_path / "self.onnx", boundary=1, calibrate="self", progress=False)
     meta = _meta(r.output)
     assert meta["turboquant.calibration"].startswith("data-free (self-generated: 16 continuations, sampled")
-    assert meta["turboquant.calibration"].endswith(", 4096 tokens") and meta["turboquant.key_scales"] == "yes"
+    assert meta["turboquant.calibration"].endswith(", 4096 tokens in windows of 256") and meta["turboquant.key_scales"] == "yes"
     rnd = _meta(export(src, "turboquant_4bit_nc", tmp_path / "random.onnx", boundary=1, calibrate="random",
                        progress=False).output)
     assert rnd["turboquant.calibration"].startswith("data-free (random token ids, seed 0)")
     k8 = _meta(export(src, "turboquant_k8v4", tmp_path / "k8.onnx", boundary=1, calibrate="self", progress=False).output)
     assert "self-generated" in k8["turboquant.calibration"] and k8["turboquant.offsets"] == "keys"  # asked for: calibrated
+
+
+def test_the_calibration_window_sets_the_sequences_and_windows(tiny, tmp_path):
+    """4096 tokens in all: 64 self-written sequences of 64 tokens, or 2 windows of 2048 random ids."""
+    cfg, src = tiny
+    short = _meta(export(src, "turboquant_4bit_nc", tmp_path / "w64.onnx", boundary=1, calibrate="self",
+                         calibration_window=64, progress=False).output)["turboquant.calibration"]
+    assert short.startswith("data-free (self-generated: 64 continuations") and short.endswith(", 4096 tokens in windows of 64")
+    long = _meta(export(src, "turboquant_4bit_nc", tmp_path / "w2k.onnx", boundary=1, calibrate="random",
+                        calibration_window=2048, progress=False).output)["turboquant.calibration"]
+    assert long.endswith(", 4096 tokens in windows of 2048")
+    with pytest.raises(RewriteError, match="--calibration-window and --no-offsets contradict"):
+        export(src, "turboquant_4bit_nc", tmp_path / "bad.onnx", calibration_window=1024, offsets=False)
+    for bad in (8, 100000, 256.0, True):
+        with pytest.raises(RewriteError, match="calibration window must be an integer from 16 to 65536"):
+            export(src, "turboquant_4bit_nc", tmp_path / "bad.onnx", calibration_window=bad)
+    assert not (tmp_path / "bad.onnx").exists()
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -80,7 +97,8 @@ def test_cli(tiny, tmp_path, capsys):
     assert "self-generated" in _meta(out)["turboquant.calibration"]
     capsys.readouterr()
     for extra, message in ((["--tokenizer", str(tmp_path)], "--tokenizer is for a text --calibrate file"),
-                           (["--no-offsets"], "contradict")):
+                           (["--no-offsets"], "contradict"),
+                           (["--calibration-window", "8"], "calibration window must be an integer from 16")):
         assert cli.main([str(src), "--preset", "turboquant_4bit_nc", "-o", str(tmp_path / "x.onnx"), "--calibrate", "self",
                          *extra]) == 2
         err = capsys.readouterr().err
