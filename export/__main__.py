@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="in-place form: the exporter's rotary embedding moved into the attention ops with cos/sin tables of "
                    "N positions, the longest sequence the output then takes (default: config.json's "
                    "max_position_embeddings beside the model, else 131072); 0 keeps the exporter's rotary nodes")
+    p.add_argument("--genai-cuda-graph", action="store_true",
+                   help="onnxruntime-genai folders built for cuda: the output's genai_config.json sets enable_cuda_graph, "
+                   "so genai replays each decode step from a CUDA graph (faster steps, a slower first token; genai's "
+                   "GroupQueryAttention refuses it at batch sizes above 1, turboquant's op runs)")
     p.add_argument("--dry-run", action="store_true", help="analyse and report, write nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                         value_offsets=args.value_offsets,
                         key_scales=not args.no_key_scales, value_scales=args.value_scales, target=args.target,
                         unsupported=args.unsupported, cache=args.cache, rotary_positions=args.rotary_positions,
-                        calibration_window=args.calibration_window)
+                        calibration_window=args.calibration_window, genai_cuda_graph=args.genai_cuda_graph)
     except RewriteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

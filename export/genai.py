@@ -70,12 +70,43 @@ def check_output_folder(src: pathlib.Path, out: pathlib.Path) -> None:
                            f"config, so write it to another folder (-o OTHER_DIR/{out.name})")
 
 
-def write_folder(src: pathlib.Path, out: pathlib.Path, result: RewriteResult) -> pathlib.Path:
-    """Completes out's folder for onnxruntime-genai; returns the config written."""
-    config = json.loads((src.parent / CONFIG).read_text())
+def _decoder(path: pathlib.Path) -> tuple[dict, dict]:
+    """(the config, its model.decoder section) of genai_config.json at path."""
+    config = json.loads(path.read_text())
     decoder = config.get("model", {}).get("decoder")
     if not isinstance(decoder, dict):
-        raise RewriteError(f"{src.parent / CONFIG} has no model.decoder section")
+        raise RewriteError(f"{path} has no model.decoder section")
+    return config, decoder
+
+
+def _cuda_options(decoder: dict) -> dict | None:
+    """The decoder's CUDA provider options (session_options.provider_options' "cuda" entry), or None."""
+    for entry in decoder.get("session_options", {}).get("provider_options", []):
+        if isinstance(entry, dict) and isinstance(entry.get("cuda"), dict):
+            return entry["cuda"]
+    return None
+
+
+def check_cuda_graph(src: pathlib.Path) -> None:
+    """cuda_graph needs a source folder whose decoder runs on genai's CUDA provider."""
+    path = src.parent / CONFIG
+    if not path.is_file():
+        raise RewriteError(f"--genai-cuda-graph is for onnxruntime-genai folders, and {src.parent} has no {CONFIG}")
+    _, decoder = _decoder(path)
+    if _cuda_options(decoder) is None:
+        providers = [k for e in decoder.get("session_options", {}).get("provider_options", []) for k in e] or ["cpu"]
+        raise RewriteError(f"--genai-cuda-graph: {path} runs the decoder on {', '.join(providers)}, not on the cuda "
+                           "provider whose graphs it would enable (build the model for cuda)")
+
+
+def write_folder(src: pathlib.Path, out: pathlib.Path, result: RewriteResult, cuda_graph: bool = False) -> pathlib.Path:
+    """Completes out's folder for onnxruntime-genai; returns the config written. cuda_graph: the CUDA
+    provider's decode steps replayed from graphs (enable_cuda_graph), which genai's GroupQueryAttention
+    refuses at batch sizes above 1 and TQGroupQueryAttention runs."""
+    config, decoder = _decoder(src.parent / CONFIG)
+    if cuda_graph:
+        check_cuda_graph(src)
+        _cuda_options(decoder)["enable_cuda_graph"] = "1"
     library = pathlib.Path(ort_library_path())
     shutil.copy2(library, out.parent / library.name)
     decoder["filename"] = out.name

@@ -104,7 +104,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
            calibrate: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
            offsets: bool = True, value_offsets: bool = False, key_scales: bool = True, value_scales: bool = False,
            target: str = "onnxruntime", unsupported: str = "refuse", cache: str = "auto",
-           rotary_positions: int | None = None, calibration_window: int = DEFAULT_WINDOW) -> RewriteResult:
+           rotary_positions: int | None = None, calibration_window: int = DEFAULT_WINDOW,
+           genai_cuda_graph: bool = False) -> RewriteResult:
     """Rewrites the model at model_path and saves it (never over the input). See python -m turboquant.export.
 
     calibrate: token ids (.npy) or text (with tokenizer, a local tokenizer folder) on which the
@@ -129,7 +130,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     rotary.DEFAULT_POSITIONS; 0: the exporter's rotary stays; TensorRT's form keeps it always).
     Models built by onnxruntime-genai (com.microsoft GroupQueryAttention) take export/gqa.py's rewrite;
     unsupported ("refuse" or "leave") says what happens to nodes using features it lacks, and a
-    source folder with genai_config.json gets a genai-ready output folder (export/genai.py)."""
+    source folder with genai_config.json gets a genai-ready output folder (export/genai.py), whose
+    CUDA provider replays decode steps from CUDA graphs with genai_cuda_graph."""
     if target not in ("onnxruntime", "tensorrt"):
         raise RewriteError(f"target must be 'onnxruntime' or 'tensorrt', got {target!r}")
     if rotary_positions is not None and (not isinstance(rotary_positions, int) or rotary_positions < 0):
@@ -149,6 +151,12 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         raise RewriteError("--value-scales applies to the in-place cache form only, not to --cache concat or --target tensorrt")
     if isinstance(calibrate, str) and calibrate in DATA_FREE and tokenizer is not None:
         raise RewriteError(f"--tokenizer is for a text --calibrate file; --calibrate {calibrate} takes none")
+    if genai_cuda_graph and target != "onnxruntime":
+        raise RewriteError("--genai-cuda-graph is for onnxruntime-genai folders, which run ONNX Runtime, not --target tensorrt")
+    if genai_cuda_graph:
+        from .genai import check_cuda_graph
+
+        check_cuda_graph(src)
     if not dry_run:  # before loading and calibrating, which take a while
         _check_writable(out)
     _refuse_input_files(src, None, out)
@@ -177,7 +185,9 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         return _export_gqa(model, src, out, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
                            dry_run=dry_run, calibrate=calibrate if calibrates else False, tokenizer=tokenizer,
                            value_offsets=value_offsets, key_scales=key_scales, progress=shows, target=target,
-                           unsupported=unsupported, window=calibration_window)
+                           unsupported=unsupported, window=calibration_window, cuda_graph=genai_cuda_graph)
+    if genai_cuda_graph:
+        raise RewriteError(f"--genai-cuda-graph is for onnxruntime-genai models; {src} has no GroupQueryAttention nodes")
     auto = cache == "auto"
     cache, why_concat = _cache_form(model, cache, target)
     calibration, chosen = None, None
@@ -347,7 +357,7 @@ def _save(model: ir.Model, out: pathlib.Path) -> None:
 
 def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: str, *, boundary, skip_layers,
                 keep_layers, dry_run, calibrate, tokenizer, value_offsets, key_scales, progress, target,
-                unsupported, window) -> RewriteResult:
+                unsupported, window, cuda_graph=False) -> RewriteResult:
     """export() for onnxruntime-genai models (GroupQueryAttention). calibrate: a file, "random" or
     "self" (data-free), or False (no calibration), in windows of `window` tokens;
     export/calibrate_gqa.py measures it."""
@@ -401,9 +411,12 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
     _save(model, out)
     result.output = out
     if genai_folder and not result.left:
-        result.notes.append(f"onnxruntime-genai folder: {genai.write_folder(src, out, result)}")
+        result.notes.append(f"onnxruntime-genai folder: {genai.write_folder(src, out, result, cuda_graph)}"
+                            + (", decode steps replayed from CUDA graphs on the cuda provider (enable_cuda_graph)"
+                               if cuda_graph else ""))
     elif genai_folder:
-        result.notes.append(f"no {genai.CONFIG} written: layers {result.left} keep float caches")
+        result.notes.append(f"no {genai.CONFIG} written: layers {result.left} keep float caches"
+                            + (" (nor CUDA graphs enabled)" if cuda_graph else ""))
     return result
 
 

@@ -303,6 +303,33 @@ def test_refusals(built, tmp_path):
         export(src, "turboquant_4bit_nc", tmp_path / "a" / "m.onnx", calibrate=tmp_path / "ids.npy")
 
 
+def test_cuda_graph_enabled_in_the_folder(built, tmp_path, capsys):
+    """--genai-cuda-graph: the output folder's genai_config.json sets the cuda provider's
+    enable_cuda_graph, nothing else of it; refused, with exit status 2 from the CLI, for a folder built
+    for the CPU, for TensorRT and for a model that is not genai's."""
+    from turboquant.export.__main__ import main
+
+    src = random_decoders.export_genai(CONFIGS["llama"], tmp_path / "cuda", precision="fp16", provider="cuda")
+    options = lambda r: json.loads((r.output.parent / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
+    plain = export(src, "turboquant_4bit_nc", tmp_path / "plain" / "model.onnx", offsets=False, progress=False)
+    graphs = export(src, "turboquant_4bit_nc", tmp_path / "graphs" / "model.onnx", offsets=False, progress=False,
+                    genai_cuda_graph=True)
+    assert options(plain)["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}]
+    assert options(graphs) == {**options(plain), "provider_options": [{"cuda": {"enable_cuda_graph": "1"}}]}
+    assert "decode steps replayed from CUDA graphs" in graphs.summary() and "CUDA graphs" not in plain.summary()
+    cpu = built("llama")
+    with pytest.raises(RewriteError, match=r"genai_config.json runs the decoder on cpu, not on the cuda provider"):
+        export(cpu, "turboquant_4bit_nc", tmp_path / "a" / "model.onnx", offsets=False, genai_cuda_graph=True)
+    with pytest.raises(RewriteError, match="not --target tensorrt"):
+        export(src, "turboquant_4bit_nc", tmp_path / "b" / "model.onnx", target="tensorrt", genai_cuda_graph=True)
+    exported = random_decoders.export(CONFIGS["llama"], tmp_path / "ts.onnx", "torchscript")
+    assert main([str(exported), "--preset", "turboquant_4bit_nc", "-o", str(tmp_path / "c" / "m.onnx"),
+                 "--genai-cuda-graph"]) == 2
+    assert f"error: --genai-cuda-graph is for onnxruntime-genai folders, and {exported.parent} has no genai_config.json" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
 def test_unsupported_features_refused_or_left(built, tmp_path):
     """A node with softcap: refused by default, naming the layer and the feature; with
     unsupported='leave' that layer keeps GroupQueryAttention and no genai config is written."""
@@ -363,15 +390,17 @@ def test_cuda_fp16_model_tracks_the_original_and_the_cpu(cuda_ready, tmp_path, p
 
 
 @pytest.mark.gpu
-def test_cuda_generates_with_onnxruntime_genai(cuda_ready, tmp_path):
+@pytest.mark.parametrize("graph", [False, True], ids=["steps", "cuda-graph"])
+def test_cuda_generates_with_onnxruntime_genai(cuda_ready, tmp_path, graph):
     """onnxruntime-genai's CUDA build (onnxruntime-genai-cuda) runs the rewritten fp16 CUDA folder:
-    per-layer buffers on the GPU, and the greedy tokens of the plain ONNX Runtime loop on CUDA."""
+    per-layer buffers on the GPU, and the greedy tokens of the plain ONNX Runtime loop on CUDA; with
+    --genai-cuda-graph, its decode steps replayed from CUDA graphs as the folder's config says."""
     import onnxruntime_genai as og
 
     if not og.is_cuda_available():
         pytest.skip("CUDA test skipped: the installed onnxruntime-genai has no CUDA (install onnxruntime-genai-cuda)")
     src = random_decoders.export_genai(CONFIGS["llama"], tmp_path / "fp16", precision="fp16", provider="cuda")
-    result = export(src, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", progress=False)
+    result = export(src, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", progress=False, genai_cuda_graph=graph)
     assert [p.row_bytes for p in result.layers] == [RAW16, RAW16, 36, 36, RAW16, RAW16]
     prompt = np.random.default_rng(17).integers(3, 640, (1, 9))
     steps = 20

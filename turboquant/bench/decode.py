@@ -35,6 +35,7 @@ class Options:
     prefill_chunk: int | None = None  # None: the prompt in one call
     runtime: str = "ort"  # "ort" or "genai"
     cuda_graph: bool = False  # CUDA: decode steps replayed from CUDA graphs (og.Generator's, or SharedBufferDecoder's)
+    graph_models: tuple[int, ...] | None = None  # with cuda_graph: the models (0-based) that replay graphs; None: all
     fill: str = "prefill"  # "prefill" or "random"
     ttft_budget: float = 120.0  # fill random: seconds the prefill for ttft may take before it is given up
     ttft_max_tokens: int | None = None  # fill random: the prefill for ttft only where batch x context is at most this
@@ -69,6 +70,7 @@ class Record:
     capacity_check: str | None = None
     error: str | None = None
     gpu_ms_per_step: float | None = None  # CUDA: the device's busy time per step (kernels, copies)
+    cuda_graph: bool = False  # its decode steps replayed from CUDA graphs
     round_ms: list[float | None] | None = None  # run_rounds: each round's ms/step (None: that round failed)
     rounds_how: str = ""  # run_rounds: how the rounds ran
 
@@ -283,6 +285,12 @@ def _loop(info: ModelInfo, opts: Options) -> str:
             f"{', CUDA graphs for the decode steps (the prompt without)' if opts.cuda_graph else ''}")
 
 
+def for_model(opts: Options, i: int) -> Options:
+    """The options model i (0-based, in the order given) runs with: cuda_graph resolved for it."""
+    graph = opts.cuda_graph and (opts.graph_models is None or i in opts.graph_models)
+    return dataclasses.replace(opts, cuda_graph=graph, graph_models=None)
+
+
 def _vocab(infos: list[ModelInfo]) -> int:
     return min(i.vocab for i in infos if i.vocab) if any(i.vocab for i in infos) else 32000
 
@@ -296,7 +304,9 @@ def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print, on_r
     ids = {(b, s): token_ids(vocab, b, s + WARMUP + opts.steps, opts.seed) for b, s in opts.points}
     longest = max(s for _, s in opts.points) + WARMUP + opts.steps
     records = []
-    for path, info in zip(paths, infos):
+    every = opts
+    for i, (path, info) in enumerate(zip(paths, infos)):
+        opts = for_model(every, i)
         # capacity first: its allocation check needs the device memory a loaded model's arena would hold
         checks = {}
         if opts.capacity:
@@ -315,7 +325,8 @@ def run(paths: list[str], infos: list[ModelInfo], opts: Options, log=print, on_r
             runner, load_error = None, _error(e)
         for b, s in opts.points:
             rec = Record(path, opts.device, b, s, None, None, None, info.kv_bytes(b, s), None, runtime=opts.runtime,
-                         peak_how=memory.HOW[opts.device], steps=opts.steps, error=load_error)
+                         peak_how=memory.HOW[opts.device], steps=opts.steps, error=load_error,
+                         cuda_graph=opts.cuda_graph)
             rec.loop = _loop(info, opts)
             log(f"{path}: {opts.runtime} runtime, {opts.fill} fill, B={b}, S={s} ...")
             if runner is not None:
@@ -386,14 +397,16 @@ def run_rounds(paths: list[str], infos: list[ModelInfo], opts: Options, log=prin
     for r in range(opts.rounds):
         for i in (range(len(paths)) if r % 2 == 0 else reversed(range(len(paths)))):
             log(f"round {r + 1} of {opts.rounds}: {paths[i]}" + (" (a process of its own)" if opts.isolate else ""))
+            one = for_model(single, i)
             if opts.isolate:
                 try:
-                    records = _in_process_of_its_own([paths[i]], [infos[i]], single, vocab)
+                    records = _in_process_of_its_own([paths[i]], [infos[i]], one, vocab)
                 except Exception as e:  # noqa: BLE001 - the process died (killed for memory, say): its points failed
                     records = [Record(paths[i], opts.device, b, s, None, None, None, infos[i].kv_bytes(b, s), None,
-                                      runtime=opts.runtime, steps=opts.steps, error=_error(e)) for b, s in opts.points]
+                                      runtime=opts.runtime, steps=opts.steps, error=_error(e),
+                                      cuda_graph=one.cuda_graph) for b, s in opts.points]
             else:
-                records = run([paths[i]], [infos[i]], single, log, vocab=vocab)
+                records = run([paths[i]], [infos[i]], one, log, vocab=vocab)
             raw[i].append(records)
             done += records
             if on_record is not None:

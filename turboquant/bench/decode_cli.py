@@ -48,11 +48,13 @@ def add_parsers(sub) -> None:
                    "onnxruntime-genai's runtime always takes it at once)")
     d.add_argument("--runtime", choices=["ort", "genai"], default="ort",
                    help="ort: turboquant's DecoderSession / SharedBufferDecoder loops; genai: og.Generator (genai folders)")
-    d.add_argument("--cuda-graph", action="store_true",
+    d.add_argument("--cuda-graph", type=_count, nargs="*", metavar="N",
                    help="--device cuda: each decode step replayed from a CUDA graph (ONNX Runtime's provider option "
                    "enable_cuda_graph), which takes out the host's work between kernels: onnxruntime-genai's own with "
                    "--runtime genai, SharedBufferDecoder's static-shape steps with --runtime ort (genai folders and "
-                   "in-place rewrites; the prompt runs without a graph)")
+                   "in-place rewrites; the prompt runs without a graph). Alone: every model; with numbers, those "
+                   "MODELs only (1 is the first): ORIGINAL TQ TQ --cuda-graph 3 times the rewrite without and with "
+                   "graphs beside an original that runs without")
     d.add_argument("--fill", choices=["prefill", "random"], default="prefill",
                    help="how the caches reach S tokens: a real prefill, or random K/V (packed through TQPack) without one")
     d.add_argument("--ttft-budget", type=_seconds, default=120.0, metavar="SECONDS",
@@ -117,10 +119,16 @@ def _decode(args) -> int:
             check_same_model(infos[0], info, f"MODEL {i}", weights=not args.other_exporters)
     except LayoutError as e:
         return _fail(e.arg, str(e))
-    if args.cuda_graph and args.device != "cuda":
+    graphs = args.cuda_graph is not None
+    if graphs and args.device != "cuda":
         return _fail("--cuda-graph", "needs --device cuda (ONNX Runtime's CUDA provider captures the graphs)")
-    if args.cuda_graph and args.runtime == "ort":
-        for p, info in zip(args.models, infos):
+    if graphs and any(n > len(args.models) for n in args.cuda_graph):
+        return _fail("--cuda-graph", f"model numbers run from 1 to {len(args.models)}, not {max(args.cuda_graph)}")
+    graph_models = tuple(sorted({n - 1 for n in args.cuda_graph})) if args.cuda_graph else None
+    if graphs and args.runtime == "ort":
+        for i, (p, info) in enumerate(zip(args.models, infos)):
+            if graph_models is not None and i not in graph_models:
+                continue
             if not info.shared:  # a graph replays fixed shapes
                 return _fail("MODEL", f"{p}: --cuda-graph needs caches written in place (SharedBufferDecoder: "
                              "onnxruntime-genai models, in-place rewrites); this model's caches grow each step "
@@ -157,7 +165,7 @@ def _decode(args) -> int:
         if cuda_missing():
             return _fail("--device", f"cuda: {cuda_missing()}")
     opts = decode.Options(device=args.device, points=points, steps=args.steps,
-                          prefill_chunk=args.prefill_chunk, runtime=args.runtime, fill=args.fill, cuda_graph=args.cuda_graph,
+                          prefill_chunk=args.prefill_chunk, runtime=args.runtime, fill=args.fill, cuda_graph=graphs, graph_models=graph_models,
                           ttft_budget=args.ttft_budget, ttft_max_tokens=args.ttft_max_tokens, ttft_warmup=args.ttft_warmup, capacity=args.capacity, threads=args.threads,
                           rounds=args.rounds, isolate=args.isolate)
     def saved(records):  # after every record: a run cut short keeps what it measured

@@ -64,11 +64,16 @@ def point_table(records: list[Record]) -> str:
         notes.setdefault(text, len(notes) + 1)
         return f"[{notes[text]}]"
 
+    mixed = len({r.cuda_graph for r in records}) > 1  # a model may be listed twice, with and without graphs
+
+    def name(r: Record) -> str:
+        return label[r.model] + (" (CUDA graphs)" if mixed and r.cuda_graph else "")
+
     for r in records:
         if r.error:
-            lines.append(f"| {label[r.model]} | failed: {r.error} |" + " |" * (len(head) - 2))
+            lines.append(f"| {name(r)} | failed: {r.error} |" + " |" * (len(head) - 2))
             continue
-        row = [label[r.model], _ms(r, note), _f(r.tokens_per_s, ".1f"), _ratio(r.tokens_per_s, first.tokens_per_s),
+        row = [name(r), _ms(r, note), _f(r.tokens_per_s, ".1f"), _ratio(r.tokens_per_s, first.tokens_per_s),
                f"{_f(r.ttft_ms, '.0f')} {note(r.ttft_how)}", _ratio(r.ttft_ms, first.ttft_ms, invert=True),
                f"{r.kv_bytes / 1e6:.1f}", _ratio(r.kv_bytes, first.kv_bytes, invert=True),
                f"{_f(r.peak_bytes and r.peak_bytes / 1e6, '.0f')} {note(r.peak_how)}", r.fill.split(" ")[0] + (f" {note(r.fill)}" if " " in r.fill else "")]

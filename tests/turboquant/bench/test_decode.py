@@ -5,6 +5,7 @@ arguments. No timing is asserted."""
 
 import dataclasses
 import json
+import pathlib
 
 import numpy as np
 import onnx
@@ -12,7 +13,7 @@ import pytest
 
 from turboquant import node_models, random_decoders
 from turboquant.bench import __main__ as bench
-from turboquant.bench import cache_fill, cache_layout, decode, decode_models
+from turboquant.bench import cache_fill, cache_layout, decode, decode_models, decode_report
 from turboquant.config import packed_size
 
 FIELDS = {"model", "device", "batch", "context", "ms_per_step", "tokens_per_s", "ttft_ms", "kv_bytes", "peak_bytes",
@@ -283,6 +284,9 @@ def test_bad_arguments_exit_2_naming_the_argument(built, tmp_path, capsys):
     # turboquant's loop replays graphs of buffers written in place only: the original's caches grow
     err = _fails(capsys, ["decode", orig, tq, "--device", "cuda", "--cuda-graph"], "MODEL")
     assert f"{orig}: --cuda-graph needs caches written in place" in err and "DecoderSession" in err
+    err = _fails(capsys, ["decode", orig, tq, "--device", "cuda", "--cuda-graph", "3"], "--cuda-graph")
+    assert "model numbers run from 1 to 2, not 3" in err
+    _fails(capsys, ["decode", orig, tq, "--device", "cuda", "--cuda-graph", "0"], "--cuda-graph")
     _fails(capsys, ["models", "--shape", "tiny", "--builder", "torchscript", "-o", str(tmp_path)], "-o")
 
 
@@ -303,6 +307,15 @@ def test_cuda_graph_runs_shared_buffer_models_only(built, concat, capsys):
     assert recs[0].error.startswith(f"ValueError: {paths[0]}: CUDA graphs need caches written in place")
     assert "CUDAExecutionProvider as the first provider" in recs[1].error
     assert recs[1].loop == "SharedBufferDecoder, CUDA graphs for the decode steps (the prompt without)"
+    # graphs for the listed models only: the original runs as ever, the rewrite twice, without and with
+    opts = dataclasses.replace(opts, graph_models=(2,))
+    recs = decode.run([*paths, paths[1]], [cache_layout.inspect(p) for p in [*paths, paths[1]]], opts, log=lambda s: None)
+    assert [r.cuda_graph for r in recs] == [False, False, True]
+    assert recs[0].error is None and recs[1].error is None and recs[1].loop == "SharedBufferDecoder"
+    assert "CUDAExecutionProvider as the first provider" in recs[2].error
+    rows = [line for line in decode_report.table(recs).splitlines() if line.startswith("| ")][1:]
+    assert rows[1].startswith(f"| {pathlib.Path(paths[1]).parent.name}/") and "CUDA graphs" not in rows[1]
+    assert "(CUDA graphs) | failed: ValueError" in rows[2]
 
 
 def test_rewrite_of_another_model_is_refused(built, tmp_path, capsys):
@@ -368,3 +381,21 @@ def test_cuda_graph_decode(cuda_ready, tmp_path, fill):
     for r in recs:
         assert r["error"] is None and r["loop"].endswith("CUDA graphs for the decode steps (the prompt without)")
         assert r["ms_per_step"] > 0 and r["fill"].startswith(fill) and r["ttft_ms"] > 0
+
+
+@pytest.mark.gpu
+def test_cuda_graph_for_listed_models_through_genai(cuda_ready, tmp_path):
+    """--cuda-graph 3 through onnxruntime-genai's generator at B = 2: the fp16 original (whose
+    GroupQueryAttention refuses genai's graph-mode prompt at B > 1) runs without, the rewrite without
+    and with graphs, in one process, the same greedy tokens' timings recorded for all three."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai runs the generator")
+    from turboquant.export import export
+
+    genai = random_decoders.export_genai(TINY, tmp_path / "genai", precision="fp16", provider="cuda")
+    genai_tq = export(genai, "turboquant_4bit_nc", tmp_path / "genai_tq" / "model.onnx", boundary=1, offsets=False,
+                      progress=False).output
+    recs = _decode(tmp_path, genai.parent, genai_tq.parent, genai_tq.parent, "--runtime", "genai", "--device", "cuda",
+                   "--cuda-graph", 3, "--context", 200, "--batch", 2, "--steps", 3)
+    assert [r["error"] for r in recs] == [None] * 3 and [r["cuda_graph"] for r in recs] == [False, False, True]
+    assert [r["loop"] for r in recs] == ["onnxruntime-genai og.Generator"] * 2 + ["onnxruntime-genai og.Generator, CUDA graphs"]
+    assert all(r["ms_per_step"] > 0 and r["ttft_ms"] > 0 for r in recs)
