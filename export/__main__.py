@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                    "random-token prompts); a file named so is ./random or ./self (default: self)")
     p.add_argument("--calibration-window", type=int, default=DEFAULT_WINDOW, metavar="TOKENS",
                    help=f"tokens in each window the calibration prefills from an empty cache (default {DEFAULT_WINDOW}; 4096 "
-                   "tokens in all, e.g. 4 windows of 1024): the key scales are fitted to attention over that span")
+                   "tokens in all, e.g. 4 windows of 1024; --calibrate self's 16 sequences of 256 tokens back to back): "
+                   "the key scales are fitted to attention over that span")
     p.add_argument("--no-offsets", action="store_true", help="no calibration at all: no key offsets or scales")
     p.add_argument("--tokenizer", metavar="DIR", help="local Hugging Face tokenizer folder for a text --calibrate file")
     p.add_argument("--value-offsets", action="store_true", help="with --calibrate, subtract the mean value too")

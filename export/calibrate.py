@@ -99,16 +99,16 @@ def check_window(window) -> None:
 def calibration_tokens(calibrate, tokenizer, model, model_path, progress: bool = False,
                        window: int = DEFAULT_WINDOW) -> tuple[np.ndarray | None, str]:
     """The tokens the rewrite calibrates on, and what they are: calibrate "random" (random token
-    ids), "self" (export/self_text.py: text the original model at model_path writes itself, one
-    sequence per window of `window` tokens) or a file (load_tokens). Returns (None, reason) when a
-    data-free source cannot be used on this model."""
+    ids, windows' worth), "self" (export/self_text.py: the 16 sequences of 256 tokens the original
+    model at model_path writes itself, whatever the window: a window longer than one takes several
+    back to back) or a file (load_tokens). Returns (None, reason) when a data-free source cannot be
+    used on this model."""
     if isinstance(calibrate, str) and calibrate in DATA_FREE:
         if calibrate == "random":
             return data_free_tokens(model, count=window_count(window) * window)
         from .self_text import self_generated_tokens
 
-        return self_generated_tokens(model_path, vocabulary_size(model), sequences=window_count(window), window=window,
-                                     progress=progress)
+        return self_generated_tokens(model_path, vocabulary_size(model), progress=progress)
     return load_tokens(calibrate, tokenizer, model)
 
 

@@ -4,8 +4,10 @@ the rewrite instead of random ids. Random ids put every layer in states real tex
 the model's own text follows its own distribution, which is what the key offsets and scales should
 describe, and it needs no text or tokenizer.
 
-One sequence per calibration window (export/calibrate.py `collect` prefills windows of `window`
-tokens), generated together as one batch, so the cost is `window` decode steps of that batch.
+16 sequences of 256 tokens, generated together as one batch (252 decode steps of 16); the
+calibration (export/calibrate.py `collect`) prefills them in windows of its own length, sequences
+back to back where a window is longer: close to one sequence per window in the eval, at a fraction
+of the writing (docs/performance.md, Quality: the calibration's window).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import numpy as np
 
 from .errors import RewriteError
 
-WINDOW = 256  # export/calibrate.py collect's window
-SEQUENCES = 16  # and its most windows
+WINDOW = 256  # tokens per sequence
+SEQUENCES = 16  # 4096 tokens: export/calibrate.py CALIBRATION_TOKENS
 
 
 def check_options(sequences: int, window: int, prompt: int, temperature: float) -> None:

@@ -54,17 +54,18 @@ def test_the_rewrite_records_it(tiny, tmp_path):
     assert "self-generated" in k8["turboquant.calibration"] and k8["turboquant.offsets"] == "keys"  # asked for: calibrated
 
 
-def test_the_calibration_window_sets_the_sequences_and_windows(tiny, tmp_path):
-    """4096 tokens in all: 64 self-written sequences of 64 tokens, or 2 windows of 2048 random ids."""
+def test_the_calibration_window_sets_the_windows(tiny, tmp_path):
+    """4096 tokens in all: the 16 self-written sequences of 256 tokens whatever the window (here 64
+    windows of 64), or 2 windows of 2048 random ids."""
     cfg, src = tiny
     short = _meta(export(src, "turboquant_4bit_nc", tmp_path / "w64.onnx", boundary=1, calibrate="self",
                          calibration_window=64, progress=False).output)["turboquant.calibration"]
-    assert short.startswith("data-free (self-generated: 64 continuations") and short.endswith(", 4096 tokens in windows of 64")
+    assert short.startswith("data-free (self-generated: 16 continuations") and short.endswith(", 4096 tokens in windows of 64")
     long = _meta(export(src, "turboquant_4bit_nc", tmp_path / "w2k.onnx", boundary=1, calibrate="random",
                         calibration_window=2048, progress=False).output)["turboquant.calibration"]
     assert long.endswith(", 4096 tokens in windows of 2048")
     with pytest.raises(RewriteError, match="--calibration-window and --no-offsets contradict"):
-        export(src, "turboquant_4bit_nc", tmp_path / "bad.onnx", calibration_window=1024, offsets=False)
+        export(src, "turboquant_4bit_nc", tmp_path / "bad.onnx", calibration_window=2048, offsets=False)
     for bad in (8, 100000, 256.0, True):
         with pytest.raises(RewriteError, match="calibration window must be an integer from 16 to 65536"):
             export(src, "turboquant_4bit_nc", tmp_path / "bad.onnx", calibration_window=bad)
