@@ -113,7 +113,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     value offsets), or a data-free source: "random" (random token ids) or "self" (text the model
     writes itself, export/self_text.py). Without it, every preset calibrates on DATA_FREE_DEFAULT
     ("self"); calibration_window: the tokens of each window the calibration prefills (4096 tokens in
-    all, at least one window; the self-written text one sequence per window);
+    all, at least one window; the self-written text's 256-token sequences back to back in longer ones);
     offsets=False turns every calibration off. keep_layers: the layers left uncompressed instead of
     the first and last `boundary`, or "auto": the 2 x boundary layers whose packing alone costs the
     calibration tokens most (export/layer_cost.py). value_scales: also per-channel value scales
