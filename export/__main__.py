@@ -8,7 +8,7 @@ import sys
 from turboquant.arguments import non_negative
 from turboquant.config import TQ_PRESETS
 
-from .calibrate import DEFAULT_WINDOW
+from .calibrate import DEFAULT_WINDOW, LLOYD_MAX_WINDOW
 from .errors import RewriteError
 from .rewrite import export
 
@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                    "per-layer key offsets and scales: token ids (.npy/.ids) or text (with --tokenizer), or data-free: "
                    "'random' (random token ids) or 'self' (text the model writes itself, sampled with a fixed seed from "
                    "random-token prompts); a file named so is ./random or ./self (default: self)")
-    p.add_argument("--calibration-window", type=int, default=DEFAULT_WINDOW, metavar="TOKENS",
-                   help=f"tokens in each window the calibration prefills from an empty cache (default {DEFAULT_WINDOW}; 4096 "
+    p.add_argument("--calibration-window", type=int, metavar="TOKENS",
+                   help=f"tokens in each window the calibration prefills from an empty cache (default {LLOYD_MAX_WINDOW} for "
+                   f"the Lloyd-Max-key presets, {DEFAULT_WINDOW} for turboquant_k8v4; 4096 "
                    "tokens in all, e.g. 4 windows of 1024; --calibrate self's 16 sequences of 256 tokens back to back): "
                    "the key scales are fitted to attention over that span")
     p.add_argument("--no-offsets", action="store_true", help="no calibration at all: no key offsets or scales")

@@ -83,7 +83,15 @@ def load_tokens(path: str | os.PathLike, tokenizer: str | os.PathLike | None = N
 
 DATA_FREE = ("random", "self")  # --calibrate's data-free sources: random token ids, the model's own text
 CALIBRATION_TOKENS = 4096  # what the calibration prefills, in windows of --calibration-window tokens
-DEFAULT_WINDOW = 256
+DEFAULT_WINDOW = 256  # fp8 keys' (turboquant_k8v4), and the default of the functions that take a window
+LLOYD_MAX_WINDOW = 1024
+
+
+def default_window(preset: str) -> int:
+    """The calibration window a preset gets unless told: 1024 tokens for Lloyd-Max keys, whose key
+    scales fitted in 256-token windows lost 2-2.5x more in 2048-token contexts; 256 for fp8 keys,
+    which longer windows did not help (docs/performance.md#quality)."""
+    return LLOYD_MAX_WINDOW if TQ_PRESETS.get(preset, {}).get("key_quant_bits") in (3, 4) else DEFAULT_WINDOW
 
 
 def window_count(window: int) -> int:

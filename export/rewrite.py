@@ -18,7 +18,7 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS
 from .errors import RewriteError
 from .forms import locate
 from .cache_io import _KV_NAMES
-from .calibrate import DATA_FREE, DEFAULT_WINDOW, check_window
+from .calibrate import DATA_FREE, check_window, default_window
 from .gqa import uses_gqa
 from .passes import TurboQuantRewrite
 from .plan import RewriteResult, plan_layers
@@ -104,7 +104,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
            calibrate: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
            offsets: bool = True, value_offsets: bool = False, key_scales: bool = True, value_scales: bool = False,
            target: str = "onnxruntime", unsupported: str = "refuse", cache: str = "auto",
-           rotary_positions: int | None = None, calibration_window: int = DEFAULT_WINDOW,
+           rotary_positions: int | None = None, calibration_window: int | None = None,
            genai_cuda_graph: bool = False) -> RewriteResult:
     """Rewrites the model at model_path and saves it (never over the input). See python -m turboquant.export.
 
@@ -113,7 +113,9 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     value offsets), or a data-free source: "random" (random token ids) or "self" (text the model
     writes itself, export/self_text.py). Without it, every preset calibrates on DATA_FREE_DEFAULT
     ("self"); calibration_window: the tokens of each window the calibration prefills (4096 tokens in
-    all, at least one window; the self-written text's 256-token sequences back to back in longer ones);
+    all, at least one window; the self-written text's 256-token sequences back to back in longer ones;
+    None: calibrate.default_window, 1024 for Lloyd-Max keys and 256 for fp8 keys, at most config.json's
+    max_position_embeddings beside the model);
     offsets=False turns every calibration off. keep_layers: the layers left uncompressed instead of
     the first and last `boundary`, or "auto": the 2 x boundary layers whose packing alone costs the
     calibration tokens most (export/layer_cost.py). value_scales: also per-channel value scales
@@ -138,13 +140,18 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         raise RewriteError(f"rotary_positions must be a non-negative integer (0: the exporter's rotary stays), got {rotary_positions!r}")
     if cache not in ("auto", "concat", "in-place"):
         raise RewriteError(f"cache must be 'auto', 'concat' or 'in-place', got {cache!r}")
-    check_window(calibration_window)
+    if calibration_window is not None:
+        check_window(calibration_window)
     src = pathlib.Path(model_path)
     out = pathlib.Path(output) if output else default_output(src, preset)
     if calibrate is not None and not offsets:
         raise RewriteError("--calibrate and --no-offsets contradict each other: calibration only computes offsets and scales")
-    if calibration_window != DEFAULT_WINDOW and not offsets:
+    if calibration_window is not None and not offsets:
         raise RewriteError("--calibration-window and --no-offsets contradict each other: the windows are the calibration's")
+    if calibration_window is None:  # no longer than the positions config.json beside the model gives
+        from .rotary import positions_for
+
+        calibration_window = max(16, min(default_window(preset), positions_for(src)))
     if value_scales and not offsets:
         raise RewriteError("--value-scales and --no-offsets contradict each other: the scales come from the calibration")
     if value_scales and (cache == "concat" or target == "tensorrt"):

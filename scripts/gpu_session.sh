@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine (see the device tool): build the package with its CUDA kernels (build), run the
+# On the GPU machine (see the device tool): build the package with its CUDA kernels (build; build-variant
+# beside it with developer defines, for A/B runs), run the
 # ORT op tests on the CUDA execution provider, the TensorRT plugins' enqueue tests and the genai test
 # (test), compute-sanitizer on the op tests (check) and on the kernel probes (check-probes), the
 # first-prompt kernels' probe (probe; prefill adds the op bench's prefill rows), the CUDA
@@ -37,6 +38,15 @@ if [ "$step" = build ] || [ "$step" = all ]; then
       rm -rf /tmp/tqsite && python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/tqsite . ) > /tmp/tq_build.log 2>&1
   echo "build exit $?" >> /tmp/tq_build.log
   grep -q "build exit 0" /tmp/tq_build.log && touch /tmp/tq_build.done
+fi
+if [ "$step" = build-variant ]; then  # VARIANT=NAME:FLAGS (comma-separated CUDA defines, as build_probe.sh's):
+  # the package built with them into /tmp/tqsite-NAME (A/B runs: PYTHONPATH=/tmp/site:/tmp/tqsite-NAME), beside `build`
+  name=${VARIANT%%:*} vflags=$(tr , ' ' <<< "${VARIANT#*:}")
+  rm -rf "/tmp/tqsrc-$name" && cp -r "$root" "/tmp/tqsrc-$name" && rm -rf "/tmp/tqsrc-$name/build"
+  ( cd "/tmp/tqsrc-$name" && export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DORT_INCLUDE_DIR=/tmp/tqsrc-$name/third_party/onnxruntime/include -DCMAKE_CUDA_FLAGS='$vflags'" \
+      && rm -rf "/tmp/tqsite-$name" && python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/tqsite-$name" . ) > "/tmp/tq_build-$name.log" 2>&1
+  echo "build exit $?" >> "/tmp/tq_build-$name.log"
+  grep -q "build exit 0" "/tmp/tq_build-$name.log" && touch "/tmp/tq_build-$name.done"
 fi
 if [ "$step" = models ]; then  # MODELS="llama3b:genai llama3b:torchscript": scripts/gpu_decode_bench.sh's models, once
   # `build` and `ort` are done (start it in the background in the first call: setsid nohup ... &); each

@@ -28,8 +28,9 @@ def test_offsets_cut_the_error_of_biased_keys(biased_model):
     rng = np.random.default_rng(0)
     np.save(d / "calib.npy", rng.integers(0, cfg.vocab, 1024))
     plain = export(src, "turboquant_k3v4_nc", d / "plain.onnx", boundary=1, cache="concat", offsets=False)
+    # windows of 256, near the held-out sequences' 44 positions: offsets are means over the window's positions
     calibrated = export(src, "turboquant_k3v4_nc", d / "calibrated.onnx", boundary=1, cache="concat", calibrate=d / "calib.npy",
-                        key_scales=False)
+                        key_scales=False, calibration_window=256)
     ids = np.random.default_rng(99).integers(0, cfg.vocab, (2, 44))  # held apart from the calibration tokens
     ref = DecoderSession(src).teacher_forced(ids, 12)[:, 1:]
     kl_plain = mean_kl(ref, DecoderSession(plain.output).teacher_forced(ids, 12)[:, 1:])
@@ -120,7 +121,8 @@ def test_data_free_calibration_is_the_default(biased_model, tmp_path, preset):
     meta = lambda r: {p.key: p.value for p in onnx.load(str(r.output)).metadata_props}  # noqa: E731
     default = meta(export(src, preset, tmp_path / "a.onnx", boundary=1))
     assert default["turboquant.calibration"].startswith("data-free (self-generated: 16 continuations, sampled")
-    assert default["turboquant.calibration"].endswith(", 4096 tokens in windows of 256")
+    window = 256 if preset == "turboquant_k8v4" else 1024  # fp8 keys' default, Lloyd-Max keys'
+    assert default["turboquant.calibration"].endswith(f", 4096 tokens in windows of {window}")
     assert default["turboquant.key_scales"] == "yes"
     none = {"turboquant.offsets": "none", "turboquant.key_scales": "no", "turboquant.calibration": "none"}
     m = meta(export(src, preset, tmp_path / "b.onnx", boundary=1, offsets=False))

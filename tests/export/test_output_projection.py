@@ -24,7 +24,8 @@ def test_a_widened_projection_runs_in_the_ops_type(tmp_path):
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in original.graph.initializer}
     o_proj = {n.name: inits[n.input[1]] for n in original.graph.node if n.op_type == "MatMul" and "o_proj" in n.name}
     assert len(o_proj) == cfg.layers and all(w.dtype == np.float32 for w in o_proj.values()), "the exporter's widened form"
-    r = export(src, PRESET, tmp_path / "tq.onnx", boundary=1, progress=False)
+    # windows of 256: the decode below is 24 tokens long, far from the default 1024's span
+    r = export(src, PRESET, tmp_path / "tq.onnx", boundary=1, progress=False, calibration_window=256)
     m = onnx.load(str(r.output))
     got = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
     ops = [n for n in m.graph.node if n.op_type in ("TQGroupQueryAttention", "GroupQueryAttention")]
@@ -57,6 +58,7 @@ def test_projections_kept_where_narrowing_would_change_them(tmp_path, values):
                 w = onnx.numpy_helper.to_array(t) + np.float32(1e-7)  # between float16 values
                 t.CopyFrom(onnx.numpy_helper.from_array(w, t.name))
         onnx.save(m, str(src))
-    r = export(src, PRESET, tmp_path / "tq.onnx", boundary=1, progress=False)
+    # windows of 256: the decode below is 24 tokens long, far from the default 1024's span
+    r = export(src, PRESET, tmp_path / "tq.onnx", boundary=1, progress=False, calibration_window=256)
     m = onnx.load(str(r.output))
     assert not any(t.name.startswith("tq_o_proj_weight_") for t in m.graph.initializer)

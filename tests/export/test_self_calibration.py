@@ -46,12 +46,13 @@ def test_the_rewrite_records_it(tiny, tmp_path):
     r = export(src, "turboquant_4bit_nc", tmp_path / "self.onnx", boundary=1, calibrate="self", progress=False)
     meta = _meta(r.output)
     assert meta["turboquant.calibration"].startswith("data-free (self-generated: 16 continuations, sampled")
-    assert meta["turboquant.calibration"].endswith(", 4096 tokens in windows of 256") and meta["turboquant.key_scales"] == "yes"
+    assert meta["turboquant.calibration"].endswith(", 4096 tokens in windows of 1024") and meta["turboquant.key_scales"] == "yes"
     rnd = _meta(export(src, "turboquant_4bit_nc", tmp_path / "random.onnx", boundary=1, calibrate="random",
                        progress=False).output)
     assert rnd["turboquant.calibration"].startswith("data-free (random token ids, seed 0)")
     k8 = _meta(export(src, "turboquant_k8v4", tmp_path / "k8.onnx", boundary=1, calibrate="self", progress=False).output)
     assert "self-generated" in k8["turboquant.calibration"] and k8["turboquant.offsets"] == "keys"  # asked for: calibrated
+    assert k8["turboquant.calibration"].endswith(", 4096 tokens in windows of 256")  # fp8 keys' default window
 
 
 def test_the_calibration_window_sets_the_windows(tiny, tmp_path):
@@ -64,12 +65,23 @@ def test_the_calibration_window_sets_the_windows(tiny, tmp_path):
     long = _meta(export(src, "turboquant_4bit_nc", tmp_path / "w2k.onnx", boundary=1, calibrate="random",
                         calibration_window=2048, progress=False).output)["turboquant.calibration"]
     assert long.endswith(", 4096 tokens in windows of 2048")
-    with pytest.raises(RewriteError, match="--calibration-window and --no-offsets contradict"):
-        export(src, "turboquant_4bit_nc", tmp_path / "bad.onnx", calibration_window=2048, offsets=False)
+    for window in (2048, 1024):  # the preset's default window too, when given
+        with pytest.raises(RewriteError, match="--calibration-window and --no-offsets contradict"):
+            export(src, "turboquant_4bit_nc", tmp_path / "bad.onnx", calibration_window=window, offsets=False)
     for bad in (8, 100000, 256.0, True):
         with pytest.raises(RewriteError, match="calibration window must be an integer from 16 to 65536"):
             export(src, "turboquant_4bit_nc", tmp_path / "bad.onnx", calibration_window=bad)
     assert not (tmp_path / "bad.onnx").exists()
+
+
+def test_the_default_window_stays_within_the_models_positions(tmp_path):
+    """A model whose config.json gives fewer positions than the preset's default window calibrates in
+    windows of that many tokens, not past them."""
+    cfg = random_decoders.TinyConfig(family="llama", layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, max_positions=320)
+    src = random_decoders.export(cfg, tmp_path / "model.onnx", "torchscript")
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 320}')  # as a Hugging Face folder has it
+    meta = _meta(export(src, "turboquant_4bit_nc", tmp_path / "tq.onnx", boundary=0, calibrate="random", progress=False).output)
+    assert meta["turboquant.calibration"].endswith("tokens in windows of 320")
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -96,6 +108,7 @@ def test_cli(tiny, tmp_path, capsys):
     out = tmp_path / "cli.onnx"
     assert cli.main([str(src), "--preset", "turboquant_k3v4_nc", "-o", str(out), "--boundary", "1", "--calibrate", "self", "--no-progress"]) == 0
     assert "self-generated" in _meta(out)["turboquant.calibration"]
+    assert _meta(out)["turboquant.calibration"].endswith("windows of 1024")  # Lloyd-Max keys' default window
     capsys.readouterr()
     for extra, message in ((["--tokenizer", str(tmp_path)], "--tokenizer is for a text --calibrate file"),
                            (["--no-offsets"], "contradict"),
