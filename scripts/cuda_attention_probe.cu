@@ -17,7 +17,9 @@
 // Prints the time per step back to back, "alone": each step after a spin kernel that keeps the GPU
 // busy while the host queues it, timed by events (median of up to 100; ~3 us of event overhead
 // included), as a layer's step runs after other kernels, and "idle-started": each step launched on
-// an idle GPU, as ONNX Runtime's steps are.
+// an idle GPU, as ONNX Runtime's steps are. TQ_PROBE_FLUSH_MB=N: each step timed alone follows a read
+// of N MB instead (then a read of its Q, K and V), as a model's layer follows its weights' stream: the
+// step's instructions, tables and caches come from DRAM, not L2.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -44,6 +46,16 @@ __global__ void spin_kernel(long long ns) {
   do {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   } while (t - t0 < ns);
+}
+
+// Reads n 16-byte words (a sum no input reaches, so the loads stay): L2 then holds these bytes.
+__global__ void read_kernel(const uint4* x, int64_t n, unsigned* sink) {
+  unsigned acc = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint4 w = x[i];
+    acc ^= w.x ^ w.y ^ w.z ^ w.w;
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
 }
 
 #ifdef TQ_PHASES  // the phase marks of the split kernel's first block and the finish kernel's first merge
@@ -169,8 +181,24 @@ int main(int argc, char** argv) {
   const int alone_steps = std::max(5, std::min(100, 2 * iters));  // (few under the sanitizers, iters 1)
   std::vector<cudaEvent_t> ea(alone_steps), eb(alone_steps);
   for (int i = 0; i < alone_steps; ++i) cudaEventCreate(&ea[i]), cudaEventCreate(&eb[i]);
+  const char* flush_env = std::getenv("TQ_PROBE_FLUSH_MB");
+  const int64_t flush_words = flush_env ? atoll(flush_env) * (1 << 20) / 16 : 0;
+  uint4* flush_buf = nullptr;
+  unsigned* sink = nullptr;
+  if (flush_words > 0) {
+    cudaMalloc(&flush_buf, flush_words * 16), cudaMalloc(&sink, 4);
+    cudaMemset(flush_buf, 0, flush_words * 16);
+    printf("each step timed alone after a read of %lld MB\n", static_cast<long long>(flush_words * 16 >> 20));
+  }
   for (int i = 0; i < alone_steps; ++i) {
-    spin_kernel<<<1, 32, 0, st>>>(40000);
+    if (flush_words > 0) {
+      read_kernel<<<4 * sms, 256, 0, st>>>(flush_buf, flush_words, sink);
+      read_kernel<<<1, 256, 0, st>>>(reinterpret_cast<const uint4*>(q), B * Hq * D * 2 / 16, sink);
+      read_kernel<<<1, 256, 0, st>>>(reinterpret_cast<const uint4*>(k), B * Hkv * D * 2 / 16, sink);
+      read_kernel<<<1, 256, 0, st>>>(reinterpret_cast<const uint4*>(v), B * Hkv * D * 2 / 16, sink);
+    } else {
+      spin_kernel<<<1, 32, 0, st>>>(40000);
+    }
     cudaEventRecord(ea[i], st);
     step();
     cudaEventRecord(eb[i], st);

@@ -211,16 +211,6 @@ __device__ inline uint32_t code_word_of(float z, uint32_t base) {
   return word;
 }
 
-// a / b, correctly rounded, from r = RN(1/b): q = RN(a r) is within an ulp of a / b, the residual
-// a - b q is exact (an FMA), and RN(q + (a - b q) r) is the rounded quotient (Markstein's
-// theorem) as long as nothing overflows or underflows: a finite, b normal, the quotient normal
-// (scripts/cuda_pack_probe.cu checks every float a in [2^-100, 2^100) against 512 divisors: the
-// only differences are subnormal quotients). Three instructions instead of a division's nine.
-__device__ inline float div_by_reciprocal(float a, float b, float r) {
-  const float q = __fmul_rn(a, r);
-  return __fmaf_rn(__fmaf_rn(-q, b, a), r, q);
-}
-
 // fp16 words: whether any of their halves is a NaN ((h & 0x7fff) > 0x7c00, i.e. + 0x3ff carries
 // into bit 15; the halves cannot carry into each other).
 __device__ inline bool any_nan_f16x2(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
@@ -441,14 +431,6 @@ __device__ inline void encode_mse_stream(int d, bool nc, bool fused, float (&z)[
 }
 
 // uint3 / uint4: min and max (order-free), then each chunk's indices packed in the lane.
-// The codec's code min(max(floor(t), 0), levels) (0 for a NaN t, as its float-to-integer cast
-// gives): clamping first to [0, levels + 0.5] commutes with the floor, and adding 2^23 rounding
-// down floors a float in [0, 2^23) into the low bits, without the conversion instructions.
-__device__ inline uint32_t uint_code(float t, float levels) {
-  const float c = fminf(fmaxf(t, 0.0f), levels + 0.5f);  // (a NaN becomes 0)
-  return __float_as_uint(__fadd_rd(c, 8388608.0f)) - 0x4b000000u;
-}
-
 // x0: the vector's first element, where the codec's min and max start.
 template <int kBits, int kS>
 __device__ inline void encode_uint_stream(int d, float x0, float (&z)[kS][8], uint8_t* out, int j) {

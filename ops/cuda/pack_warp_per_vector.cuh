@@ -153,6 +153,146 @@ __device__ inline void encode_warp(int d, bool nc, const int32_t* csq, float* z,
   }
 }
 
+// a / b, correctly rounded, from r = RN(1/b): q = RN(a r) is within an ulp of a / b, the residual
+// a - b q is exact (an FMA), and RN(q + (a - b q) r) is the rounded quotient (Markstein's
+// theorem) as long as nothing overflows or underflows: a finite, b normal, the quotient normal
+// (scripts/cuda_pack_probe.cu checks every float a in [2^-100, 2^100) against 512 divisors: the
+// only differences are subnormal quotients). Three instructions instead of a division's nine.
+__device__ inline float div_by_reciprocal(float a, float b, float r) {
+  const float q = __fmul_rn(a, r);
+  return __fmaf_rn(__fmaf_rn(-q, b, a), r, q);
+}
+
+// The codec's code min(max(floor(t), 0), levels) (0 for a NaN t, as its float-to-integer cast
+// gives): clamping first to [0, levels + 0.5] commutes with the floor, and adding 2^23 rounding
+// down floors a float in [0, 2^23) into the low bits, without the conversion instructions.
+__device__ inline uint32_t uint_code(float t, float levels) {
+  const float c = fminf(fmaxf(t, 0.0f), levels + 0.5f);  // (a NaN becomes 0)
+  return __float_as_uint(__fadd_rd(c, 8388608.0f)) - 0x4b000000u;
+}
+
+// encode_warp's bytes from registers: lane holding elements lane + 32 c (c < kC, zeros past d; for
+// the MSE formats 32 kC is padded_dim(d)), by the same operations in the same order (the butterflies
+// at distances 1 .. 16 by shuffles, then in registers; the codes gathered by shuffles). No shared
+// memory and no per-element branches: a decode step's new token is packed by this path after the
+// attention has streamed the cache, and its time is the fetch of its instructions and its chain of
+// dependent steps (docs/performance.md, the new token's packing).
+template <Format F, int kC>
+__device__ inline void encode_lanes(float (&x)[kC], int d, bool nc, const int32_t* csq, uint8_t* out) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (F == Format::kFp8 || F == Format::kRaw16) {
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      const int i = lane + 32 * c;
+      if (i >= d) continue;
+      if constexpr (F == Format::kFp8) {
+        out[i] = f32_to_fp8(x[c]);
+      } else {
+        codec::store_f16(out + 2 * i, f32_to_f16(x[c]));
+      }
+    }
+    return;
+  } else {
+    constexpr int bits = format_bits(F);
+    uint32_t code[kC];
+    int n_codes = d;
+    float scale_out = 0.0f, zero_out = 0.0f;
+    if constexpr (is_mse(F)) {
+      constexpr int dp = 32 * kC;
+      n_codes = dp;
+      float n2 = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kC; ++c) n2 = __fadd_rn(n2, __fmul_rn(x[c], x[c]));  // zeros past d add nothing
+      const float n = __fsqrt_rn(warp_total(n2));
+      const float r = codec::norm_reciprocal(n);
+#pragma unroll
+      for (int c = 0; c < kC; ++c) x[c] = lane + 32 * c < d ? __fmul_rn(x[c], r) : 0.0f;
+#pragma unroll
+      for (int h = 1; h < 32; h <<= 1) {
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+          const float o = __shfl_xor_sync(kPackLanes, x[c], h);
+          x[c] = (lane & h) ? o - x[c] : x[c] + o;  // lower element: a + b; upper: a - b (a the lower's)
+        }
+      }
+#pragma unroll
+      for (int h = 1; h < kC; h <<= 1) {
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+          if (c & h) continue;
+          const float a = x[c], b = x[c + h];
+          x[c] = a + b;
+          x[c + h] = a - b;
+        }
+      }
+      int32_t cq = 0;
+#pragma unroll
+      for (int c = 0; c < kC; ++c) {
+        code[c] = codec::codebook_index(bits, x[c]);
+        cq += csq[code[c]];
+      }
+      scale_out = nc ? codec::corrected_scale(n, dp, __reduce_add_sync(kPackLanes, cq)) : n;
+    } else {  // uint3 / uint4: min and max are order-free (element 0 to start, as encode_warp)
+      float mn = __shfl_sync(kPackLanes, x[0], 0), mx = mn;
+      bool nan = false;
+#pragma unroll
+      for (int c = 0; c < kC; ++c) {
+        if (lane + 32 * c >= d) continue;
+        mn = x[c] < mn ? x[c] : mn;
+        mx = x[c] > mx ? x[c] : mx;
+        nan = nan || x[c] != x[c];
+      }
+      nan = __any_sync(kPackLanes, nan);
+      for (int o = 16; o > 0; o >>= 1) {
+        const float a = __shfl_xor_sync(kPackLanes, mn, o), b = __shfl_xor_sync(kPackLanes, mx, o);
+        mn = a < mn ? a : mn;
+        mx = b > mx ? b : mx;
+      }
+      const float levels = static_cast<float>((1 << bits) - 1);
+      const float range = (mx - mn) / levels;
+      const uint16_t s16 = nan ? codec::kUintNanBits : f32_to_f16_sat(range > 1e-8f ? range : 1e-8f);
+      const uint16_t z16 = nan ? codec::kUintNanBits : f32_to_f16_sat(mn + 0.0f);
+      const float sc = f16_to_f32(s16), zr = f16_to_f32(z16);
+      // by the reciprocal where that is the quotient (pack_four_lanes.cuh); a NaN scale fails
+      // sc > 0: every code 0
+      const bool quick = sc > 0.0f && fabsf(mn) < 0x1p99f && fabsf(mx) < 0x1p99f;
+      const float recip = quick ? __frcp_rn(sc) : 0.0f;
+#pragma unroll
+      for (int c = 0; c < kC; ++c) {
+        const float t = x[c] - zr;
+        const float q = quick ? div_by_reciprocal(t, sc, recip) : sc > 0.0f ? t / sc : -0.5f;
+        code[c] = uint_code(q + 0.5f, levels);
+      }
+      scale_out = sc;
+      zero_out = zr;
+    }
+    const int nbytes = n_codes * bits / 8;
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      const int i = lane + 32 * c;
+      if constexpr (bits == 4) {  // byte i / 2: codes i (low) and i + 1 of the next lane
+        const uint32_t hi = __shfl_down_sync(kPackLanes, code[c], 1);
+        if (!(lane & 1) && i < n_codes) out[i >> 1] = static_cast<uint8_t>(code[c] | hi << 4);
+      } else {  // 3 bytes per 8 codes, code k of the group at bit 3 k
+        uint32_t w = code[c] << (3 * (lane & 7));
+        w |= __shfl_xor_sync(kPackLanes, w, 1);
+        w |= __shfl_xor_sync(kPackLanes, w, 2);
+        w |= __shfl_xor_sync(kPackLanes, w, 4);
+        if (!(lane & 7) && i < n_codes) {
+          uint8_t* at = out + 3 * (i >> 3);
+          at[0] = static_cast<uint8_t>(w);
+          at[1] = static_cast<uint8_t>(w >> 8);
+          at[2] = static_cast<uint8_t>(w >> 16);
+        }
+      }
+    }
+    if (lane == 0) {
+      codec::store_f16(out + nbytes, f32_to_f16_sat(scale_out));
+      if constexpr (is_uint(F)) codec::store_f16(out + nbytes + 2, f32_to_f16_sat(zero_out));
+    }
+  }
+}
+
 // One format's vectors: n of them, x and out addressed through map, over `blocks` blocks.
 struct PackJob {
   Format fmt = Format::kMse4;
@@ -172,12 +312,119 @@ inline PackJob make_job(Format fmt, int d, const void* x, int64_t n, const Offse
   return j;
 }
 
+// bits_float and round_to over a lane's values: one branch on dt for all of them (a branch per
+// value lengthens the chain of a vector's packing).
+template <int kN>
+__device__ inline void bits_floats(DType dt, const uint32_t (&b)[kN], float (&x)[kN]) {
+  if (dt == DType::kFloat16) {
+#pragma unroll
+    for (int c = 0; c < kN; ++c) x[c] = f16_to_f32(static_cast<uint16_t>(b[c]));
+  } else if (dt == DType::kBFloat16) {
+#pragma unroll
+    for (int c = 0; c < kN; ++c) x[c] = bf16_to_f32(static_cast<uint16_t>(b[c]));
+  } else {
+#pragma unroll
+    for (int c = 0; c < kN; ++c) x[c] = bits_f32(b[c]);
+  }
+}
+template <int kN>
+__device__ inline void round_all(DType dt, float (&x)[kN]) {
+  if (dt == DType::kFloat16) {
+#pragma unroll
+    for (int c = 0; c < kN; ++c) x[c] = f16_to_f32(f32_to_f16(x[c]));
+  } else if (dt == DType::kBFloat16) {
+#pragma unroll
+    for (int c = 0; c < kN; ++c) x[c] = bf16_to_f32(f32_to_bf16(x[c]));
+  }
+}
+
+// Vector v of job j in registers (lane + 32 c, zeros past d), rotated (fused rotary) and less its
+// offset, encoded by encode_lanes: kC = 32 kC elements (MSE: padded_dim(d)).
+template <Format F, int kC>
+__device__ inline void pack_vector_lanes(const PackJob& j, uint32_t v, bool nc, DType dt, const int32_t* csq, float* z) {
+  const int lane = threadIdx.x & 31;
+  const VectorMap::Where at = j.map.locate(v, j.d, j.bytes, j.offset);
+  const float* off = j.offset.data ? j.offset.data + static_cast<int64_t>(at.offset_row) * j.d : nullptr;
+  const RotaryParams& rot = j.rot;
+  const bool rotary = rot.rotary_dim > 0;
+  // the rotary embedding in registers where each pair is one lane's (halves of a head of 32 kC):
+  // its cosines and sines loaded with the vector, one round trip to memory
+  const bool paired = rotary && !rot.interleaved && rot.rotary_dim == j.d && j.d == 32 * kC && kC % 2 == 0 &&
+                      rotary_applies(rot, j.d);
+  constexpr int kHalf = kC / 2 > 0 ? kC / 2 : 1;
+  uint32_t bits[kC], cb[kHalf], sb[kHalf];
+  float offs[kC];
+  int64_t pos = 0;
+  uint32_t h = 0;
+  if (rotary) {
+    const uint32_t n = v % j.map.new_len, bh = v / j.map.new_len, b = bh / j.map.heads;
+    h = bh % j.map.heads;
+    pos = rotary_position(rot, b, n, j.map.new_len, j.map.rows.past_of(b));
+  }
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    const int i = lane + 32 * c;
+    bits[c] = i < j.d ? load_bits(dt, j.x, at.in + i) : 0u;
+    offs[c] = off && i < j.d ? off[i] : 0.0f;
+  }
+  if (paired) {
+    const int64_t row = table_position(rot, pos) * (rot.rotary_dim / 2);
+#pragma unroll
+    for (int c = 0; c < kHalf; ++c) {
+      cb[c] = load_bits(dt, rot.cos, row + lane + 32 * c);
+      sb[c] = load_bits(dt, rot.sin, row + lane + 32 * c);
+    }
+  }
+  float x[kC];
+  bits_floats(dt, bits, x);  // zeros past d (their bits are)
+  if (paired) {  // the operations of rotate_shared, then the key scale, each value rounded to dt
+    float co[kHalf], si[kHalf];
+    bits_floats(dt, cb, co);
+    bits_floats(dt, sb, si);
+    const float* s = key_scale_row(rot, h, j.d);
+#pragma unroll
+    for (int c = 0; c < kHalf; ++c) {
+      const int i = lane + 32 * c;
+      turn(co[c], si[c], &x[c], &x[c + kHalf]);
+      x[c] = scaled(s, ScaleSide::kKey, i, x[c]);
+      x[c + kHalf] = scaled(s, ScaleSide::kKey, i + 32 * kHalf, x[c + kHalf]);
+    }
+    round_all(dt, x);
+  } else if (rotary) {  // other layouts of the rotation: through the warp's shared row
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      const int i = lane + 32 * c;
+      if (i < j.d) z[i] = x[c];
+    }
+    __syncwarp();
+    rotate_shared(rot, dt, j.d, pos, z, lane, 32, key_scale_row(rot, h, j.d), ScaleSide::kKey);
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      const int i = lane + 32 * c;
+      x[c] = i < j.d ? z[i] : 0.0f;
+    }
+  }
+  if (off) {
+#pragma unroll
+    for (int c = 0; c < kC; ++c) x[c] -= offs[c];  // zero past d
+  }
+  if (!at.inside) return;
+  encode_lanes<F, kC>(x, j.d, nc, csq, j.out + at.out);
+}
+
 template <Format F>
 __device__ inline void pack_vector(const PackJob& j, uint32_t block, bool nc, DType dt, const int32_t* csq, float* z,
                             uint8_t* idx) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const uint32_t v = block * kPackWarps + warp;
   if (v >= j.n) return;  // whole warps leave together
+  switch (is_mse(F) ? padded_dim(j.d) : j.d) {  // the register path where 32 lanes hold whole chunks
+    case 64: return pack_vector_lanes<F, 2>(j, v, nc, dt, csq, z);
+    case 128: return pack_vector_lanes<F, 4>(j, v, nc, dt, csq, z);
+    case 256: return pack_vector_lanes<F, 8>(j, v, nc, dt, csq, z);
+    default: break;
+  }
   const VectorMap::Where at = j.map.locate(v, j.d, j.bytes, j.offset);
   const float* off = j.offset.data ? j.offset.data + static_cast<int64_t>(at.offset_row) * j.d : nullptr;
   // A lane's elements (and offsets) are all loaded before the first is converted: with load_float

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #if defined(__CUDACC__)
+#include <cuda_fp16.h>
 #define TQ_HD __host__ __device__ inline
 #else
 #define TQ_HD inline
@@ -36,6 +37,10 @@ TQ_HD uint16_t f32_to_f16(float f) {
   const uint32_t x = f32_bits(f);
   const uint32_t sign = (x >> 16) & 0x8000u;
   const uint32_t ax = x & 0x7FFFFFFFu;
+#if defined(__CUDA_ARCH__)  // the conversion instruction rounds the same; its NaN is canonical, so NaNs by the bits
+  const uint16_t h = __half_as_ushort(__float2half_rn(f));
+  return ax > 0x7F800000u ? static_cast<uint16_t>(sign | 0x7E00u) : h;
+#else
   if (ax >= 0x7F800000u) return static_cast<uint16_t>(sign | (ax > 0x7F800000u ? 0x7E00u : 0x7C00u));
   if (ax >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 rounds to inf
   if (ax < 0x38800000u) {  // below 2^-14: fp16 subnormal (or zero); 2^24 * |f| < 1024 is exact
@@ -44,6 +49,7 @@ TQ_HD uint16_t f32_to_f16(float f) {
   }
   const uint32_t r = ax + 0x0FFFu + ((ax >> 13) & 1u);  // round the 13 dropped bits to even
   return static_cast<uint16_t>(sign | ((r - 0x38000000u) >> 13));
+#endif
 }
 
 // fp32 -> fp16 with finite values saturated to +-65504 (scales and zero points of the formats).
@@ -58,14 +64,19 @@ TQ_HD uint16_t f32_to_f16_sat(float f) {
 
 TQ_HD float f16_to_f32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1Fu;
   const uint32_t man = h & 0x3FFu;
+#if defined(__CUDA_ARCH__)  // exact by the conversion instruction, but for a NaN's sign and payload
+  const float f = __half2float(__ushort_as_half(h));
+  return (h & 0x7FFFu) > 0x7C00u ? bits_f32(sign | 0x7F800000u | (man << 13)) : f;
+#else
+  const uint32_t exp = (h >> 10) & 0x1Fu;
   if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in fp32
     const float v = static_cast<float>(man) * (1.0f / 16777216.0f);
     return sign ? -v : v;
   }
   if (exp == 31) return bits_f32(sign | 0x7F800000u | (man << 13));
   return bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+#endif
 }
 
 TQ_HD float bf16_to_f32(uint16_t b) { return bits_f32(static_cast<uint32_t>(b) << 16); }

@@ -21,12 +21,13 @@ TQ_HD void rotary_pair_index(const RotaryParams& r, int i, int* a, int* b) {
   *b = r.interleaved ? 2 * i + 1 : i + half;
 }
 
-// Pair i of the rotation, (xa, xb) = (x[a], x[b]), turned by the angle of position pos (clamped to
-// the table).
-TQ_HD void rotate_pair(const RotaryParams& r, DType dt, int64_t pos, int i, float* xa, float* xb) {
-  const int half = r.rotary_dim / 2;
-  pos = pos < 0 ? 0 : (pos >= r.max_positions ? r.max_positions - 1 : pos);
-  const float c = load_float(dt, r.cos, pos * half + i), s = load_float(dt, r.sin, pos * half + i);
+// The table row of position pos: clamped to the table.
+TQ_HD int64_t table_position(const RotaryParams& r, int64_t pos) {
+  return pos < 0 ? 0 : (pos >= r.max_positions ? r.max_positions - 1 : pos);
+}
+
+// (xa, xb) turned by the angle whose cosine and sine are c and s.
+TQ_HD void turn(float c, float s, float* xa, float* xb) {
   const float a = *xa, b = *xb;
 #if defined(__CUDA_ARCH__)  // rounded operations the compiler cannot fuse, as the CPU's (no contraction)
   *xa = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
@@ -35,6 +36,13 @@ TQ_HD void rotate_pair(const RotaryParams& r, DType dt, int64_t pos, int i, floa
   *xa = a * c - b * s;
   *xb = b * c + a * s;
 #endif
+}
+
+// Pair i of the rotation, (xa, xb) = (x[a], x[b]), turned by the angle of position pos (clamped to
+// the table).
+TQ_HD void rotate_pair(const RotaryParams& r, DType dt, int64_t pos, int i, float* xa, float* xb) {
+  const int64_t at = table_position(r, pos) * (r.rotary_dim / 2) + i;
+  turn(load_float(dt, r.cos, at), load_float(dt, r.sin, at), xa, xb);
 }
 
 // Which side of the scores a rotated head is on: the op's key_scale multiplies queries and divides keys.
