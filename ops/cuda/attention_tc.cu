@@ -38,6 +38,7 @@
 #include "device_attributes.h"
 #include "mask.cuh"
 #include "ptx.cuh"
+#include "rotary_lanes.cuh"
 #include "split_common.cuh"
 #include "split_geometry.h"
 #include "turboquant/float_io.h"
@@ -418,6 +419,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // A programmatic launch may have started this kernel while the one before it still runs (the
   // table above is all it did meanwhile): the caches and queries are read after it finished. The
   // finish kernel may then start: it reads nothing this kernel writes before its own wait.
+  if (rot.rotary_dim > 0 && warp == 0) {  // the query rows' table rows, while the launch before runs
+    prefetch_rotary_rows(rot, p.dtype, rotary_position(rot, b, row0 / l.group, p.q_len, p.past_of(b)), lane);
+  }
   grid_dependency_wait();
   launch_dependents();
   TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 2);
@@ -456,7 +460,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   };
   auto finish_row = [&](int qr) {  // rotary (fused), rotation (MSE), its largest magnitude, into qv
     const int64_t row = row0 + qr, pos = row / l.group;
-    if (rot.rotary_dim > 0 && qr < rows) {  // the op's rotary embedding, fused (fuses_rotary)
+    if (rot.rotary_dim > 0 && qr < rows && rotates_in_lanes<kPer>(rot, p.head_dim)) {  // fused (fuses_rotary)
+      rotate_lanes(rot, p.dtype, rotary_position(rot, b, pos, p.q_len, p.past_of(b)), x,
+                   key_scale_row(rot, hkv, p.head_dim), ScaleSide::kQuery);
+    } else if (rot.rotary_dim > 0 && qr < rows) {  // other layouts of the rotation: through shared memory
       float* at = qv + qr * kD;
 #pragma unroll
       for (int j = 0; j < kPer; ++j) at[lane + 32 * j] = x[j];

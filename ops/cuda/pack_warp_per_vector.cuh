@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "rotary_lanes.cuh"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/float_io.h"
 #include "turboquant/rotary.h"
@@ -312,32 +313,6 @@ inline PackJob make_job(Format fmt, int d, const void* x, int64_t n, const Offse
   return j;
 }
 
-// bits_float and round_to over a lane's values: one branch on dt for all of them (a branch per
-// value lengthens the chain of a vector's packing).
-template <int kN>
-__device__ inline void bits_floats(DType dt, const uint32_t (&b)[kN], float (&x)[kN]) {
-  if (dt == DType::kFloat16) {
-#pragma unroll
-    for (int c = 0; c < kN; ++c) x[c] = f16_to_f32(static_cast<uint16_t>(b[c]));
-  } else if (dt == DType::kBFloat16) {
-#pragma unroll
-    for (int c = 0; c < kN; ++c) x[c] = bf16_to_f32(static_cast<uint16_t>(b[c]));
-  } else {
-#pragma unroll
-    for (int c = 0; c < kN; ++c) x[c] = bits_f32(b[c]);
-  }
-}
-template <int kN>
-__device__ inline void round_all(DType dt, float (&x)[kN]) {
-  if (dt == DType::kFloat16) {
-#pragma unroll
-    for (int c = 0; c < kN; ++c) x[c] = f16_to_f32(f32_to_f16(x[c]));
-  } else if (dt == DType::kBFloat16) {
-#pragma unroll
-    for (int c = 0; c < kN; ++c) x[c] = bf16_to_f32(f32_to_bf16(x[c]));
-  }
-}
-
 // Vector v of job j in registers (lane + 32 c, zeros past d), rotated (fused rotary) and less its
 // offset, encoded by encode_lanes: kC = 32 kC elements (MSE: padded_dim(d)).
 template <Format F, int kC>
@@ -347,12 +322,8 @@ __device__ inline void pack_vector_lanes(const PackJob& j, uint32_t v, bool nc, 
   const float* off = j.offset.data ? j.offset.data + static_cast<int64_t>(at.offset_row) * j.d : nullptr;
   const RotaryParams& rot = j.rot;
   const bool rotary = rot.rotary_dim > 0;
-  // the rotary embedding in registers where each pair is one lane's (halves of a head of 32 kC):
-  // its cosines and sines loaded with the vector, one round trip to memory
-  const bool paired = rotary && !rot.interleaved && rot.rotary_dim == j.d && j.d == 32 * kC && kC % 2 == 0 &&
-                      rotary_applies(rot, j.d);
-  constexpr int kHalf = kC / 2 > 0 ? kC / 2 : 1;
-  uint32_t bits[kC], cb[kHalf], sb[kHalf];
+  const bool paired = rotary && rotates_in_lanes<kC>(rot, j.d);  // else through the warp's shared row
+  uint32_t bits[kC];
   float offs[kC];
   int64_t pos = 0;
   uint32_t h = 0;
@@ -367,29 +338,10 @@ __device__ inline void pack_vector_lanes(const PackJob& j, uint32_t v, bool nc, 
     bits[c] = i < j.d ? load_bits(dt, j.x, at.in + i) : 0u;
     offs[c] = off && i < j.d ? off[i] : 0.0f;
   }
-  if (paired) {
-    const int64_t row = table_position(rot, pos) * (rot.rotary_dim / 2);
-#pragma unroll
-    for (int c = 0; c < kHalf; ++c) {
-      cb[c] = load_bits(dt, rot.cos, row + lane + 32 * c);
-      sb[c] = load_bits(dt, rot.sin, row + lane + 32 * c);
-    }
-  }
   float x[kC];
   bits_floats(dt, bits, x);  // zeros past d (their bits are)
-  if (paired) {  // the operations of rotate_shared, then the key scale, each value rounded to dt
-    float co[kHalf], si[kHalf];
-    bits_floats(dt, cb, co);
-    bits_floats(dt, sb, si);
-    const float* s = key_scale_row(rot, h, j.d);
-#pragma unroll
-    for (int c = 0; c < kHalf; ++c) {
-      const int i = lane + 32 * c;
-      turn(co[c], si[c], &x[c], &x[c + kHalf]);
-      x[c] = scaled(s, ScaleSide::kKey, i, x[c]);
-      x[c + kHalf] = scaled(s, ScaleSide::kKey, i + 32 * kHalf, x[c + kHalf]);
-    }
-    round_all(dt, x);
+  if (paired) {
+    rotate_lanes(rot, dt, pos, x, key_scale_row(rot, h, j.d), ScaleSide::kKey);
   } else if (rotary) {  // other layouts of the rotation: through the warp's shared row
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
