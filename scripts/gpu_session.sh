@@ -20,6 +20,9 @@
 # with MODELS); (2-3) carry ort-2 and ort-3; (4) carry ort-4 and run `ort`; then `wait`
 # (WAIT_FOR="/tmp/tq_build.done /tmp/models-llama3b-genai/build.done") before the tests and benches.
 # Wait on such files, not on `pgrep -f NAME`: the call's own command line holds NAME.
+# Or, to spare the device's build: `bash scripts/build_site.sh .carry/site/tqsite.tgz` here first, then
+# carry .carry/site with ort-4 in call (4) and run `SITE=.carry/site/tqsite.tgz bash scripts/gpu_session.sh
+# site` before `ort` (no `build`; `models` then waits for `ort` alone).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:/tmp/tqsite PYTHONUNBUFFERED=1
 root=$(pwd)
@@ -38,6 +41,10 @@ if [ "$step" = build ] || [ "$step" = all ]; then
       rm -rf /tmp/tqsite && python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/tqsite . ) > /tmp/tq_build.log 2>&1
   echo "build exit $?" >> /tmp/tq_build.log
   grep -q "build exit 0" /tmp/tq_build.log && touch /tmp/tq_build.done
+fi
+if [ "$step" = site ]; then  # the package built on the CPU machine (scripts/build_site.sh), carried as SITE
+  rm -rf /tmp/tqsite /tmp/tqsrc && tar xzf "$SITE" -C /tmp && cp -r "$root" /tmp/tqsrc \
+    && echo "build exit 0 (carried: $SITE)" > /tmp/tq_build.log && touch /tmp/tq_build.done
 fi
 if [ "$step" = build-variant ]; then  # VARIANT=NAME:FLAGS (comma-separated CUDA defines, as build_probe.sh's):
   # the package built with them into /tmp/tqsite-NAME (A/B runs: PYTHONPATH=/tmp/site:/tmp/tqsite-NAME), beside `build`

@@ -313,8 +313,8 @@ inline PackJob make_job(Format fmt, int d, const void* x, int64_t n, const Offse
   return j;
 }
 
-// Vector v of job j in registers (lane + 32 c, zeros past d), rotated (fused rotary) and less its
-// offset, encoded by encode_lanes: kC = 32 kC elements (MSE: padded_dim(d)).
+// Vector v of job j in registers (lane + 32 c for c < kC, zeros past d; 32 kC is d, or padded_dim(d)
+// for the MSE formats), rotated (fused rotary) and less its offset, encoded by encode_lanes.
 template <Format F, int kC>
 __device__ inline void pack_vector_lanes(const PackJob& j, uint32_t v, bool nc, DType dt, const int32_t* csq, float* z) {
   const int lane = threadIdx.x & 31;
