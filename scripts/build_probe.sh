@@ -18,6 +18,12 @@ nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 flags=(-std=c++17 -O3 -arch=sm_$arch -lineinfo --expt-relaxed-constexpr -Iops/include)
+# on sm_90, the sm_90a kernels (wgmma) too, as CMake builds them (TQ_SM90A tells the rest they are there)
+sm90a=()
+if [[ $arch == 90 ]]; then
+  flags+=(-DTQ_SM90A=1)
+  sm90a=(ops/cuda/prefill_sm90.cu ops/cuda/past_chunk_sm90.cu)
+fi
 "$nvcc" "${flags[@]}" -fmad=false -c ops/cuda/pack.cu -o "$tmp/pack_cu.o" &
 "$nvcc" "${flags[@]}" -Xcompiler -ffp-contract=off -x c++ -c ops/cpu/pack.cpp -o "$tmp/pack_cpp.o" &
 "$nvcc" "${flags[@]}" -x c++ -c ops/cpu/attention.cpp -o "$tmp/attention_cpp.o" &
@@ -36,6 +42,9 @@ for v in base $variants; do
   mkdir -p "$tmp/$name"
   for f in ops/cuda/attention.cu ops/cuda/attention_split.cu ops/cuda/finish.cu ops/cuda/copy.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/gqa.cu ops/cuda/prefill.cu ops/cuda/past_chunk.cu scripts/cuda_attention_probe.cu; do
     "$nvcc" "${flags[@]}" "${vflags[@]}" -c "$f" -o "$tmp/$name/$(basename "$f" .cu).o" &
+  done
+  for f in "${sm90a[@]}"; do
+    "$nvcc" "${flags[@]/-arch=sm_$arch/-gencode=arch=compute_90a,code=sm_90a}" "${vflags[@]}" -c "$f" -o "$tmp/$name/$(basename "$f" .cu).o" &
   done
   # the planner sizes the kernels' launches: built with the same flags (TQ_TC_WARPS)
   "$nvcc" "${flags[@]}" "${vflags[@]}" -x c++ -c ops/cuda/split_plan.cpp -o "$tmp/$name/split_plan.o" &

@@ -4,7 +4,7 @@
 // the split kernel that ran and the planner's layout.
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Iops/include scripts/cuda_attention_probe.cu ops/cuda/attention_mma.cu ops/cuda/attention_tc.cu ops/cuda/split_plan.cpp \
 //        ops/cuda/attention.cu ops/cuda/attention_split.cu ops/cuda/finish.cu ops/cuda/copy.cu ops/cuda/prefill.cu ops/cuda/past_chunk.cu ops/cuda/pack.cu ops/cpu/attention.cpp ops/cpu/pack.cpp -o /tmp/probe
-//   /tmp/probe B S key_format value_format [iters] [pad] [width] [inplace] [rotary] [shift] [mask]
+//   /tmp/probe B S key_format value_format [iters] [pad] [width] [inplace] [rotary] [shift] [mask] [chunk]
 //   pad: rows of capacity past S in the past caches; width: bytes per cache row (0: the packed
 //   sizes); inplace 1: past and present share buffers of S + pad + 1 rows, as TQGroupQueryAttention
 //   runs (the new token written in place, no cache copy), else present is a separate buffer;
@@ -13,7 +13,10 @@
 //   into their allocations (every (b, head) region moves with them: with a capacity that makes
 //   regions a multiple of 16 bytes, shift 4 puts them all at 4 mod 16; shifts that are not multiples
 //   of 4 are refused by the launchers, which the probe prints); mask 1: TQAttention's additive fp16 mask
-//   [B, 1, 1, S + 1] (values in [-2, 0], a padding-style mask's broadcast), not with rotary.
+//   [B, 1, 1, S + 1] (values in [-2, 0], a padding-style mask's broadcast), not with rotary; chunk C > 1:
+//   a continuation chunk of C causal new tokens over the past (not with rotary or mask; inplace 1 for
+//   the chunk kernels): each split kernel that may take it (the chunk kernel, then the wgmma one with
+//   TURBOQUANT_CHUNK_WGMMA=1) timed back to back and checked against the CPU kernels, in one process.
 // Prints the time per step back to back, "alone": each step after a spin kernel that keeps the GPU
 // busy while the host queues it, timed by events (median of up to 100; ~3 us of event overhead
 // included), as a layer's step runs after other kernels, and "idle-started": each step launched on
@@ -28,8 +31,10 @@
 #include <cmath>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <functional>
+#include <thread>
 #include <vector>
 
 #include "turboquant/cpu_kernels.h"
@@ -65,6 +70,102 @@ void finish_phase_times(long long* clock, long long* ns, long long* blocks, int*
 }  // namespace turboquant::cuda
 #endif
 
+// ms per step of `iters` steps back to back on st, after two warm-up steps.
+template <typename Step>
+float back_to_back_ms(Step step, int iters, cudaStream_t st) {
+  for (int i = 0; i < 2; ++i) step();
+  cudaEvent_t a, b;
+  cudaEventCreate(&a), cudaEventCreate(&b);
+  cudaEventRecord(a, st);
+  for (int i = 0; i < iters; ++i) step();
+  cudaEventRecord(b, st);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  return ms / iters;
+}
+
+// The CPU kernels' ParallelFor on every core (the chunks' references are seconds of work).
+void threads(size_t n, const std::function<void(size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> pool;
+  for (unsigned i = 0; i < std::max(1u, std::thread::hardware_concurrency()); ++i) {
+    pool.emplace_back([&] {
+      for (size_t j; (j = next++) < n;) fn(j);
+    });
+  }
+  for (auto& t : pool) t.join();
+}
+
+// A continuation chunk (p.q_len > 1 new tokens over the past): the CPU kernels' Y and new rows, then
+// each chunk kernel that takes the call (TURBOQUANT_CHUNK_WGMMA unset, then 1), Y set to NaN before
+// its checked run, timed back to back.
+template <typename Step>
+int chunk_report(const AttentionParams& p, Step step, const __half* q, const __half* k, const __half* v, __half* y,
+                 uint8_t* pk, uint8_t* pv, uint8_t* ok, uint8_t* ov, int64_t R, int64_t Rp, int sms, int iters,
+                 cudaStream_t st) {
+  const int64_t B = p.batch, Hkv = p.kv_heads, C = p.q_len, S = p.past_len, D = p.head_dim;
+  const int64_t nq = B * C * p.q_heads * D, nkv = B * C * Hkv * D, kb = p.key_row(), vb = p.value_row();
+  const bool inplace = ok == pk;
+  std::vector<uint8_t> hk(B * Hkv * R * kb), hv(B * Hkv * R * vb), hok(inplace ? 0 : B * Hkv * Rp * kb),
+      hov(inplace ? 0 : B * Hkv * Rp * vb);
+  std::vector<__half> hq(nq), hkn(nkv), hvn(nkv), ry(nq), hy(nq);
+  cudaMemcpy(hk.data(), pk, hk.size(), cudaMemcpyDeviceToHost);
+  cudaMemcpy(hv.data(), pv, hv.size(), cudaMemcpyDeviceToHost);
+  cudaMemcpy(hq.data(), q, nq * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(hkn.data(), k, nkv * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(hvn.data(), v, nkv * 2, cudaMemcpyDeviceToHost);
+  const auto t0 = std::chrono::steady_clock::now();
+  uint8_t *rk = inplace ? hk.data() : hok.data(), *rv = inplace ? hv.data() : hov.data();
+  cpu::attention(p, hq.data(), hkn.data(), hvn.data(), nullptr, hk.data(), hv.data(), ry.data(), rk, rv, threads);
+  printf("the CPU kernels' reference: %.1f s\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  const int64_t rows = inplace ? R : Rp;  // rows per (b, head) of present
+  const double flop = 4.0 * B * p.q_heads * C * (S + C / 2.0) * D;
+  for (const char* wgmma : {"0", "1"}) {
+    setenv("TURBOQUANT_CHUNK_WGMMA", wgmma, 1);
+    const cuda::SplitPlan plan = cuda::attention_plan(p, pk, pv, sms);
+    if (wgmma[0] == '1' && plan.kernel != cuda::SplitKernel::kTensorCoreChunkWgmma) {
+      printf("the wgmma chunk kernel does not take this call (planned %s)\n", cuda::split_kernel_name(plan.kernel));
+      continue;
+    }
+    cudaMemset(y, 0xFF, nq * 2);  // NaN: a value the kernels do not write shows
+    const cudaError_t e = step();
+    cudaStreamSynchronize(st);
+    const cudaError_t last = cudaGetLastError();
+    if (e != cudaSuccess || last != cudaSuccess) {
+      printf("%s: %s / %s\n", cuda::split_kernel_name(plan.kernel), cudaGetErrorString(e), cudaGetErrorString(last));
+      return 1;
+    }
+    cudaMemcpy(hy.data(), y, nq * 2, cudaMemcpyDeviceToHost);
+    double worst = 0, mag = 0;
+    int64_t nan = 0;
+    for (int64_t i = 0; i < nq; ++i) {
+      const double a = __half2float(hy[i]), b = __half2float(ry[i]);
+      if (std::isnan(a) != std::isnan(b)) ++nan;
+      else if (!std::isnan(a)) worst = std::max(worst, std::abs(a - b)), mag = std::max(mag, std::abs(b));
+    }
+    std::vector<uint8_t> gk(B * Hkv * rows * kb), gv(B * Hkv * rows * vb);
+    cudaMemcpy(gk.data(), ok, gk.size(), cudaMemcpyDeviceToHost);
+    cudaMemcpy(gv.data(), ov, gv.size(), cudaMemcpyDeviceToHost);
+    int64_t bad = 0;
+    for (int64_t bh = 0; bh < B * Hkv; ++bh)
+      for (int64_t r = bh * rows + S; r < bh * rows + S + C; ++r) {
+        bad += memcmp(gk.data() + r * kb, rk + r * kb, packed_size(p.key_format, D)) != 0;
+        bad += memcmp(gv.data() + r * vb, rv + r * vb, packed_size(p.value_format, D)) != 0;
+      }
+    const float ms = back_to_back_ms(step, iters, st);
+    printf("B=%lld S=%lld chunk %lld %s/%s, split kernel %s (planned %s, %d splits of %lld, %d bytes of shared memory): "
+           "%.3f ms per call, %.0f TFLOP/s; max |Y_cuda - Y_cpu| = %.3g (max |Y| %.3g), %lld NaN differing, new rows "
+           "differing %lld of %lld (%s)\n",
+           (long long)B, (long long)S, (long long)C, format_name(p.key_format), format_name(p.value_format),
+           cuda::split_kernel_name(cuda::last_split_kernel()), cuda::split_kernel_name(plan.kernel), plan.layout.splits,
+           (long long)plan.layout.split_len, plan.smem, ms, flop / (ms * 1e-3) / 1e12, worst, mag,
+           (long long)nan, (long long)bad, (long long)(2 * B * Hkv * C), cudaGetErrorString(cudaGetLastError()));
+  }
+  unsetenv("TURBOQUANT_CHUNK_WGMMA");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const int64_t B = argc > 1 ? atoll(argv[1]) : 8, S = argc > 2 ? atoll(argv[2]) : 32768;
   const Format kf = parse_format(argc > 3 ? argv[3] : "mse4"), vf = parse_format(argc > 4 ? argv[4] : "uint4");
@@ -75,15 +176,17 @@ int main(int argc, char** argv) {
   const bool rotary = argc > 9 && atoi(argv[9]) != 0;
   const int64_t shift = argc > 10 ? atoll(argv[10]) : 0;
   const bool masked = argc > 11 && atoi(argv[11]) != 0 && !rotary;
-  const int64_t R = S + pad + (inplace ? 1 : 0), Rp = inplace ? R : R + 1;  // rows of past, of present
+  const int64_t C = argc > 12 && !rotary && !masked ? std::max(1LL, atoll(argv[12])) : 1;  // new tokens
+  const int64_t R = S + pad + (inplace ? C : 0), Rp = inplace ? R : R + C;  // rows of past, of present
   AttentionParams p;
-  p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = 1, p.new_len = 1, p.past_len = S;
+  p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = C, p.new_len = C, p.past_len = S;
+  p.is_causal = C > 1;
   p.head_dim = p.v_head_dim = D, p.key_format = kf, p.value_format = vf, p.norm_correction = true;
   p.scale = 0.0883883f, p.dtype = DType::kFloat16;
   const bool rows = pad || width || inplace;
   p.past_rows = rows ? R : 0, p.present_rows = rows ? Rp : 0;  // present holds all of past's rows
   p.key_row_bytes = width, p.value_row_bytes = width;
-  p.q = {Hq * D, D, D}, p.k = {Hkv * D, D, D}, p.v = p.k, p.y = p.q;
+  p.q = {C * Hq * D, D, Hq * D}, p.k = {C * Hkv * D, D, Hkv * D}, p.v = p.k, p.y = p.q;  // [B, C, H * D]
   const int64_t kb = p.key_row(), vb = p.value_row();
   // packed caches: pack random vectors once into a small block and tile it
   const int64_t unit = 1024;
@@ -115,15 +218,17 @@ int main(int argc, char** argv) {
   } else {
     cudaMalloc(&ok, B * Hkv * Rp * kb), cudaMalloc(&ov, B * Hkv * Rp * vb);
   }
-  cudaMalloc(&q, B * Hq * D * 2), cudaMalloc(&k, B * Hkv * D * 2), cudaMalloc(&v, B * Hkv * D * 2), cudaMalloc(&y, B * Hq * D * 2);
-  cudaMemcpy(q, x, B * Hq * D * 2 < unit * D * 2 ? B * Hq * D * 2 : unit * D * 2, cudaMemcpyDeviceToDevice);
-  cudaMemcpy(k, x, B * Hkv * D * 2, cudaMemcpyDeviceToDevice);
-  cudaMemcpy(v, x, B * Hkv * D * 2, cudaMemcpyDeviceToDevice);
+  const int64_t nq = B * C * Hq * D, nkv = B * C * Hkv * D;  // elements of Q (and Y), of K and of V
+  cudaMalloc(&q, nq * 2), cudaMalloc(&k, nkv * 2), cudaMalloc(&v, nkv * 2), cudaMalloc(&y, nq * 2);
+  for (__half* t : {q, k, v}) {  // the random block, repeated
+    const int64_t n = t == q ? nq : nkv;
+    for (int64_t i = 0; i < n; i += unit * D) cudaMemcpy(t + i, x, std::min(unit * D, n - i) * 2, cudaMemcpyDeviceToDevice);
+  }
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   [[maybe_unused]] const int64_t sms_count = sms;
   // rotary: tables of the positions 0..R (cos, sin of pos x 10000^(-i / 64)) and seqlens_k = S
-  const int64_t half = D / 2, positions = R + 1;
+  const int64_t half = D / 2, positions = R + C;
   std::vector<__half> hcos(positions * half), hsin(positions * half);
   for (int64_t t = 0; t < positions; ++t)
     for (int64_t i = 0; i < half; ++i) {
@@ -149,7 +254,13 @@ int main(int argc, char** argv) {
     p.mask_stride[0] = S + 1, p.mask_stride[3] = 1;
   }
   void* ws = nullptr;
-  cudaMalloc(&ws, (rotary ? cuda::gqa_workspace_bytes(p, rot, sms) : cuda::attention_workspace_bytes(p, sms)) + 1);
+  size_t ws_bytes = rotary ? cuda::gqa_workspace_bytes(p, rot, sms) : cuda::attention_workspace_bytes(p, sms);
+  if (C > 1) {  // room for either chunk kernel's plan
+    setenv("TURBOQUANT_CHUNK_WGMMA", "1", 1);
+    ws_bytes = std::max(ws_bytes, cuda::attention_workspace_bytes(p, sms));
+    unsetenv("TURBOQUANT_CHUNK_WGMMA");
+  }
+  cudaMalloc(&ws, ws_bytes + 1);
   cudaStream_t st;
   cudaStreamCreate(&st);
   auto step = [&] {
@@ -160,20 +271,13 @@ int main(int argc, char** argv) {
     printf("the launcher refused these caches: %s\n", cudaGetErrorString(e));
     return 0;
   }
+  if (C > 1) return chunk_report(p, step, q, k, v, y, pk, pv, ok, ov, R, Rp, sms, iters, st);
   // the planner's choice for this call, and the kernel that ran
   const cuda::SplitPlan plan = cuda::attention_plan(p, pk, pv, sms);
   printf("split kernel %s (planned %s): %d splits of %lld tokens, %d warps, %d bytes of dynamic shared memory\n",
          cuda::split_kernel_name(cuda::last_split_kernel()), cuda::split_kernel_name(plan.kernel), plan.layout.splits,
          static_cast<long long>(plan.layout.split_len), plan.warps, plan.smem);
-  for (int i = 0; i < 2; ++i) step();
-  cudaEvent_t a, b;
-  cudaEventCreate(&a), cudaEventCreate(&b);
-  cudaEventRecord(a, st);
-  for (int i = 0; i < iters; ++i) step();
-  cudaEventRecord(b, st);
-  cudaEventSynchronize(b);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, a, b);
+  const float ms = back_to_back_ms(step, iters, st) * iters;
   // steps alone: each after a spin kernel, between two events (the bench's GPU time counts a step's
   // kernels from the first one's start to the last one's end, as here; but ORT's steps start on an
   // idle GPU with the host launching the second kernel some microseconds after the first, which the

@@ -3,8 +3,8 @@
 # beside it with developer defines, for A/B runs), run the
 # ORT op tests on the CUDA execution provider, the TensorRT plugins' enqueue tests and the genai test
 # (test), compute-sanitizer on the op tests (check) and on the kernel probes (check-probes), the
-# first-prompt kernels' probe (probe; prefill adds the op bench's prefill rows), the CUDA
-# benchmarks, the report's table and plots and a kernel profile (bench), the issue's headline size
+# first-prompt kernels' probe (probe; prefill adds the op bench's prefill rows), continuation chunks
+# on both chunk kernels in the attention probe (chunk), the CUDA benchmarks, the report's table and plots and a kernel profile (bench), the issue's headline size
 # again in a process of its own (repeat), TQPack's developer variants against the default kernels in
 # the pack probe (pack-ab; pack-ab-build builds its probes alone, e.g. in the background). One step
 # per call of the device tool.
@@ -127,6 +127,27 @@ if [ "$step" = prefill ]; then  # then the op bench's prefill rows
   timeout "${PREFILL_LIMIT:-240}" python3 -m turboquant.bench prefill --device cuda ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
     > "$OUT/prefill.log" 2>&1
   echo "bench prefill rc=$?"; grep -v "^{" "$OUT/prefill.log" | tail -40
+fi
+if [ "$step" = chunk ]; then  # continuation chunks on both chunk kernels (the attention probe), then under the sanitizers
+  # PROBE: a probe built by scripts/build_probe.sh (carried; else built here into /tmp/probe). Each case
+  # prints the chunk kernel's and (TURBOQUANT_CHUNK_WGMMA=1) the wgmma chunk kernel's time and errors.
+  cd /tmp
+  probe=${PROBE:+$root/$PROBE}
+  if [ -z "$probe" ]; then
+    ( cd /tmp/tqsrc && VARIANTS="" NVCC=/usr/local/cuda/bin/nvcc bash scripts/build_probe.sh /tmp/probe ) > "$OUT/probe_build.log" 2>&1
+    probe=/tmp/probe
+  fi
+  # B S formats iters pad width inplace rotary shift mask chunk: rows of 68 bytes, S + chunk a multiple of 4
+  for a in "1 32768 mse4 uint4 10 0 68 1 0 0 0 512" "1 32768 mse4 uint4 5 0 68 1 0 0 0 2048" \
+           "8 32768 mse4 uint4 5 0 68 1 0 0 0 512" "1 4096 mse4 uint4 10 0 68 1 0 0 0 36" "3 1002 mse4 uint4 10 0 68 1 0 0 0 130"; do
+    echo "== chunk $a"; timeout 150 "$probe" $a 2>&1 | grep -E "chunk|reference|refused|does not|error" ; echo "rc ${PIPESTATUS[0]}"
+  done 2>&1 | tee "$OUT/chunk_probe.log"
+  CS=/usr/local/cuda/bin/compute-sanitizer
+  for tool in memcheck racecheck; do
+    for a in "3 1002 mse4 uint4 1 0 68 1 0 0 0 130" "1 200 mse4 uint4 1 0 68 1 0 0 0 40"; do
+      echo "chunk $tool $a: $(timeout 200 $CS --tool $tool --error-exitcode 9 "$probe" $a 2>&1 | grep -E 'chunk |ERROR SUMMARY|RACECHECK SUMMARY' | tr '\n' ' ')"
+    done
+  done 2>&1 | tee -a "$OUT/chunk_probe.log"
 fi
 if [ "$step" = check-probes ]; then  # compute-sanitizer on the kernel probe and the TQPack probe
   cd /tmp

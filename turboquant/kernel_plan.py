@@ -4,8 +4,9 @@
 on machines without a GPU) which split-KV kernel attends the past for given shapes and device
 properties; `last_split_kernel` names the one the process's latest CUDA attention call ran. Kernel
 names: "tc_bulk" (the tensor-core kernel of ops/cuda/attention_tc.cu), "tc_mma" (attention_mma.cu),
-"cuda_core" (attention_split.cu's split kernel), "tc_chunk" (past_chunk.cu) and "none" (no past or no
-query rows: no split kernel). `plan_prefill` and `last_prefill_kernel` do the same for the kernel
+"cuda_core" (attention_split.cu's split kernel), "tc_chunk" (past_chunk.cu), "tc_chunk_wgmma"
+(past_chunk_sm90.cu: chosen only where TURBOQUANT_CHUNK_WGMMA=1 until measured on the GPU) and "none"
+(no past or no query rows: no split kernel). `plan_prefill` and `last_prefill_kernel` do the same for the kernel
 that attends a call's new tokens when it has several query rows (a first prompt, a continuation
 chunk): "wgmma" (ops/cuda/prefill_sm90.cu, Hopper's warpgroup products), "mma" (prefill.cu) or "none"
 (the finish kernel attends each row).
@@ -20,7 +21,7 @@ import functools
 from ._libs import ort_library_path
 from .config import ALL_FORMATS
 
-KERNELS = ("tc_bulk", "tc_mma", "cuda_core", "tc_chunk", "none")
+KERNELS = ("tc_bulk", "tc_mma", "cuda_core", "tc_chunk", "tc_chunk_wgmma", "none")
 PREFILL_KERNELS = ("wgmma", "mma", "none")
 DTYPES = ("float32", "float16", "bfloat16")
 MASKS = (None, "bool", "float32", "float16", "bfloat16")
@@ -88,11 +89,11 @@ def plan_split(*, batch: int, q_heads: int, kv_heads: int, past_len: int, head_d
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     shape = (batch, q_heads, kv_heads, q_len, new_len, past_len, head_dim, v_head_dim, int(is_causal), key_row_bytes,
              value_row_bytes, int(aligned16), buffer_rows)
-    props = (device.sms, device.smem_optin, device.cc_major, device.cc_minor)
+    props = (device.sms, device.smem_optin, device.cc_major, device.cc_minor, int(device.sm90a))
     out = (ctypes.c_int64 * 9)()
     name = _library().turboquant_split_plan(key_format.encode(), value_format.encode(), dtype.encode(),
                                             (mask or "none").encode(), (ctypes.c_int64 * 13)(*shape),
-                                            (ctypes.c_int64 * 4)(*props), out)
+                                            (ctypes.c_int64 * 5)(*props), out)
     if name is None:
         raise ValueError(f"the planner refused these shapes: batch, q_heads, kv_heads, q_len, new_len, past_len, "
                          f"head_dim, v_head_dim, is_causal, key_row_bytes, value_row_bytes, aligned16 = {shape} "

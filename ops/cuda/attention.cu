@@ -73,6 +73,11 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
       case SplitKernel::kTensorCoreBulk: e = launch_tc_split(p, rot, plan, q, mask, past_key, past_value, part, stream); break;
       case SplitKernel::kTensorCoreMma: e = launch_mma_split(p, plan, q, past_key, past_value, part, stream); break;
       case SplitKernel::kTensorCoreChunk: e = launch_chunk_split(p, plan, q, past_key, past_value, part, stream); break;
+#ifdef TQ_SM90A
+      case SplitKernel::kTensorCoreChunkWgmma:
+        e = launch_chunk_split_sm90(p, plan, q, past_key, past_value, part, stream);
+        break;
+#endif
       default: e = launch_cuda_core_split(p, plan, q, mask, past_key, past_value, part, stream); break;
     }
     if (e != cudaSuccess) return e;

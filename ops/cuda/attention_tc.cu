@@ -73,13 +73,8 @@ __device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uin
 // and loop control). Before sm_90 the tiles keep per-lane cp.async.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define TQ_BULK_COPY 1
-// The buffer's earlier reads are ordered before the copy by the warp's own __syncwarp; earlier
-// writes through the generic proxy need a fence.proxy.async (see copy_exact).
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
+// (bulk_copy, ptx.cuh: the buffer's earlier reads are ordered before the copy by the warp's own
+// __syncwarp; earlier writes through the generic proxy need a fence.proxy.async, see copy_exact.)
 // A full tile's two copies (keys, values) and the arrival that expects them, by one lane of the
 // converged warp (elect.sync): issued from a lane-0 branch, the compiler wraps each copy in a loop
 // over the lanes' operands (they must be uniform), some 50 instructions per tile. The caches are

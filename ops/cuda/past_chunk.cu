@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "chunk_queries.cuh"
 #include "flash_tile.cuh"
 #include "split_common.cuh"
 #include "split_geometry.h"
@@ -83,57 +84,9 @@ __global__ void __launch_bounds__(kThreads)
   grid_dependency_wait();  // the past may be the copy kernel's present
   if (tid < (1 << KB)) centroid[tid] = static_cast<float>(codec::centroids(KB)[tid]);
 
-  // the query rows: row r is head hkv * group + r % group at position r / group
-  for (int i = tid; i < kRows * (D / 8); i += kThreads) {
-    const int r = i / (D / 8), c = i % (D / 8);
-    const int64_t row = r0 + r, pos = row / l.group, hq = hkv * l.group + row % l.group;
-    uint4 w = make_uint4(0, 0, 0, 0);
-    if (row < l.rows) {
-      const T* src = q + b * p.q.b + hq * p.q.h + pos * p.q.s + c * 8;
-      if (q_vectors) {
-        w = *reinterpret_cast<const uint4*>(src);
-      } else {
-        T e[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) e[u] = src[u];
-        w = *reinterpret_cast<const uint4*>(e);
-      }
-    }
-    *reinterpret_cast<uint4*>(smem + tile_offset<D>(r, c)) = w;
-  }
-  __syncthreads();
-  // rotated in place, a warp per row: lane holds kE consecutive elements; the butterflies below kE
-  // in registers, the others across lanes (codec::fwht_inplace's order), then scaled by 1/sqrt(Dp)
-  constexpr int kE = D / 32;
-  for (int r = warp; r < kRows; r += kWarps) {
-    uint8_t* at = smem + tile_offset<D>(r, lane * kE / 8) + (lane * kE % 8) * 2;
-    float x[kE];
-#pragma unroll
-    for (int u = 0; u < kE; ++u) x[u] = static_cast<float>(reinterpret_cast<T*>(at)[u]);
-#pragma unroll
-    for (int h = 1; h < kE; h <<= 1) {
-#pragma unroll
-      for (int u = 0; u < kE; ++u) {
-        if ((u & h) == 0) {
-          const float a = x[u], c = x[u + h];
-          x[u] = a + c;
-          x[u + h] = a - c;
-        }
-      }
-    }
-#pragma unroll
-    for (int h = kE; h < D; h <<= 1) {
-      const int mask = h / kE;
-#pragma unroll
-      for (int u = 0; u < kE; ++u) {
-        const float other = __shfl_xor_sync(0xffffffffu, x[u], mask);
-        x[u] = (lane & mask) ? other - x[u] : x[u] + other;
-      }
-    }
-    constexpr float kNorm = D == 128 ? 0.08838834764831845f : 0.125f;  // 1 / sqrt(D)
-#pragma unroll
-    for (int u = 0; u < kE; ++u) reinterpret_cast<T*>(at)[u] = static_cast<T>(x[u] * kNorm);
-  }
+  // the query rows, rotated
+  load_rotated_queries<D, kThreads>(smem, [](int r, int c) { return tile_offset<D>(r, c); }, p, l, q, b, hkv, r0, kRows,
+                                    q_vectors);
   __syncthreads();
   constexpr bool kQInRegisters = D == 64;  // at 128 its 32 registers would spill beside the next tile's bytes
   uint32_t qf[kQInRegisters ? D / 16 : 1][4];
@@ -230,14 +183,12 @@ cudaError_t launch(const AttentionParams& p, const SplitPlan& plan, const void* 
   static SharedMemoryOptIn opt_in;
   cudaError_t e = opt_in.raise(reinterpret_cast<const void*>(kernel), smem_bytes<D>());
   if (e != cudaSuccess) return e;
-  const Layout& l = plan.layout;
-  const auto aligned = [](const void* ptr, int bytes) { return (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0; };
-  const bool q_vectors = aligned(q, 16) && p.q.b % 8 == 0 && p.q.h % 8 == 0 && p.q.s % 8 == 0;
-  const bool key_words = aligned(past_key, 4) && p.key_row() % 4 == 0 && KB == 4;
-  const bool value_words = aligned(past_value, 4) && p.value_row() % 4 == 0 && VB == 4;
-  const dim3 grid(static_cast<unsigned>(l.row_blocks), static_cast<unsigned>(l.splits), static_cast<unsigned>(p.batch * p.kv_heads));
-  return launch_dependent(kernel, grid, dim3(kThreads), smem_bytes<D>(), stream, p, l, static_cast<const T*>(q), past_key,
-                          past_value, partial, q_vectors, key_words, value_words);
+  const auto aligned4 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 3) == 0; };
+  const bool key_words = aligned4(past_key) && p.key_row() % 4 == 0 && KB == 4;
+  const bool value_words = aligned4(past_value) && p.value_row() % 4 == 0 && VB == 4;
+  return launch_dependent(kernel, chunk_grid(p, plan.layout), dim3(kThreads), smem_bytes<D>(), stream, p, plan.layout,
+                          static_cast<const T*>(q), past_key, past_value, partial, query_vectors(p, q), key_words,
+                          value_words);
 }
 
 template <int D, typename T>
@@ -254,13 +205,9 @@ cudaError_t launch_formats(const AttentionParams& p, const SplitPlan& plan, cons
 
 cudaError_t launch_chunk_split(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
                                const uint8_t* past_value, float* partial, cudaStream_t stream) {
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  if (p.head_dim == 64) {
-    return bf16 ? launch_formats<64, __nv_bfloat16>(p, plan, q, past_key, past_value, partial, stream)
-                : launch_formats<64, __half>(p, plan, q, past_key, past_value, partial, stream);
-  }
-  return bf16 ? launch_formats<128, __nv_bfloat16>(p, plan, q, past_key, past_value, partial, stream)
-              : launch_formats<128, __half>(p, plan, q, past_key, past_value, partial, stream);
+  return with_head_and_type(p, [&](auto d, auto t) {
+    return launch_formats<decltype(d)::value, decltype(t)>(p, plan, q, past_key, past_value, partial, stream);
+  });
 }
 
 }  // namespace turboquant::cuda::detail

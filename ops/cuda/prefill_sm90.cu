@@ -24,6 +24,7 @@
 #include "flash_tile.cuh"
 #include "prefill.cuh"
 #include "wgmma.cuh"
+#include "wgmma_flash.cuh"
 
 namespace turboquant::cuda::detail {
 namespace {
@@ -31,7 +32,7 @@ namespace {
 constexpr int kConsumers = 2;                  // consumer warpgroups, 64 query rows each
 constexpr int kThreads = 128 * (kConsumers + 1);  // and the producer's
 constexpr int kRows = 64 * kConsumers;         // query rows per block (the products' M, per consumer 64)
-constexpr int kKeys = 128;                     // keys per tile (the score product's N)
+constexpr int kKeys = wgmma_flash::kKeys;      // keys per tile (the score product's N)
 constexpr int kStages = 2;                     // buffers of keys, and of values
 #ifndef TQ_PREFILL_L2_BYTES  // developer variant: 1 orders the blocks pair by pair (each pair's tiles together)
 #define TQ_PREFILL_L2_BYTES (32LL << 20)
@@ -93,14 +94,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t q_at = (smem_u32(smem_raw) + 1023u) & ~1023u;  // the swizzle repeats every 1024 bytes
   const uint32_t k_at = q_at + q_bytes<D>(), v_at = k_at + kStages * tile_bytes<D>();
-  // mbarriers: full_k[s], full_v[s] (the producer's copies landed), empty_k[s], empty_v[s] (every
-  // consumer thread done with the buffer), full_q
-  const uint32_t bars = v_at + kStages * tile_bytes<D>();
-  auto full_k = [&](int s) { return bars + 8 * s; };
-  auto full_v = [&](int s) { return bars + 8 * (kStages + s); };
-  auto empty_k = [&](int s) { return bars + 8 * (2 * kStages + s); };
-  auto empty_v = [&](int s) { return bars + 8 * (3 * kStages + s); };
-  const uint32_t full_q = bars + 8 * 4 * kStages;
+  // the buffers' mbarriers (the producer's copies landed, every consumer thread done), then Q's
+  const wgmma_flash::Pipeline<kStages> pl{k_at, v_at, tile_bytes<D>(), v_at + kStages * tile_bytes<D>()};
+  const uint32_t full_q = pl.bars + pl.kBarrierBytes;
 
   const int wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int64_t group = p.q_heads / p.kv_heads;
@@ -117,10 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tiles = kv_end > 0 ? static_cast<int>((kv_end + kKeys - 1) / kKeys) : 0;
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(full_k(s), 1), mbar_init(full_v(s), 1);
-      mbar_init(empty_k(s), 128 * kConsumers), mbar_init(empty_v(s), 128 * kConsumers);
-    }
+    pl.init(1, 128 * kConsumers);
     mbar_init(full_q, 1);
     fence_mbarrier_init();
   }
@@ -136,17 +129,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     for (int j = 0; j < tiles; ++j) {
       const int s = j % kStages, use = j / kStages;
-      if (use > 0) mbar_wait(empty_k(s), (use - 1) & 1);
-      mbar_arrive_expect(full_k(s), tile_bytes<D>());
+      if (use > 0) mbar_wait(pl.empty_k(s), (use - 1) & 1);
+      mbar_arrive_expect(pl.full_k(s), tile_bytes<D>());
       for (int a = 0; a < kAtoms; ++a) {
         tma_load(k_at + s * tile_bytes<D>() + a * kKeys * 128, &maps.k, maps.k_heads_inner, 64 * a, j * kKeys, hkv, b,
-                 full_k(s));
+                 pl.full_k(s));
       }
-      if (use > 0) mbar_wait(empty_v(s), (use - 1) & 1);
-      mbar_arrive_expect(full_v(s), tile_bytes<D>());
+      if (use > 0) mbar_wait(pl.empty_v(s), (use - 1) & 1);
+      mbar_arrive_expect(pl.full_v(s), tile_bytes<D>());
       for (int a = 0; a < kAtoms; ++a) {
         tma_load(v_at + s * tile_bytes<D>() + a * kKeys * 128, &maps.v, maps.v_heads_inner, 64 * a, j * kKeys, hkv, b,
-                 full_v(s));
+                 pl.full_v(s));
       }
     }
     return;
@@ -163,128 +156,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   uint32_t pa[kKeys / 16][4];  // the last tile's weights: the value product's A operand
 
-  auto sched_sync = [&] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory"); };
-  auto sched_arrive = [&] { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory"); };
-  auto scores = [&](uint32_t kt) {  // S = Q K^T
-#pragma unroll
-    for (int i = 0; i < kKeys / 2; ++i) s[i] = 0.0f;
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {  // 16 elements of the head (32 bytes of each row) per product
-      const uint32_t in_atom = (ks % 4) * 32u;  // the slice's 32 bytes within its 128-byte rows
-      wgmma::Ops<T>::ss_n128(s, wgmma::desc_k_major(q_wg + (ks / 4) * (kRows * 128) + in_atom),
-                             wgmma::desc_k_major(kt + (ks / 4) * (kKeys * 128) + in_atom), ks > 0);
-    }
-    wgmma::commit();
-  };
-  auto values = [&](uint32_t vt) {  // O += P V
-    wgmma::fence_registers(o);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {  // 16 keys (16 rows of V, 2048 bytes) per product
-      wgmma::Ops<T>::rs_tb(o, pa[kk], wgmma::desc_mn_major(vt + kk * 16 * 128, kKeys * 128));
-    }
-    wgmma::commit();
-  };
-  // Tile j's online softmax: the weights exp2(s - max) into pa (16 keys kk: n-tiles 2 kk and 2 kk + 1),
-  // the accumulators rescaled to the new maxima. Tiles that some row must not see all of (the end of
-  // the keys, the causal diagonal) take a variant of their own (edge): where one code path held both,
-  // the compiler worked out every score's mask in every tile (some 400 integer instructions a thread).
-  auto edge_tile = [&](int j) {
+  // Tile j's online softmax; the tiles that some row must not see all of (the end of the keys, the
+  // causal diagonal) take the masked variant.
+  const auto softmax = [&](int j) {
     const int64_t t0 = static_cast<int64_t>(j) * kKeys;
-    return t0 + kKeys > p.new_len || (p.is_causal && t0 + kKeys - 1 > wg_row0 + diag);
-  };
-  auto softmax = [&](int j, auto edge_variant) {
-    constexpr bool edge = decltype(edge_variant)::value;
-    const int64_t t0 = static_cast<int64_t>(j) * kKeys;
-    // element e of n-tile nt: key t0 + 8 nt + 2 (lane % 4) + (e & 1) of row `row + 8 (e >> 1)`
-#pragma unroll
-    for (int nt = 0; nt < kKeys / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * nt + e];
-        if constexpr (edge) {
-          const int64_t t = t0 + 8 * nt + 2 * (lane % 4) + (e & 1), r = row + 8 * (e >> 1);
-          if (t >= p.new_len || (p.is_causal && t > r + diag)) x = -INFINITY;
-        }
-        s[4 * nt + e] = x;
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // rows `row` (h = 0) and `row + 8`
-      // the raw scores' maximum, then scaled (scale > 0: launch checks), so that each weight is one
-      // fused multiply-add and an exp2
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < kKeys / 8; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * h], s[4 * nt + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      mx = fmaxf(m[h], mx == -INFINITY ? -INFINITY : mx * scale);
-      const float base = mx == -INFINITY ? 0.0f : mx;  // a row that sees no key yet stays empty
-      const float alpha = fast_exp2(m[h] - base);
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < kKeys / 8; ++nt) {
-        s[4 * nt + 2 * h] = fast_exp2(fmaf(s[4 * nt + 2 * h], scale, -base));
-        s[4 * nt + 2 * h + 1] = fast_exp2(fmaf(s[4 * nt + 2 * h + 1], scale, -base));
-        sum += s[4 * nt + 2 * h] + s[4 * nt + 2 * h + 1];
-      }
-      l[h] = l[h] * alpha + sum;
-      m[h] = mx;
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) o[4 * nt + 2 * h] *= alpha, o[4 * nt + 2 * h + 1] *= alpha;
-    }
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) pa[kk][i] = flash::Mma<T>::pack(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-    }
-  };
-
-  // Each consumer: tile j's scores, then (its turn held) tile j's values and tile j + 1's scores, the
-  // turn passed on while it waits for the scores and works out the softmax.
-  mbar_wait(full_q, 0);  // (also where no tile follows: the block must not end with Q's copy in flight)
-  if (tiles > 0) {
-    if (wg == 1) sched_arrive();  // the first turn is warpgroup 0's
-    mbar_wait(full_k(0), 0);
-    sched_sync();
-    scores(k_at);
-    sched_arrive();
-    wgmma::wait<0>();
-    wgmma::fence_registers(s);
-    mbar_arrive(empty_k(0));
-    if (edge_tile(0)) {
-      softmax(0, std::true_type{});
+    if (t0 + kKeys > p.new_len || (p.is_causal && t0 + kKeys - 1 > wg_row0 + diag)) {
+      const auto masked = [&](int column, int h) {
+        const int64_t t = t0 + column, r = row + 8 * h;
+        return t >= p.new_len || (p.is_causal && t > r + diag);
+      };
+      wgmma_flash::softmax<D, T, true>(s, o, m, l, pa, scale, lane, masked);
     } else {
-      softmax(0, std::false_type{});
+      wgmma_flash::softmax<D, T, false>(s, o, m, l, pa, scale, lane, [](int, int) { return false; });
     }
-    for (int j = 1; j < tiles; ++j) {
-      const int sv = (j - 1) % kStages, sk = j % kStages;
-      mbar_wait(full_v(sv), ((j - 1) / kStages) & 1);
-      sched_sync();
-      values(v_at + sv * tile_bytes<D>());
-      mbar_wait(full_k(sk), (j / kStages) & 1);
-      scores(k_at + sk * tile_bytes<D>());
-      sched_arrive();
-      wgmma::wait<0>();
-      wgmma::fence_registers(o);
-      wgmma::fence_registers(s);
-      mbar_arrive(empty_v(sv));
-      mbar_arrive(empty_k(sk));
-      if (edge_tile(j)) {
-        softmax(j, std::true_type{});
-      } else {
-        softmax(j, std::false_type{});
-      }
-    }
-    const int sv = (tiles - 1) % kStages;  // the last tile's values
-    mbar_wait(full_v(sv), ((tiles - 1) / kStages) & 1);
-    sched_sync();
-    values(v_at + sv * tile_bytes<D>());
-    if (wg == 0) sched_arrive();  // (warpgroup 1's turn would go to no one)
-    wgmma::wait<0>();
-    wgmma::fence_registers(o);
-  }
+  };
+  mbar_wait(full_q, 0);  // (also where no tile follows: the block must not end with Q's copy in flight)
+  wgmma_flash::take_turns<D, T>(pl, tiles, wg, q_wg, kRows, s, o, pa, softmax);
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -292,12 +179,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t r = row + 8 * h;
     if (r >= p.q_len) continue;
     if (part != nullptr) {  // row (b, hkv, r * group + hq % group) of the split kernels' partial results
-      float* pr = part + ((b * p.kv_heads + hkv) * p.q_len * group + r * group + hq % group) * (2 + D);
-      if (lane % 4 == 0) pr[0] = m[h] * 0.6931471805599453f, pr[1] = sum;  // max in natural-log units
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        *reinterpret_cast<float2*>(pr + 2 + nt * 8 + (lane % 4) * 2) = make_float2(o[4 * nt + 2 * h], o[4 * nt + 2 * h + 1]);
-      }
+      wgmma_flash::store_partial<D>(part + ((b * p.kv_heads + hkv) * p.q_len * group + r * group + hq % group) * (2 + D),
+                                    o, m[h], sum, h, lane);
       continue;
     }
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row that sees no key: zeros

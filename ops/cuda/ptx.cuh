@@ -1,5 +1,5 @@
 // PTX wrappers for the tensor-core kernels (attention_tc.cu, attention_mma.cu, prefill.cu,
-// prefill_sm90.cu), in one place: shared-memory addresses, cp.async, ldmatrix, movmatrix, mma.sync,
+// prefill_sm90.cu, past_chunk_sm90.cu), in one place: shared-memory addresses, cp.async, ldmatrix, movmatrix, mma.sync,
 // mbarriers, conversions.
 #pragma once
 
@@ -96,6 +96,24 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       " @!done bra WAIT;\n}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
+}
+
+// Hopper's bulk copy (sm_90): `bytes` (a multiple of 16) from global src to shared dst, both 16-byte
+// aligned, completing `bytes` of the mbarrier's expected transactions.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// Orders this thread's earlier shared-memory writes (generic proxy) before later reads by the async
+// proxy: the tensor copy engine, bulk copies, wgmma operands.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Byte permute: byte i of the result is byte (sel's nibble i) of {b, a} (a bytes 0-3), or with the
+// nibble's bit 3 set, that byte's sign bit repeated.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; 2^-inf = 0

@@ -3,10 +3,13 @@
 // merge kernel combines.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_pipeline.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "device_attributes.h"
 #include "turboquant/split_plan.h"
@@ -48,6 +51,12 @@ cudaError_t launch_cuda_core_split(const AttentionParams& p, const SplitPlan& pl
 // token visible to every row. It writes the same partials as split_kernel.
 cudaError_t launch_chunk_split(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
                                const uint8_t* past_value, float* partial, cudaStream_t stream);
+
+// The same calls on Hopper's warpgroup products (past_chunk_sm90.cu, sm_90a code; plan.kernel
+// kTensorCoreChunkWgmma): MSE 4-bit keys with uint4 values, 128-row blocks.
+cudaError_t launch_chunk_split_sm90(const AttentionParams& p, const SplitPlan& plan, const void* q,
+                                    const uint8_t* past_key, const uint8_t* past_value, float* partial,
+                                    cudaStream_t stream);
 
 #ifdef __CUDACC__
 // Programmatic dependent launch (sm_90; no-ops before): a kernel launched with
@@ -114,6 +123,17 @@ __device__ __forceinline__ void block_mark(int end) {
   do {                \
   } while (0)
 #endif
+
+// f(std::integral_constant<int, D>, T) for the call's head size D (64 or 128) and 16-bit type T (fp16
+// or bf16): the template instance a launcher runs.
+template <typename F>
+cudaError_t with_head_and_type(const AttentionParams& p, const F& f) {
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  if (p.head_dim == 64) return bf16 ? f(D64{}, __nv_bfloat16{}) : f(D64{}, __half{});
+  return bf16 ? f(D128{}, __nv_bfloat16{}) : f(D128{}, __half{});
+}
 
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch on devices that
 // have them (sm_90 and newer): the kernel may start while the launch before it runs (see above).

@@ -1,6 +1,7 @@
-// The shared-memory geometry of the tensor-core split kernels (attention_tc.cu, attention_mma.cu),
-// in plain C++ (TQ_HD): the planner (split_plan.cpp, host-only, also in CPU builds) sizes a launch
-// with the same functions the kernels lay out their shared memory with.
+// The shared-memory geometry of the tensor-core split kernels (attention_tc.cu, attention_mma.cu,
+// past_chunk.cu, past_chunk_sm90.cu), in plain C++ (TQ_HD): the planner (split_plan.cpp, host-only,
+// also in CPU builds) sizes a launch with the same functions the kernels lay out their shared memory
+// with.
 #pragma once
 
 #include "turboquant/numerics.h"  // TQ_HD
@@ -124,5 +125,23 @@ constexpr int kKeys = 64;  // past tokens per tile
 TQ_HD constexpr int smem_bytes(int d) { return kRows * d * 2 + 2 * kKeys * d * 2 + 3 * kKeys * 4 + 16 * 4; }
 
 }  // namespace chunk_geometry
+
+// ---- past_chunk_sm90.cu -------------------------------------------------------------------------
+namespace chunk_sm90_geometry {
+
+constexpr int kRows = 128;     // query rows per block: two consumer warpgroups of 64
+constexpr int kKeys = 128;     // past tokens per tile
+constexpr int kStages = 2;     // decoded tiles of keys, and of values
+constexpr int kRawStages = 3;  // the tiles' packed rows, copied ahead
+// The packed rows of one tile: 128 rows of K and of V as the cache holds them (kb, vb bytes each).
+TQ_HD constexpr int raw_stage_bytes(int kb, int vb) { return kKeys * (kb + vb); }
+// 1024 bytes of alignment slack (the swizzle's period), Q, the decoded tiles, the packed rows and the
+// mbarriers (full and empty per decoded buffer of K and of V, one per packed buffer).
+TQ_HD constexpr int smem_bytes(int d, int kb, int vb) {
+  return 1024 + kRows * d * 2 + 2 * kStages * kKeys * d * 2 + kRawStages * raw_stage_bytes(kb, vb) +
+         8 * (4 * kStages + kRawStages);
+}
+
+}  // namespace chunk_sm90_geometry
 
 }  // namespace turboquant::cuda::detail

@@ -2,6 +2,9 @@
 // and workspace, from the same geometry the kernels use (split_geometry.h).
 #include "turboquant/split_plan.h"
 
+#include <cstdlib>
+#include <cstring>
+
 #include "split_geometry.h"
 
 namespace turboquant::cuda {
@@ -112,6 +115,21 @@ bool chunk_takes(const AttentionParams& p, const DeviceProps& dev) {
   return detail::chunk_geometry::smem_bytes(p.head_dim) <= dev.smem_optin;
 }
 
+// Whether the wgmma chunk kernel takes a call that the chunk kernel takes: its sm_90a code on this
+// device, MSE 4-bit keys with uint4 values, a positive scale (its softmax takes the raw scores'
+// maximum), at least one block of 128 rows per KV head, and whole tiles of packed rows for bulk copies:
+// rows of multiples of 4 bytes in caches at 16-byte boundaries whose (b, head) regions are multiples
+// of 16 bytes; within the device's shared memory.
+bool chunk_wgmma_takes(const AttentionParams& p, bool aligned16, const DeviceProps& dev) {
+  namespace geo = detail::chunk_sm90_geometry;
+  if (!chunk_wgmma_enabled() || !dev.sm90a || !aligned16) return false;
+  if (p.key_format != Format::kMse4 || p.value_format != Format::kUint4 || !(p.scale > 0.0f)) return false;
+  const int64_t kb = p.key_row(), vb = p.value_row(), rows = p.past_rows_or_len();
+  if (kb % 4 != 0 || vb % 4 != 0 || rows * kb % 16 != 0 || rows * vb % 16 != 0) return false;
+  if (p.q_len * (p.q_heads / p.kv_heads) < geo::kRows) return false;
+  return geo::smem_bytes(p.head_dim, static_cast<int>(kb), static_cast<int>(vb)) <= dev.smem_optin;
+}
+
 // The query rows' blocks, the same for every kernel (the finish kernel merges the rows by them).
 SplitLayout row_layout(const AttentionParams& p) {
   SplitLayout l;
@@ -140,6 +158,11 @@ void split_past(const AttentionParams& p, int64_t target, int64_t unit, SplitLay
 
 }  // namespace
 
+bool chunk_wgmma_enabled() {
+  const char* v = std::getenv("TURBOQUANT_CHUNK_WGMMA");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 bool new_tokens_on_tensor_cores(const AttentionParams& p) {
   const bool half = p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16;
   return half && (p.head_dim == 64 || p.head_dim == 128) && p.v_head_dim == p.head_dim && p.q_len > 1 && p.new_len > 0;
@@ -165,6 +188,7 @@ const char* split_kernel_name(SplitKernel k) {
     case SplitKernel::kTensorCoreMma: return "tc_mma";
     case SplitKernel::kCudaCore: return "cuda_core";
     case SplitKernel::kTensorCoreChunk: return "tc_chunk";
+    case SplitKernel::kTensorCoreChunkWgmma: return "tc_chunk_wgmma";
     default: return "none";
   }
 }
@@ -176,7 +200,16 @@ SplitPlan plan_split(const AttentionParams& p, bool caches_aligned16, const Devi
   if (p.q_len == 0 || p.past_len == 0 || p.batch == 0) return plan;  // the finish kernel alone
   const int64_t base = p.batch * p.kv_heads * l.row_blocks;
   const int sms = dev.sms > 0 ? dev.sms : 1;
-  if (chunk_takes(p, dev)) {
+  if (chunk_takes(p, dev) && chunk_wgmma_takes(p, caches_aligned16, dev)) {
+    // 128-row blocks, one per SM (their shared memory), the past split while whole waves allow
+    namespace geo = detail::chunk_sm90_geometry;
+    plan.kernel = SplitKernel::kTensorCoreChunkWgmma;
+    l.rows_per_block = geo::kRows;
+    l.row_blocks = static_cast<int>((l.rows + l.rows_per_block - 1) / l.rows_per_block);
+    plan.smem = geo::smem_bytes(p.head_dim, static_cast<int>(p.key_row()), static_cast<int>(p.value_row()));
+    const int64_t blocks = p.batch * p.kv_heads * l.row_blocks;
+    split_past(p, blocks > 0 ? sms / blocks * blocks : 1, geo::kKeys, &l);
+  } else if (chunk_takes(p, dev)) {
     // 64-row tiles of the chunk's rows, and the past split until about four blocks per SM
     plan.kernel = SplitKernel::kTensorCoreChunk;
     l.rows_per_block = detail::chunk_geometry::kRows;

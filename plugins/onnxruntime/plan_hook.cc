@@ -1,6 +1,7 @@
 // C functions beside RegisterCustomOps, for tests and diagnostics (turboquant/kernel_plan.py calls
 // them through ctypes): the CUDA planners for given shapes and device properties (host code, in every
 // build), and the kernels the process's latest CUDA attention calls ran.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -31,7 +32,7 @@ bool parse_mask(const char* s, turboquant::MaskType* m) {
 // shape: batch, q_heads, kv_heads, q_len, new_len, past_len, head_dim, v_head_dim, is_causal,
 // key_row_bytes, value_row_bytes (0: the formats' sizes), caches 16-byte aligned (0/1), rows of the
 // preallocated buffers (0: dense caches);
-// device: sms, smem_optin, cc_major, cc_minor; out: splits, split_len, rows_per_block, row_blocks,
+// device: sms, smem_optin, cc_major, cc_minor, sm90a (0/1); out: splits, split_len, rows_per_block, row_blocks,
 // warps, smem, workspace, new_part (0/1), new_part_offset. Returns the kernel's name, or nullptr for a name it does not know
 // (format, dtype, mask) or shapes out of range.
 extern "C" __attribute__((visibility("default"))) const char* turboquant_split_plan(
@@ -52,11 +53,13 @@ extern "C" __attribute__((visibility("default"))) const char* turboquant_split_p
   if (!head_dim_supported(shape[6]) || !head_dim_supported(shape[7])) return nullptr;
   p.head_dim = static_cast<int>(shape[6]), p.v_head_dim = static_cast<int>(shape[7]);
   p.is_causal = shape[8] != 0;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(p.head_dim));  // the ops' default
   p.key_row_bytes = shape[9], p.value_row_bytes = shape[10];
   p.past_rows = p.present_rows = shape[12];
   cuda::DeviceProps dev;
   dev.sms = static_cast<int>(device[0]), dev.smem_optin = static_cast<int>(device[1]);
   dev.cc_major = static_cast<int>(device[2]), dev.cc_minor = static_cast<int>(device[3]);
+  dev.sm90a = device[4] != 0;
   const cuda::SplitPlan plan = cuda::plan_split(p, shape[11] != 0, dev);
   out[0] = plan.layout.splits, out[1] = plan.layout.split_len, out[2] = plan.layout.rows_per_block;
   out[3] = plan.layout.row_blocks, out[4] = plan.warps, out[5] = plan.smem, out[6] = static_cast<int64_t>(plan.workspace);
@@ -64,7 +67,7 @@ extern "C" __attribute__((visibility("default"))) const char* turboquant_split_p
   return cuda::split_kernel_name(plan.kernel);
 }
 
-// "tc_bulk", "tc_mma", "cuda_core", or "none" (no CUDA attention call yet, the latest had no past or
+// "tc_bulk", "tc_mma", "cuda_core", "tc_chunk", "tc_chunk_wgmma", or "none" (no CUDA attention call yet, the latest had no past or
 // no queries, or this build has no CUDA kernels).
 extern "C" __attribute__((visibility("default"))) const char* turboquant_last_split_kernel() {
   return turboquant::ort::cuda_last_split_kernel();

@@ -18,8 +18,9 @@ enum class SplitKernel : int {
   kTensorCoreMma,   // attention_mma.cu: MSE keys and uint values the first does not take
   kCudaCore,        // attention_split.cu's split_kernel: every call (masks, float32, any format pair)
   kTensorCoreChunk,  // past_chunk.cu: a continuation chunk's rows (64 or more per KV head) in 64-row tiles
+  kTensorCoreChunkWgmma,  // past_chunk_sm90.cu: the same in 128-row blocks on Hopper's warpgroup products
 };
-// "none", "tc_bulk", "tc_mma", "cuda_core", "tc_chunk": the names tests and logs use.
+// "none", "tc_bulk", "tc_mma", "cuda_core", "tc_chunk", "tc_chunk_wgmma": the names tests and logs use.
 const char* split_kernel_name(SplitKernel k);
 
 // What the plan needs of the device (the launchers ask the driver for them once per device).
@@ -69,6 +70,11 @@ enum class PrefillKernel : int {
 // "none", "mma", "wgmma": the names tests and logs use.
 const char* prefill_kernel_name(PrefillKernel k);
 PrefillKernel plan_prefill(const AttentionParams& p, const DeviceProps& dev);
+
+// Whether the planner may choose kTensorCoreChunkWgmma: while that kernel awaits its measurements on
+// the GPU (docs/performance.md, which kernel runs), only where the environment sets
+// TURBOQUANT_CHUNK_WGMMA=1 (read at each plan, so that a process's tests can set it).
+bool chunk_wgmma_enabled();
 
 // caches_aligned16: past_key and past_value start at multiples of 16 bytes (the tensor-core bulk
 // kernel copies fp8 and raw16 rows in swizzled 16-byte chunks).

@@ -157,6 +157,32 @@ def test_chunks_of_a_tile_of_rows_take_the_chunk_kernel():
     assert plan_split(**{**chunk, "head_dim": 80}).kernel == "tc_mma"
 
 
+def test_chunks_take_the_wgmma_chunk_kernel_where_enabled(monkeypatch):
+    """With TURBOQUANT_CHUNK_WGMMA=1 (until its measurements on the GPU), on devices that run sm_90a
+    code: the chunk kernel's calls with MSE 4-bit keys and uint4 values, 128 rows or more per KV head,
+    rows of multiples of 4 bytes in (b, head) regions of multiples of 16 bytes, in 128-row blocks with
+    the past split while whole waves of blocks allow; else the chunk kernel."""
+    chunk = dict(PRESET, batch=1, key_format="mse4", value_format="uint4", is_causal=True, q_len=512, buffer_rows=33280,
+                 key_row_bytes=68, value_row_bytes=68)
+    monkeypatch.delenv("TURBOQUANT_CHUNK_WGMMA", raising=False)
+    assert plan_split(**chunk).kernel == "tc_chunk"
+    monkeypatch.setenv("TURBOQUANT_CHUNK_WGMMA", "1")
+    plan = plan_split(**chunk)
+    assert (plan.kernel, plan.rows_per_block, plan.row_blocks, plan.splits) == ("tc_chunk_wgmma", 128, 16, 1)
+    assert plan.split_len >= 32768 and plan.smem <= H200.smem_optin
+    assert plan.workspace >= 8 * 512 * 4 * (2 + 128) * 4 * 2  # the splits' rows and the new tokens' part, float32
+    few = plan_split(**{**chunk, "q_len": 32})  # one block per KV head: 16 splits of 2048 fill 128 SMs
+    assert (few.kernel, few.row_blocks, few.splits, few.split_len) == ("tc_chunk_wgmma", 1, 16, 2048)
+    assert plan_split(**{**chunk, "head_dim": 64}).kernel == "tc_chunk_wgmma"
+    assert plan_split(**{**chunk, "dtype": "bfloat16"}).kernel == "tc_chunk_wgmma"
+    for other in ({"q_len": 31}, {"key_format": "mse3"}, {"value_format": "uint3"}, {"buffer_rows": 33281},
+                  {"key_row_bytes": 0}, {"aligned16": False}, {"device": A100},
+                  {"device": dataclasses.replace(H200, sm90a=False)}):
+        assert plan_split(**{**chunk, **other}).kernel == "tc_chunk", other
+    monkeypatch.setenv("TURBOQUANT_CHUNK_WGMMA", "0")
+    assert plan_split(**chunk).kernel == "tc_chunk"
+
+
 def test_smaller_devices():
     """sm_80's 163 KiB take 8-warp mse4 blocks; sm_89's 99 KiB none (the mma kernel instead); the
     fp8 pair's smaller buffers fit 16 warps on sm_80."""
