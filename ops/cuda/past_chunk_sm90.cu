@@ -6,8 +6,8 @@
 // - a producer: one thread copies each tile's 128 packed rows of K and of V into shared memory (bulk
 //   copies, three tiles ahead, an mbarrier each); then each of the warpgroup's threads decodes one
 //   token into the 16-bit tiles the products read (128-byte swizzle, two buffers of keys and two of
-//   values): keys as centroid x scale / sqrt(D), the codebook looked up by byte permutes from
-//   registers (a table in shared memory would take the bandwidth the products need), values as
+//   values): keys as centroid x scale / sqrt(D), the token's 16 values looked up by byte permutes
+//   from registers (a table in shared memory would take the bandwidth the products need), values as
 //   code x scale + zero;
 // - two consumers of 64 rows each, as prefill_sm90.cu's (wgmma_flash.cuh): S = Q K^T from shared
 //   memory, the online softmax in registers, O += P V, taking turns at the tensor cores.
@@ -80,16 +80,21 @@ __device__ __forceinline__ uint32_t as_word(T2 x) {
   return u;
 }
 
-// The 16-bit centroids of the 4-bit codes in the low 16 bits of x (code k in nibble k) as two words
-// of element pairs (0, 1) and (2, 3). lo / hi: the 16 centroids' low and high bytes, four to a word.
-__device__ __forceinline__ void lookup4(uint32_t x, const uint32_t (&lo)[4], const uint32_t (&hi)[4], uint32_t& e01,
-                                        uint32_t& e23) {
-  const uint32_t sel = x & 0x7777u;                  // each code's index among its half of the table
-  const uint32_t upper = prmt(x << 4, x, 0xD9C8u);  // byte k all ones where code k is 8 or more (its bit 3's sign)
-  const uint32_t l = (prmt(lo[0], lo[1], sel) & ~upper) | (prmt(lo[2], lo[3], sel) & upper);
-  const uint32_t h = (prmt(hi[0], hi[1], sel) & ~upper) | (prmt(hi[2], hi[3], sel) & upper);
-  e01 = prmt(l, h, 0x5140u);  // element 0's low and high byte, then element 1's
-  e23 = prmt(l, h, 0x7362u);
+// Eight key elements from the word of their 4-bit codes (code k in nibble k) as four words of element
+// pairs (0, 1) .. (6, 7): lo / hi, the token's 16 values' low and high bytes, four to a word.
+__device__ __forceinline__ void lookup8(uint32_t w, const uint32_t (&lo)[4], const uint32_t (&hi)[4], uint32_t (&e)[4]) {
+  const uint32_t sel = w & 0x77777777u;  // each code's index in its half of the table (prmt reads 4 at a time)
+  // byte k all ones where code k (of 0-3, then of 4-7) is 8 or more: the sign of the byte holding its bit 3
+  const uint32_t shifted = w << 4;
+  const uint32_t upper[2] = {prmt(shifted, w, 0xD9C8u), prmt(shifted, w, 0xFBEAu)};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t x = half ? sel >> 16 : sel, u = upper[half];
+    const uint32_t l = (prmt(lo[0], lo[1], x) & ~u) | (prmt(lo[2], lo[3], x) & u);
+    const uint32_t h = (prmt(hi[0], hi[1], x) & ~u) | (prmt(hi[2], hi[3], x) & u);
+    e[2 * half] = prmt(l, h, 0x5140u);  // element 0's low and high byte, then element 1's
+    e[2 * half + 1] = prmt(l, h, 0x7362u);
+  }
 }
 
 template <int D, typename T>
@@ -149,14 +154,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (t == 0) {
       for (int j = 0; j < min(tiles, kRawStages); ++j) copy(j);
     }
-    // the centroids' low and high bytes, four to a word
-    uint32_t lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+    uint32_t centroids[8];  // the 16 centroids in pairs (2i, 2i + 1)
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      const uint32_t c = Pair<T>::bits(static_cast<float>(codec::centroids(4)[k]));
-      lo[k / 4] |= (c & 0xFFu) << (8 * (k % 4));
-      hi[k / 4] |= (c >> 8) << (8 * (k % 4));
+    for (int i = 0; i < 8; ++i) {
+      centroids[i] = Pair<T>::bits(static_cast<float>(codec::centroids(4)[2 * i])) |
+                     static_cast<uint32_t>(Pair<T>::bits(static_cast<float>(codec::centroids(4)[2 * i + 1]))) << 16;
     }
+    // chunk c of token t's row in a decoded tile (swizzled(kKeys, t, c)): the row's offset with its
+    // swizzle, one xor and the atom's offset per chunk
+    const uint32_t row_at = t * 128u | (t % 8u) * 16u;
+    const auto chunk_at = [&](int c) { return (row_at ^ (c % 8) * 16u) + (c / 8) * kKeys * 128u; };
     constexpr int kCodeBytes = D / 2;
     constexpr float kInvSqrtD = D == 128 ? 0.08838834764831845f : 0.125f;
     for (int j = 0; j < tiles; ++j) {
@@ -167,18 +174,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint8_t* krow = base + packed_off + r * packed_bytes + t * kb;
       const uint8_t* vrow = base + packed_off + r * packed_bytes + kKeys * kb + t * vb;
       const float norm = on ? __half2float(*reinterpret_cast<const __half*>(krow + kCodeBytes)) * kInvSqrtD : 0.0f;
+      // the token's 16 key values (centroid x scale, each rounded once) as low and high bytes, four to
+      // a word: the products once per token rather than per element
       const T2 ks = as_pair<T2>(Pair<T>::bits(norm) * 0x10001u);
+      uint32_t lo[4], hi[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t a = as_word(__hmul2(as_pair<T2>(centroids[2 * i]), ks));
+        const uint32_t b = as_word(__hmul2(as_pair<T2>(centroids[2 * i + 1]), ks));
+        lo[i] = prmt(a, b, 0x6420u), hi[i] = prmt(a, b, 0x7531u);
+      }
       if (j >= kStages) mbar_wait(pl.empty_k(s), (j / kStages - 1) & 1);
       uint8_t* kt = base + k_off + s * kTileBytes;
-#pragma unroll 4
+#pragma unroll
       for (int c = 0; c < D / 8; ++c) {
         const uint32_t w = *reinterpret_cast<const uint32_t*>(krow + 4 * c);
         uint32_t e[4];
-        lookup4(w, lo, hi, e[0], e[1]);
-        lookup4(w >> 16, lo, hi, e[2], e[3]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) e[i] = as_word(__hmul2(as_pair<T2>(e[i]), ks));
-        *reinterpret_cast<uint4*>(kt + swizzled(kKeys, t, c)) = make_uint4(e[0], e[1], e[2], e[3]);
+        lookup8(w, lo, hi, e);
+        *reinterpret_cast<uint4*>(kt + chunk_at(c)) = make_uint4(e[0], e[1], e[2], e[3]);
       }
       fence_proxy_async();
       mbar_arrive(pl.full_k(s));
@@ -188,17 +201,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       const T2 magic = as_pair<T2>(Pair<T>::kMagic);
       if (j >= kStages) mbar_wait(pl.empty_v(s), (j / kStages - 1) & 1);
       uint8_t* vt = base + v_off + s * kTileBytes;
-#pragma unroll 4
+#pragma unroll
       for (int c = 0; c < D / 8; ++c) {
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow + 4 * c), w4 = w >> 4;
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow + 4 * c);
+        const uint32_t even = w & 0x0F0F0F0Fu, odd = (w >> 4) & 0x0F0F0F0Fu;  // elements 2i, 2i + 1 in byte i
         uint32_t e[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          // byte i's low nibble (element 2i) and high nibble (2i + 1) into the two halves' mantissas
-          const uint32_t codes = (prmt(w, w4, static_cast<uint32_t>(i | (4 + i) << 8)) & 0x000F000Fu) | Pair<T>::kMagic;
+          // elements 2i and 2i + 1 into the two halves' low bytes, their high bytes zero (the sign of a
+          // byte below 0x80, repeated), then the magic number's bits
+          const uint32_t codes = prmt(even, odd, static_cast<uint32_t>(i | 0x80 | (4 + i) << 8 | 0x8000)) | Pair<T>::kMagic;
           e[i] = as_word(__hfma2(__hsub2(as_pair<T2>(codes), magic), vs, vz));
         }
-        *reinterpret_cast<uint4*>(vt + swizzled(kKeys, t, c)) = make_uint4(e[0], e[1], e[2], e[3]);
+        *reinterpret_cast<uint4*>(vt + chunk_at(c)) = make_uint4(e[0], e[1], e[2], e[3]);
       }
       fence_proxy_async();
       mbar_arrive(pl.full_v(s));

@@ -130,6 +130,23 @@ bool chunk_wgmma_takes(const AttentionParams& p, bool aligned16, const DevicePro
   return geo::smem_bytes(p.head_dim, static_cast<int>(kb), static_cast<int>(vb)) <= dev.smem_optin;
 }
 
+// Developer variant (TQ_FINISH_RESERVE=1): the SMs the bulk kernel leaves to the finish kernel, so that
+// its blocks (a merge per query row, a packing block per 4 new vectors) start together as the split
+// blocks end: at B = 1 with 32 query heads its 36 blocks, 8 to an SM (its 64 registers), found 4 free SMs
+// beside 128 split blocks and 4 of them started late (docs/performance.md, the B = 1 step). Only where
+// a few SMs cover them (larger batches fill the SMs the split blocks free).
+#ifndef TQ_FINISH_RESERVE
+#define TQ_FINISH_RESERVE 0
+#endif
+int finish_reserve(const AttentionParams& p, const SplitLayout& l, int sms) {
+  if (!TQ_FINISH_RESERVE) return 0;
+  constexpr int kFinishBlocksPerSm = 8, kVectorsPerPackBlock = 4;
+  const int64_t vectors = p.batch * p.kv_heads * p.new_len;
+  const int64_t blocks = p.batch * p.kv_heads * l.rows + 2 * ((vectors + kVectorsPerPackBlock - 1) / kVectorsPerPackBlock);
+  const int64_t reserve = (blocks + kFinishBlocksPerSm - 1) / kFinishBlocksPerSm;
+  return reserve <= sms / 16 ? static_cast<int>(reserve) : 0;
+}
+
 // The query rows' blocks, the same for every kernel (the finish kernel merges the rows by them).
 SplitLayout row_layout(const AttentionParams& p) {
   SplitLayout l;
@@ -223,7 +240,8 @@ SplitPlan plan_split(const AttentionParams& p, bool caches_aligned16, const Devi
     plan.kernel = SplitKernel::kTensorCoreBulk;
     plan.warps = warps;
     plan.smem = tc_block_bytes(p, warps) - detail::tc_geometry::kStaticBytesMax;
-    split_past(p, base > 0 ? sms / base * base : 1, static_cast<int64_t>(warps) * detail::tc_geometry::kTok, &l);
+    const int free = sms - finish_reserve(p, l, sms);
+    split_past(p, base > 0 ? free / base * base : 1, static_cast<int64_t>(warps) * detail::tc_geometry::kTok, &l);
   } else {
     plan.kernel = mma_takes(p, dev) ? SplitKernel::kTensorCoreMma : SplitKernel::kCudaCore;
     split_past(p, 8LL * sms, kCudaCoreTile, &l);  // 8 blocks' worth per SM
