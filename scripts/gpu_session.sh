@@ -139,12 +139,13 @@ if [ "$step" = chunk ]; then  # continuation chunks on both chunk kernels (the a
   fi
   # B S formats iters pad width inplace rotary shift mask chunk: rows of 68 bytes, S + chunk a multiple of 4
   for a in "1 32768 mse4 uint4 10 0 68 1 0 0 0 512" "1 32768 mse4 uint4 5 0 68 1 0 0 0 2048" \
-           "8 32768 mse4 uint4 5 0 68 1 0 0 0 512" "1 4096 mse4 uint4 10 0 68 1 0 0 0 36" "3 1002 mse4 uint4 10 0 68 1 0 0 0 130"; do
+           "8 32768 mse4 uint4 5 0 68 1 0 0 0 512" "1 4096 mse4 uint4 10 0 68 1 0 0 0 36" "3 1002 mse4 uint4 10 0 68 1 0 0 0 130" \
+           "1 32768 mse3 uint3 10 0 52 1 0 0 0 512" "1 32768 mse3 uint4 10 0 68 1 0 0 0 512" "2 1002 mse3 uint3 10 0 52 1 0 0 0 130"; do
     echo "== chunk $a"; timeout 150 "$probe" $a 2>&1 | grep -E "chunk|reference|refused|does not|error" ; echo "rc ${PIPESTATUS[0]}"
   done 2>&1 | tee "$OUT/chunk_probe.log"
   CS=/usr/local/cuda/bin/compute-sanitizer
   for tool in memcheck racecheck; do
-    for a in "3 1002 mse4 uint4 1 0 68 1 0 0 0 130" "1 200 mse4 uint4 1 0 68 1 0 0 0 40"; do
+    for a in "3 1002 mse4 uint4 1 0 68 1 0 0 0 130" "1 200 mse4 uint4 1 0 68 1 0 0 0 40" "2 1002 mse3 uint3 1 0 52 1 0 0 0 130"; do
       echo "chunk $tool $a: $(timeout 200 $CS --tool $tool --error-exitcode 9 "$probe" $a 2>&1 | grep -E 'chunk |ERROR SUMMARY|RACECHECK SUMMARY' | tr '\n' ' ')"
     done
   done 2>&1 | tee -a "$OUT/chunk_probe.log"

@@ -1,13 +1,14 @@
 // A continuation chunk's query rows over the packed past on Hopper's warpgroup products (wgmma,
-// sm_90a code alone; plan kTensorCoreChunkWgmma): past_chunk.cu's contract, for MSE 4-bit keys with
-// uint4 values in caches whose (b, head) regions of rows start at 16-byte boundaries. A block takes
-// 128 of a KV head's chunk rows (its query heads at consecutive positions) and one split of the past,
+// sm_90a code alone; plan kTensorCoreChunkWgmma): past_chunk.cu's contract (MSE 4- or 3-bit keys,
+// uint4 or uint3 values) in caches whose (b, head) regions of rows start at 16-byte boundaries. A
+// block takes 128 of a KV head's chunk rows (its query heads at consecutive positions) and one split of the past,
 // in three warpgroups:
 // - a producer: one thread copies each tile's 128 packed rows of K and of V into shared memory (bulk
 //   copies, three tiles ahead, an mbarrier each); then each of the warpgroup's threads decodes one
 //   token into the 16-bit tiles the products read (128-byte swizzle, two buffers of keys and two of
-//   values): keys as centroid x scale / sqrt(D), the token's 16 values looked up by byte permutes
-//   from registers (a table in shared memory would take the bandwidth the products need), values as
+//   values): a chunk's 8 codes as the nibbles of a word (3-bit codes spread into them), keys as
+//   centroid x scale / sqrt(D), the token's 16 (or 8) values looked up by byte permutes from
+//   registers (a table in shared memory would take the bandwidth the products need), values as
 //   code x scale + zero;
 // - two consumers of 64 rows each, as prefill_sm90.cu's (wgmma_flash.cuh): S = Q K^T from shared
 //   memory, the online softmax in registers, O += P V, taking turns at the tensor cores.
@@ -80,24 +81,56 @@ __device__ __forceinline__ uint32_t as_word(T2 x) {
   return u;
 }
 
-// Eight key elements from the word of their 4-bit codes (code k in nibble k) as four words of element
-// pairs (0, 1) .. (6, 7): lo / hi, the token's 16 values' low and high bytes, four to a word.
-__device__ __forceinline__ void lookup8(uint32_t w, const uint32_t (&lo)[4], const uint32_t (&hi)[4], uint32_t (&e)[4]) {
-  const uint32_t sel = w & 0x77777777u;  // each code's index in its half of the table (prmt reads 4 at a time)
-  // byte k all ones where code k (of 0-3, then of 4-7) is 8 or more: the sign of the byte holding its bit 3
-  const uint32_t shifted = w << 4;
-  const uint32_t upper[2] = {prmt(shifted, w, 0xD9C8u), prmt(shifted, w, 0xFBEAu)};
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const uint32_t x = half ? sel >> 16 : sel, u = upper[half];
-    const uint32_t l = (prmt(lo[0], lo[1], x) & ~u) | (prmt(lo[2], lo[3], x) & u);
-    const uint32_t h = (prmt(hi[0], hi[1], x) & ~u) | (prmt(hi[2], hi[3], x) & u);
-    e[2 * half] = prmt(l, h, 0x5140u);  // element 0's low and high byte, then element 1's
-    e[2 * half + 1] = prmt(l, h, 0x7362u);
+// The 8 codes of chunk c (elements 8c..8c+7) of a row's code bytes, kBits each (little-endian: chunk c
+// is bytes [c kBits, (c + 1) kBits)), as the nibbles of a word, code k in nibble k. row: 4-byte
+// aligned.
+template <int kBits>
+__device__ __forceinline__ uint32_t chunk_codes(const uint8_t* row, int c) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(row);
+  if constexpr (kBits == 4) {
+    return w[c];
+  } else {
+    const int a = 3 * c / 4, o = 3 * c % 4;  // the chunk's 24 bits start at byte o of word a
+    const uint32_t x = o <= 1 ? w[a] >> (8 * o) : __funnelshift_r(w[a], w[a + 1], 8 * o);
+    // codes 0-3 (bits 0-11) and 4-7 (bits 12-23) into the two 16-bit lanes, then each lane's four
+    // 3-bit fields into nibbles
+    const uint32_t y = (x & 0xFFFFu) | ((x << 4) & 0xFFFF0000u);
+    return (y & 0x00070007u) | ((y << 1) & 0x00700070u) | ((y << 2) & 0x07000700u) | ((y << 3) & 0x70007000u);
   }
 }
 
-template <int D, typename T>
+// Eight key elements from their codes' nibbles (code k in nibble k of z) as four words of element
+// pairs (0, 1) .. (6, 7): lo / hi, the token's 2^kBits values' low and high bytes, four to a word.
+template <int kBits>
+__device__ __forceinline__ void lookup8(uint32_t z, const uint32_t (&lo)[kBits == 4 ? 4 : 2],
+                                        const uint32_t (&hi)[kBits == 4 ? 4 : 2], uint32_t (&e)[4]) {
+  uint32_t l[2], h[2];
+  if constexpr (kBits == 4) {
+    const uint32_t sel = z & 0x77777777u;  // each code's index in its half of the table (prmt reads 4 at a time)
+    // byte k all ones where code k (of 0-3, then of 4-7) is 8 or more: the sign of the byte holding its bit 3
+    const uint32_t shifted = z << 4;
+    const uint32_t upper[2] = {prmt(shifted, z, 0xD9C8u), prmt(shifted, z, 0xFBEAu)};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t x = half ? sel >> 16 : sel, u = upper[half];
+      l[half] = (prmt(lo[0], lo[1], x) & ~u) | (prmt(lo[2], lo[3], x) & u);
+      h[half] = (prmt(hi[0], hi[1], x) & ~u) | (prmt(hi[2], hi[3], x) & u);
+    }
+  } else {  // 8 values: every nibble an index
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t x = half ? z >> 16 : z;
+      l[half] = prmt(lo[0], lo[1], x), h[half] = prmt(hi[0], hi[1], x);
+    }
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    e[2 * half] = prmt(l[half], h[half], 0x5140u);  // element 0's low and high byte, then element 1's
+    e[2 * half + 1] = prmt(l[half], h[half], 0x7362u);
+  }
+}
+
+template <int D, int KB, int VB, typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     past_chunk_sm90_kernel(AttentionParams p, Layout l, const T* q, const uint8_t* past_key, const uint8_t* past_value,
                            float* partial, bool q_vectors) {
@@ -154,17 +187,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (t == 0) {
       for (int j = 0; j < min(tiles, kRawStages); ++j) copy(j);
     }
-    uint32_t centroids[8];  // the 16 centroids in pairs (2i, 2i + 1)
+    constexpr int kTableWords = (1 << KB) / 4;  // of the token's key values, low or high bytes
+    uint32_t centroids[2 * kTableWords];        // the centroids in pairs (2i, 2i + 1)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      centroids[i] = Pair<T>::bits(static_cast<float>(codec::centroids(4)[2 * i])) |
-                     static_cast<uint32_t>(Pair<T>::bits(static_cast<float>(codec::centroids(4)[2 * i + 1]))) << 16;
+    for (int i = 0; i < 2 * kTableWords; ++i) {
+      centroids[i] = Pair<T>::bits(static_cast<float>(codec::centroids(KB)[2 * i])) |
+                     static_cast<uint32_t>(Pair<T>::bits(static_cast<float>(codec::centroids(KB)[2 * i + 1]))) << 16;
     }
     // chunk c of token t's row in a decoded tile (swizzled(kKeys, t, c)): the row's offset with its
     // swizzle, one xor and the atom's offset per chunk
     const uint32_t row_at = t * 128u | (t % 8u) * 16u;
     const auto chunk_at = [&](int c) { return (row_at ^ (c % 8) * 16u) + (c / 8) * kKeys * 128u; };
-    constexpr int kCodeBytes = D / 2;
+    constexpr int kKeyCodeBytes = D * KB / 8, kValueCodeBytes = D * VB / 8;
     constexpr float kInvSqrtD = D == 128 ? 0.08838834764831845f : 0.125f;
     for (int j = 0; j < tiles; ++j) {
       const int r = j % kRawStages, s = j % kStages;
@@ -173,13 +207,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool on = begin + static_cast<int64_t>(j) * kKeys + t < end;
       const uint8_t* krow = base + packed_off + r * packed_bytes + t * kb;
       const uint8_t* vrow = base + packed_off + r * packed_bytes + kKeys * kb + t * vb;
-      const float norm = on ? __half2float(*reinterpret_cast<const __half*>(krow + kCodeBytes)) * kInvSqrtD : 0.0f;
-      // the token's 16 key values (centroid x scale, each rounded once) as low and high bytes, four to
-      // a word: the products once per token rather than per element
+      const float norm = on ? __half2float(*reinterpret_cast<const __half*>(krow + kKeyCodeBytes)) * kInvSqrtD : 0.0f;
+      // the token's key values (centroid x scale, each rounded once) as low and high bytes, four to a
+      // word: the products once per token rather than per element
       const T2 ks = as_pair<T2>(Pair<T>::bits(norm) * 0x10001u);
-      uint32_t lo[4], hi[4];
+      uint32_t lo[kTableWords], hi[kTableWords];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < kTableWords; ++i) {
         const uint32_t a = as_word(__hmul2(as_pair<T2>(centroids[2 * i]), ks));
         const uint32_t b = as_word(__hmul2(as_pair<T2>(centroids[2 * i + 1]), ks));
         lo[i] = prmt(a, b, 0x6420u), hi[i] = prmt(a, b, 0x7531u);
@@ -188,23 +222,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint8_t* kt = base + k_off + s * kTileBytes;
 #pragma unroll
       for (int c = 0; c < D / 8; ++c) {
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(krow + 4 * c);
         uint32_t e[4];
-        lookup8(w, lo, hi, e);
+        lookup8<KB>(chunk_codes<KB>(krow, c), lo, hi, e);
         *reinterpret_cast<uint4*>(kt + chunk_at(c)) = make_uint4(e[0], e[1], e[2], e[3]);
       }
       fence_proxy_async();
       mbar_arrive(pl.full_k(s));
-      const float vscale = on ? __half2float(*reinterpret_cast<const __half*>(vrow + kCodeBytes)) : 0.0f;
-      const float vzero = on ? __half2float(*reinterpret_cast<const __half*>(vrow + kCodeBytes + 2)) : 0.0f;
+      const float vscale = on ? __half2float(*reinterpret_cast<const __half*>(vrow + kValueCodeBytes)) : 0.0f;
+      const float vzero = on ? __half2float(*reinterpret_cast<const __half*>(vrow + kValueCodeBytes + 2)) : 0.0f;
       const T2 vs = as_pair<T2>(Pair<T>::bits(vscale) * 0x10001u), vz = as_pair<T2>(Pair<T>::bits(vzero) * 0x10001u);
       const T2 magic = as_pair<T2>(Pair<T>::kMagic);
       if (j >= kStages) mbar_wait(pl.empty_v(s), (j / kStages - 1) & 1);
       uint8_t* vt = base + v_off + s * kTileBytes;
 #pragma unroll
       for (int c = 0; c < D / 8; ++c) {
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow + 4 * c);
-        const uint32_t even = w & 0x0F0F0F0Fu, odd = (w >> 4) & 0x0F0F0F0Fu;  // elements 2i, 2i + 1 in byte i
+        const uint32_t z = chunk_codes<VB>(vrow, c);
+        const uint32_t even = z & 0x0F0F0F0Fu, odd = (z >> 4) & 0x0F0F0F0Fu;  // elements 2i, 2i + 1 in byte i
         uint32_t e[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -256,11 +289,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <int D, typename T>
+template <int D, int KB, int VB, typename T>
 cudaError_t launch(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
                    const uint8_t* past_value, float* partial, cudaStream_t stream) {
   static SharedMemoryOptIn opt_in;  // one per instantiation: each kernel has its own attribute
-  auto* kernel = past_chunk_sm90_kernel<D, T>;
+  auto* kernel = past_chunk_sm90_kernel<D, KB, VB, T>;
   cudaError_t e = opt_in.raise(reinterpret_cast<const void*>(kernel), plan.smem);
   if (e != cudaSuccess) return e;
   return launch_dependent(kernel, chunk_grid(p, plan.layout), dim3(kThreads), plan.smem, stream, p, plan.layout,
@@ -271,8 +304,16 @@ cudaError_t launch(const AttentionParams& p, const SplitPlan& plan, const void* 
 
 cudaError_t launch_chunk_split_sm90(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
                                     const uint8_t* past_value, float* partial, cudaStream_t stream) {
+  const int kb = format_bits(p.key_format), vb = format_bits(p.value_format);
   return with_head_and_type(p, [&](auto d, auto t) {
-    return launch<decltype(d)::value, decltype(t)>(p, plan, q, past_key, past_value, partial, stream);
+    constexpr int D = decltype(d)::value;
+    using T = decltype(t);
+    if (kb == 4) {
+      return vb == 4 ? launch<D, 4, 4, T>(p, plan, q, past_key, past_value, partial, stream)
+                     : launch<D, 4, 3, T>(p, plan, q, past_key, past_value, partial, stream);
+    }
+    return vb == 4 ? launch<D, 3, 4, T>(p, plan, q, past_key, past_value, partial, stream)
+                   : launch<D, 3, 3, T>(p, plan, q, past_key, past_value, partial, stream);
   });
 }
 

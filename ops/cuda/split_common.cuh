@@ -53,7 +53,7 @@ cudaError_t launch_chunk_split(const AttentionParams& p, const SplitPlan& plan, 
                                const uint8_t* past_value, float* partial, cudaStream_t stream);
 
 // The same calls on Hopper's warpgroup products (past_chunk_sm90.cu, sm_90a code; plan.kernel
-// kTensorCoreChunkWgmma): MSE 4-bit keys with uint4 values, 128-row blocks.
+// kTensorCoreChunkWgmma): 128-row blocks.
 cudaError_t launch_chunk_split_sm90(const AttentionParams& p, const SplitPlan& plan, const void* q,
                                     const uint8_t* past_key, const uint8_t* past_value, float* partial,
                                     cudaStream_t stream);

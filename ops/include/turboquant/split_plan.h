@@ -33,7 +33,7 @@ struct DeviceProps {
 
 // How the past is split among the blocks of a split kernel (and the finish kernel's query rows).
 struct SplitLayout {
-  int rows_per_block = 1;  // 1, 2, 4 or 8 (64 for the chunk kernel): the query rows a split block scores together
+  int rows_per_block = 1;  // 1, 2, 4 or 8 (64 and 128 for the chunk kernels): the query rows a split block scores together
   int stage_bytes = 0;  // CUDA-core kernel: shared memory staging a tile's packed K and V (0: none)
   int buffers = 1;  // CUDA-core kernel: 2 when the next tile is fetched while this one is computed
   int group = 1;  // Hq / Hkv

@@ -330,18 +330,23 @@ def test_continuation_chunk_of_several_tiles(ort_session, device, split_kernel_r
     check_outputs(c, y, pk, pv, reference(c, feeds))
 
 
-@pytest.mark.parametrize("b, s, d, rotary", [(3, 300, 128, 64), (2, 160, 64, 0), (1, 33, 128, 128)])
-def test_continuation_chunk_on_the_wgmma_chunk_kernel(ort_session, device, split_kernel_ran, monkeypatch, b, s, d, rotary):
+@pytest.mark.parametrize("b, s, d, rotary, formats, pad", [
+    (3, 300, 128, 64, ("mse4", "uint4"), 0), (2, 160, 64, 0, ("mse4", "uint4"), 0), (1, 33, 128, 128, ("mse4", "uint4"), 0),
+    (2, 130, 128, 0, ("mse3", "uint4"), 0), (2, 200, 64, 64, ("mse3", "uint3"), 0), (1, 64, 128, 0, ("mse4", "uint3"), 2),
+])
+def test_continuation_chunk_on_the_wgmma_chunk_kernel(ort_session, device, split_kernel_ran, monkeypatch, b, s, d, rotary,
+                                                      formats, pad):
     """The wgmma chunk kernel (chosen only with TURBOQUANT_CHUNK_WGMMA=1 until measured on the GPU):
     chunks over pasts of different lengths, split so that some splits hold no past of a sequence and
-    each split's last tile is partial, in buffers of a multiple of 4 rows of 68 bytes, with key and
-    value offsets and key scales; the new rows and outputs equal the reference's."""
+    each split's last tile is partial, in buffers of a multiple of 4 rows of a multiple of 4 bytes,
+    every format pair, with key and value offsets and key scales; the new rows and outputs equal the
+    reference's."""
     if device != "cuda":
         pytest.skip("the choice of a CUDA kernel (test_continuation_chunk_of_several_tiles runs such chunks on the CPU)")
     monkeypatch.setenv("TURBOQUANT_CHUNK_WGMMA", "1")
     lengths = [s + 700 - 311 * i for i in range(b)]
     c = dict(b=b, s=s, first=False, capacity=(s + 709 + 3) // 4 * 4, lengths=lengths, d=d, hkv=2, group=4,
-             formats=("mse4", "uint4"), pad=0, packed=False, rotary=rotary, interleaved=False, position_ids=False,
+             formats=formats, pad=pad, packed=False, rotary=rotary, interleaved=False, position_ids=False,
              dtype=TensorProto.FLOAT16, nc=True, offsets=True, key_scale=True, seed=s)
     model, feeds = make(c)
     y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
