@@ -11,15 +11,16 @@ from hypothesis import strategies as st
 from onnx import TensorProto
 
 from turboquant import node_models
-from turboquant.ort import run
+from turboquant.ort import from_ort_value, run, to_ort_value
 from turboquant.reference import formats, group_query_attention
+from turboquant.reference.numerics import bfloat16
 
 # TQ_MAX_EXAMPLES caps hypothesis's examples per test: the op tests under compute-sanitizer
 # (scripts/gpu_session.sh check) run all of them, each on fewer cases.
 MAX_EXAMPLES = int(os.environ.get("TQ_MAX_EXAMPLES", "1000"))
 
-NP = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16)}
-TOL = {TensorProto.FLOAT: 2e-4, TensorProto.FLOAT16: 4e-3}
+NP = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.float16), TensorProto.BFLOAT16: bfloat16}
+TOL = {TensorProto.FLOAT: 2e-4, TensorProto.FLOAT16: 4e-3, TensorProto.BFLOAT16: 3e-2}
 FORMATS = [("mse4", "uint4"), ("mse3", "uint3"), ("fp8", "uint4"), ("raw16", "raw16")]
 
 
@@ -151,13 +152,16 @@ def run_shared(session, feeds, device):
             io.bind_ortvalue_input(name, v)
         elif name == "total_sequence_length":
             io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(x))  # host memory, as in genai
+        elif x.dtype == bfloat16:  # (ORT's numpy path lacks bfloat16: bound in host memory, ORT copies it)
+            io.bind_ortvalue_input(name, to_ort_value(x))
         else:
             io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(x, kind, dev_id))
-    io.bind_output("output", kind)
+    bf16 = feeds["query"].dtype == bfloat16
+    io.bind_output("output", "cpu" if bf16 else kind)
     io.bind_ortvalue_output("present_key", shared["past_key"])
     io.bind_ortvalue_output("present_value", shared["past_value"])
     session.run_with_iobinding(io)
-    y = io.get_outputs()[0].numpy()
+    y = from_ort_value(io.get_outputs()[0]) if bf16 else io.get_outputs()[0].numpy()
     return y, shared["past_key"].numpy(), shared["past_value"].numpy(), shared
 
 
@@ -312,6 +316,7 @@ def test_first_prompt_of_several_tiles(ort_session, device, prefill_kernel_ran, 
     (1, 257, 64, ("mse3", "uint3"), 0, TensorProto.FLOAT16, False, "tc_chunk"),
     (2, 130, 128, ("fp8", "uint4"), 128, TensorProto.FLOAT16, True, "tc_bulk"),
     (2, 200, 128, ("raw16", "raw16"), 0, TensorProto.FLOAT16, False, "tc_bulk"),
+    (2, 130, 64, ("mse4", "uint4"), 64, TensorProto.BFLOAT16, True, "tc_chunk"),
 ])
 def test_continuation_chunk_of_several_tiles(ort_session, device, split_kernel_ran, prefill_kernel_ran, b, s, d, formats,
                                              rotary, dtype, offsets, want):
@@ -330,24 +335,25 @@ def test_continuation_chunk_of_several_tiles(ort_session, device, split_kernel_r
     check_outputs(c, y, pk, pv, reference(c, feeds))
 
 
-@pytest.mark.parametrize("b, s, d, rotary, formats, pad", [
-    (3, 300, 128, 64, ("mse4", "uint4"), 0), (2, 160, 64, 0, ("mse4", "uint4"), 0), (1, 33, 128, 128, ("mse4", "uint4"), 0),
-    (2, 130, 128, 0, ("mse3", "uint4"), 0), (2, 200, 64, 64, ("mse3", "uint3"), 0), (1, 64, 128, 0, ("mse4", "uint3"), 2),
+@pytest.mark.parametrize("b, s, d, rotary, formats, pad, dtype", [
+    (3, 300, 128, 64, ("mse4", "uint4"), 0, TensorProto.FLOAT16), (2, 160, 64, 0, ("mse4", "uint4"), 0, TensorProto.FLOAT16),
+    (1, 33, 128, 128, ("mse4", "uint4"), 0, TensorProto.BFLOAT16), (2, 130, 128, 0, ("mse3", "uint4"), 0, TensorProto.FLOAT16),
+    (2, 200, 64, 64, ("mse3", "uint3"), 0, TensorProto.BFLOAT16), (1, 64, 128, 0, ("mse4", "uint3"), 2, TensorProto.FLOAT16),
 ])
 def test_continuation_chunk_on_the_wgmma_chunk_kernel(ort_session, device, split_kernel_ran, monkeypatch, b, s, d, rotary,
-                                                      formats, pad):
+                                                      formats, pad, dtype):
     """The wgmma chunk kernel (chosen only with TURBOQUANT_CHUNK_WGMMA=1 until measured on the GPU):
     chunks over pasts of different lengths, split so that some splits hold no past of a sequence and
     each split's last tile is partial, in buffers of a multiple of 4 rows of a multiple of 4 bytes,
-    every format pair, with key and value offsets and key scales; the new rows and outputs equal the
-    reference's."""
+    every format pair, fp16 and bf16, with key and value offsets and key scales; the new rows and
+    outputs equal the reference's."""
     if device != "cuda":
         pytest.skip("the choice of a CUDA kernel (test_continuation_chunk_of_several_tiles runs such chunks on the CPU)")
     monkeypatch.setenv("TURBOQUANT_CHUNK_WGMMA", "1")
     lengths = [s + 700 - 311 * i for i in range(b)]
     c = dict(b=b, s=s, first=False, capacity=(s + 709 + 3) // 4 * 4, lengths=lengths, d=d, hkv=2, group=4,
              formats=formats, pad=pad, packed=False, rotary=rotary, interleaved=False, position_ids=False,
-             dtype=TensorProto.FLOAT16, nc=True, offsets=True, key_scale=True, seed=s)
+             dtype=dtype, nc=True, offsets=True, key_scale=True, seed=s)
     model, feeds = make(c)
     y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
     split_kernel_ran("tc_chunk_wgmma", **planned_call(c, feeds))
