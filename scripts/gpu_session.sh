@@ -129,10 +129,14 @@ if [ "$step" = prefill ]; then  # then the op bench's prefill rows
   echo "bench prefill rc=$?"; grep -v "^{" "$OUT/prefill.log" | tail -40
 fi
 if [ "$step" = chunk ]; then  # continuation chunks on both chunk kernels (the attention probe), then under the sanitizers
-  # PROBE: a probe built by scripts/build_probe.sh (carried; else built here into /tmp/probe). Each case
-  # prints the chunk kernel's and (TURBOQUANT_CHUNK_WGMMA=1) the wgmma chunk kernel's time and errors.
+  # PROBE: a probe built by scripts/build_probe.sh, carried (gzipped: PROBE=.carry/probe/p.gz); else built
+  # here into /tmp/probe. Each case prints the chunk kernel's and (TURBOQUANT_CHUNK_WGMMA=1) the wgmma
+  # chunk kernel's time and errors.
   cd /tmp
   probe=${PROBE:+$root/$PROBE}
+  if [[ $probe == *.gz ]]; then
+    gunzip -c "$probe" > /tmp/probe_carried && chmod +x /tmp/probe_carried && probe=/tmp/probe_carried
+  fi
   if [ -z "$probe" ]; then
     ( cd /tmp/tqsrc && VARIANTS="" NVCC=/usr/local/cuda/bin/nvcc bash scripts/build_probe.sh /tmp/probe ) > "$OUT/probe_build.log" 2>&1
     probe=/tmp/probe
