@@ -1,8 +1,8 @@
 // A continuation chunk's query rows over the packed past on Hopper's warpgroup products (wgmma,
 // sm_90a code alone; plan kTensorCoreChunkWgmma): past_chunk.cu's contract (MSE 4- or 3-bit keys,
 // uint4 or uint3 values) in caches whose (b, head) regions of rows start at 16-byte boundaries. A
-// block takes 128 of a KV head's chunk rows (its query heads at consecutive positions) and one split of the past,
-// in three warpgroups:
+// block takes 128 of a KV head's chunk rows (its query heads at consecutive positions) and one
+// split of the past, in three warpgroups:
 // - a producer: one thread copies each tile's 128 packed rows of K and of V into shared memory (bulk
 //   copies, three tiles ahead, an mbarrier each); then each of the warpgroup's threads decodes one
 //   token into the 16-bit tiles the products read (128-byte swizzle, two buffers of keys and two of
@@ -13,9 +13,10 @@
 // - two consumers of 64 rows each, as prefill_sm90.cu's (wgmma_flash.cuh): S = Q K^T from shared
 //   memory, the online softmax in registers, O += P V, taking turns at the tensor cores.
 // The block first rotates its query rows (chunk_queries.cuh: MSE keys are scored in the rotated
-// domain), and writes the split kernels' partial results, which the finish kernel merges with the new tokens'
-// part (prefill.cu). The scales folded into the tiles round each element to 16 bits once more than
-// past_chunk.cu does (it applies them to the scores and weights in fp32): an fp16 cache's class.
+// domain), and writes the split kernels' partial results, which the finish kernel merges with the
+// new tokens' part (prefill.cu). The scales folded into the tiles round each element to 16 bits once
+// more than past_chunk.cu does (it applies them to the scores and weights in fp32): an fp16 cache's
+// class.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
