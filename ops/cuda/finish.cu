@@ -197,6 +197,15 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
 
 static_assert(kThreads == kPackThreads, "the finish kernel's merge and packing blocks share a size");
 
+// Developer variant (TQ_FINISH_BLOCKS_PER_SM=N): the kernel's registers capped so that N blocks fit an
+// SM (8: 64 registers, no spills for the presets' pairs, where ptxas otherwise takes 91-96 and 5
+// blocks fit); split_plan.cpp's TQ_FINISH_RESERVE counts on the same N.
+#ifdef TQ_FINISH_BLOCKS_PER_SM
+#define TQ_FINISH_BOUNDS __launch_bounds__(kThreads, TQ_FINISH_BLOCKS_PER_SM)
+#else
+#define TQ_FINISH_BOUNDS __launch_bounds__(kThreads)
+#endif
+
 // The last launch of a step: blocks [0, kj.blocks) pack the new keys, the next vj.blocks the new
 // values, the rest merge one query row each. FK, FV: the caches' formats, or any pair (chosen at
 // run time) when kAny. Launched as a programmatic dependent launch: after_split (this step's split
@@ -204,7 +213,7 @@ static_assert(kThreads == kPackThreads, "the finish kernel's merge and packing b
 // while the split kernel does (they read the inputs and write rows it does not read) and the
 // merges load their inputs before waiting for its partial results.
 template <Format FK, Format FV, bool kAny>
-__global__ void __launch_bounds__(kThreads)
+__global__ void TQ_FINISH_BOUNDS
     finish_kernel(AttentionParams p, RotaryParams rot, Layout l, const void* q, const void* k, const void* v,
                   const void* mask, const float* partial, const float* new_part, void* y, PackJob kj, PackJob vj,
                   bool after_split) {

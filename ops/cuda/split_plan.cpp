@@ -132,15 +132,19 @@ bool chunk_wgmma_takes(const AttentionParams& p, bool aligned16, const DevicePro
 
 // Developer variant (TQ_FINISH_RESERVE=1): the SMs the bulk kernel leaves to the finish kernel, so that
 // its blocks (a merge per query row, a packing block per 4 new vectors) start together as the split
-// blocks end: at B = 1 with 32 query heads its 36 blocks, 8 to an SM (its 64 registers), found 4 free SMs
-// beside 128 split blocks and 4 of them started late (docs/performance.md, the B = 1 step). Only where
-// a few SMs cover them (larger batches fill the SMs the split blocks free).
+// blocks end: at B = 1 with 32 query heads its 36 blocks found 4 free SMs beside 128 split blocks
+// (docs/performance.md, the B = 1 step). TQ_FINISH_BLOCKS_PER_SM (finish.cu): its blocks per SM, 5
+// at the registers ptxas gives it. Only where a few SMs cover them (larger batches fill the SMs the
+// split blocks free).
 #ifndef TQ_FINISH_RESERVE
 #define TQ_FINISH_RESERVE 0
 #endif
+#ifndef TQ_FINISH_BLOCKS_PER_SM
+#define TQ_FINISH_BLOCKS_PER_SM 5
+#endif
 int finish_reserve(const AttentionParams& p, const SplitLayout& l, int sms) {
   if (!TQ_FINISH_RESERVE) return 0;
-  constexpr int kFinishBlocksPerSm = 8, kVectorsPerPackBlock = 4;
+  constexpr int kFinishBlocksPerSm = TQ_FINISH_BLOCKS_PER_SM, kVectorsPerPackBlock = 4;
   const int64_t vectors = p.batch * p.kv_heads * p.new_len;
   const int64_t blocks = p.batch * p.kv_heads * l.rows + 2 * ((vectors + kVectorsPerPackBlock - 1) / kVectorsPerPackBlock);
   const int64_t reserve = (blocks + kFinishBlocksPerSm - 1) / kFinishBlocksPerSm;
