@@ -97,8 +97,9 @@ AttentionSetup setup_attention(const AttentionAttrs& a, const AttentionShapes& i
   if (k.b != q.b || v.b != q.b) fail("inputs 'Q', 'K', 'V' must share the batch size, got ", q.b, ", ", k.b, ", ", v.b);
   if (k.h != v.h) fail("inputs 'K' and 'V' must have the same head count, got ", k.h, " and ", v.h);
   if (k.s != v.s) fail("inputs 'K' and 'V' must have the same sequence length, got ", k.s, " and ", v.s);
-  if (k.h <= 0 || q.h % k.h != 0) {
-    fail("the query head count ", q.h, " must be a positive multiple of the kv head count ", k.h);
+  if (q.h <= 0 || k.h <= 0 || q.h % k.h != 0 || q.h > kMaxHeads) {
+    fail("the query head count ", q.h, " must be a positive multiple of the kv head count ", k.h, ", at most ",
+         kMaxHeads);
   }
   if (k.d != q.d) fail("inputs 'Q' and 'K' must have the same head size, got ", q.d, " and ", k.d);
   check_head_dim("Q", q.d);

@@ -30,9 +30,9 @@ void check_cache(const Dims& s, const char* name, int64_t b, int64_t hkv, int64_
 void GqaAttrs::validate() const {
   if (key_format == Format::kInvalid || value_format == Format::kInvalid) fail("invalid key or value format");
   if (is_uint(key_format)) fail("key_format '", format_name(key_format), "' is a value format");
-  if (num_heads <= 0 || kv_num_heads <= 0 || num_heads % kv_num_heads != 0) {
+  if (num_heads <= 0 || kv_num_heads <= 0 || num_heads % kv_num_heads != 0 || num_heads > kMaxHeads) {
     fail("attributes num_heads (", num_heads, ") and kv_num_heads (", kv_num_heads,
-         ") must be positive, num_heads a multiple of kv_num_heads");
+         ") must be positive, num_heads a multiple of kv_num_heads and at most ", kMaxHeads);
   }
   if (!(scale >= 0.f) || !std::isfinite(scale)) fail("attribute 'scale' must be finite and >= 0, got ", scale);
   if (local_window_size != -1) fail("local_window_size = ", local_window_size, " (sliding window) is not supported");
@@ -125,6 +125,7 @@ GqaSetup setup_gqa(const GqaAttrs& a, const GqaShapes& s, DType dtype, int64_t t
     if (s.position_ids && *s.position_ids != Dims{b, sq}) {
       fail("input 'position_ids' has shape ", dims_str(*s.position_ids), "; expected [", b, ", ", sq, "]");
     }
+    r.position_ids = s.position_ids.has_value();
   }
   if (s.key_scale) {  // applied after the rotary; without it a model scales Q and K before the op
     if (!a.do_rotary) fail("input 'key_scale' needs do_rotary = 1 (without the rotary, scale Q and K before the op)");
@@ -153,7 +154,7 @@ std::vector<int32_t> gqa_past_lengths(const GqaSetup& r, const int32_t* seqlens_
     if (n + p.q_len > p.present_rows) {
       fail("seqlens_k[", b, "] = ", k, ": ", n + p.q_len, " tokens do not fit the ", p.present_rows, "-row buffer");
     }
-    if (r.rotary.rotary_dim > 0 && n + p.q_len > r.rotary.max_positions) {
+    if (r.rotary.rotary_dim > 0 && !r.position_ids && n + p.q_len > r.rotary.max_positions) {
       fail("position ", n + p.q_len - 1, " of sequence ", b, " is beyond the ", r.rotary.max_positions,
            " rows of 'cos_cache'");
     }
@@ -168,6 +169,14 @@ void check_position_ids(const GqaSetup& r, const int64_t* ids) {
     if (ids[i] < 0 || ids[i] >= r.rotary.max_positions) {
       fail("position_ids[", i / r.params.q_len, ", ", i % r.params.q_len, "] = ", ids[i], " is outside the ",
            r.rotary.max_positions, " rows of 'cos_cache'");
+    }
+  }
+}
+
+void check_key_scale(const float* key_scale, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (!(key_scale[i] > 0.f) || !std::isfinite(key_scale[i])) {
+      fail("key_scale[", i, "] = ", key_scale[i], " must be positive and finite (the keys are divided by it)");
     }
   }
 }

@@ -14,9 +14,10 @@
 //   memory, the online softmax in registers, O += P V, taking turns at the tensor cores.
 // The block first rotates its query rows (chunk_queries.cuh: MSE keys are scored in the rotated
 // domain), and writes the split kernels' partial results, which the finish kernel merges with the
-// new tokens' part (prefill.cu). The scales folded into the tiles round each element to 16 bits once
-// more than past_chunk.cu does (it applies them to the scores and weights in fp32): an fp16 cache's
-// class.
+// new tokens' part (prefill.cu). The scales are folded into the tiles, where past_chunk.cu applies
+// them to the scores and weights in fp32: each key element is centroid x scale rounded once to 16
+// bits (an fp16 cache's rounding); each value is code x scale + zero in one fused operation on the
+// scale and zero rounded to 16 bits (for bf16 about twice the error of rounding the value alone).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -54,21 +55,6 @@ __device__ __forceinline__ uint32_t swizzled(int rows, int r, int c) {
   return static_cast<uint32_t>((c / 8) * rows * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16));
 }
 
-// The 16-bit type's pairs, as 32-bit words.
-template <typename T>
-struct Pair;
-template <>
-struct Pair<__half> {
-  using T2 = __half2;
-  static constexpr uint32_t kMagic = 0x64006400u;  // 1024 in each half; | code (< 16): 1024 + code exactly
-  static __device__ __forceinline__ uint16_t bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
-};
-template <>
-struct Pair<__nv_bfloat16> {
-  using T2 = __nv_bfloat162;
-  static constexpr uint32_t kMagic = 0x43004300u;  // 128 in each half; | code (< 16): 128 + code exactly
-  static __device__ __forceinline__ uint16_t bits(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
-};
 template <typename T2>
 __device__ __forceinline__ T2 as_pair(uint32_t u) {
   T2 x;
@@ -81,6 +67,33 @@ __device__ __forceinline__ uint32_t as_word(T2 x) {
   memcpy(&u, &x, 4);
   return u;
 }
+
+// Centroid k of the KB-bit codebook as a float constant (k known when the loops are unrolled), so the
+// products with a token's scale take immediates rather than registers or constant-memory doubles.
+template <int KB>
+__device__ constexpr float centroid(int k) {
+  constexpr float c4[16] = {TQ_CENTROIDS4};
+  constexpr float c3[8] = {TQ_CENTROIDS3};
+  return KB == 4 ? c4[k] : c3[k];
+}
+
+// The 16-bit type's pairs, as 32-bit words.
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__half> {
+  using T2 = __half2;
+  static constexpr uint32_t kMagic = 0x64006400u;  // 1024 in each half; | code (< 16): 1024 + code exactly
+  static __device__ __forceinline__ uint16_t bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
+  static __device__ __forceinline__ uint32_t bits2(float x, float y) { return as_word(__floats2half2_rn(x, y)); }
+};
+template <>
+struct Pair<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  static constexpr uint32_t kMagic = 0x43004300u;  // 128 in each half; | code (< 16): 128 + code exactly
+  static __device__ __forceinline__ uint16_t bits(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+  static __device__ __forceinline__ uint32_t bits2(float x, float y) { return as_word(__floats2bfloat162_rn(x, y)); }
+};
 
 // The 8 codes of chunk c (elements 8c..8c+7) of a row's code bytes, kBits each (little-endian: chunk c
 // is bytes [c kBits, (c + 1) kBits)), as the nibbles of a word, code k in nibble k. row: 4-byte
@@ -189,12 +202,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int j = 0; j < min(tiles, kRawStages); ++j) copy(j);
     }
     constexpr int kTableWords = (1 << KB) / 4;  // of the token's key values, low or high bytes
-    uint32_t centroids[2 * kTableWords];        // the centroids in pairs (2i, 2i + 1)
-#pragma unroll
-    for (int i = 0; i < 2 * kTableWords; ++i) {
-      centroids[i] = Pair<T>::bits(static_cast<float>(codec::centroids(KB)[2 * i])) |
-                     static_cast<uint32_t>(Pair<T>::bits(static_cast<float>(codec::centroids(KB)[2 * i + 1]))) << 16;
-    }
     // chunk c of token t's row in a decoded tile (swizzled(kKeys, t, c)): the row's offset with its
     // swizzle, one xor and the atom's offset per chunk
     const uint32_t row_at = t * 128u | (t % 8u) * 16u;
@@ -209,14 +216,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint8_t* krow = base + packed_off + r * packed_bytes + t * kb;
       const uint8_t* vrow = base + packed_off + r * packed_bytes + kKeys * kb + t * vb;
       const float norm = on ? __half2float(*reinterpret_cast<const __half*>(krow + kKeyCodeBytes)) * kInvSqrtD : 0.0f;
-      // the token's key values (centroid x scale, each rounded once) as low and high bytes, four to a
-      // word: the products once per token rather than per element
-      const T2 ks = as_pair<T2>(Pair<T>::bits(norm) * 0x10001u);
+      // the token's key values (centroid x scale in float32, rounded once to T, as fine as an fp16
+      // cache's keys) as low and high bytes, four to a word: the products once per token
       uint32_t lo[kTableWords], hi[kTableWords];
 #pragma unroll
       for (int i = 0; i < kTableWords; ++i) {
-        const uint32_t a = as_word(__hmul2(as_pair<T2>(centroids[2 * i]), ks));
-        const uint32_t b = as_word(__hmul2(as_pair<T2>(centroids[2 * i + 1]), ks));
+        const uint32_t a = Pair<T>::bits2(centroid<KB>(4 * i) * norm, centroid<KB>(4 * i + 1) * norm);
+        const uint32_t b = Pair<T>::bits2(centroid<KB>(4 * i + 2) * norm, centroid<KB>(4 * i + 3) * norm);
         lo[i] = prmt(a, b, 0x6420u), hi[i] = prmt(a, b, 0x7531u);
       }
       if (j >= kStages) mbar_wait(pl.empty_k(s), (j / kStages - 1) & 1);
@@ -295,6 +301,14 @@ cudaError_t launch(const AttentionParams& p, const SplitPlan& plan, const void* 
                    const uint8_t* past_value, float* partial, cudaStream_t stream) {
   static SharedMemoryOptIn opt_in;  // one per instantiation: each kernel has its own attribute
   auto* kernel = past_chunk_sm90_kernel<D, KB, VB, T>;
+  // the setmaxnreg counts hold only at kLaunchRegs: a build whose flags gave the kernel other
+  // registers (-maxrregcount) would leave its consumers waiting forever, so it is refused instead
+  static const cudaError_t registers = [kernel] {
+    cudaFuncAttributes a{};
+    const cudaError_t e = cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(kernel));
+    return e != cudaSuccess ? e : a.numRegs == kLaunchRegs ? cudaSuccess : cudaErrorInvalidConfiguration;
+  }();
+  if (registers != cudaSuccess) return registers;
   cudaError_t e = opt_in.raise(reinterpret_cast<const void*>(kernel), plan.smem);
   if (e != cudaSuccess) return e;
   return launch_dependent(kernel, chunk_grid(p, plan.layout), dim3(kThreads), plan.smem, stream, p, plan.layout,

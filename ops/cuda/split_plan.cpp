@@ -118,14 +118,17 @@ bool chunk_takes(const AttentionParams& p, const DeviceProps& dev) {
 // Whether the wgmma chunk kernel takes a call that the chunk kernel takes (MSE keys, uint values):
 // its sm_90a code on this device, a positive scale (its softmax takes the raw scores'
 // maximum), at least one block of 128 rows per KV head, and whole tiles of packed rows for bulk copies:
-// rows of multiples of 4 bytes in caches at 16-byte boundaries whose (b, head) regions are multiples
-// of 16 bytes; within the device's shared memory.
+// rows of an odd number of 4-byte words (the producer's threads read a row each: a row of an even
+// number of words, as uniform 2 D-byte rows, would have a warp's reads meet in a few banks) in caches
+// at 16-byte boundaries whose (b, head) regions are multiples of 16 bytes; within the device's
+// shared memory.
 bool chunk_wgmma_takes(const AttentionParams& p, bool aligned16, const DeviceProps& dev) {
   namespace geo = detail::chunk_sm90_geometry;
   if (!chunk_wgmma_enabled() || !dev.sm90a || !aligned16) return false;
   if (!(p.scale > 0.0f)) return false;
   const int64_t kb = p.key_row(), vb = p.value_row(), rows = p.past_rows_or_len();
-  if (kb % 4 != 0 || vb % 4 != 0 || rows * kb % 16 != 0 || rows * vb % 16 != 0) return false;
+  if (kb % 4 != 0 || vb % 4 != 0 || kb / 4 % 2 == 0 || vb / 4 % 2 == 0) return false;
+  if (rows * kb % 16 != 0 || rows * vb % 16 != 0 || p.kv_heads <= 0) return false;
   if (p.q_len * (p.q_heads / p.kv_heads) < geo::kRows) return false;
   return geo::smem_bytes(p.head_dim, static_cast<int>(kb), static_cast<int>(vb)) <= dev.smem_optin;
 }

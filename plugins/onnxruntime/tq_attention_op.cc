@@ -33,6 +33,9 @@ AttentionKernel::AttentionKernel(const OrtKernelInfo* info, ONNXTensorElementDat
   attrs.q_num_heads = attr_int(kOp, info, "q_num_heads", 0);
   attrs.kv_num_heads = attr_int(kOp, info, "kv_num_heads", 0);
   attrs.scale = attr_float(kOp, info, "scale", 0.0f);
+  // ONNX Attention's attributes that TQAttention does not take: refused, not ignored
+  if (attr_float(kOp, info, "softcap", 0.0f) != 0.0f) fail(kOp, "attribute 'softcap' is not supported");
+  if (attr_int(kOp, info, "qk_matmul_output_mode", 0) != 0) fail(kOp, "attribute 'qk_matmul_output_mode' is not supported");
   attrs.validate();
 }
 

@@ -79,6 +79,7 @@ OrtStatusPtr GqaKernel::ComputeV2(OrtKernelContext* context) {
     }
     const std::vector<int32_t> past = gqa_past_lengths(setup, seqlens.GetTensorData<int32_t>());
     if (rot.position_ids) check_position_ids(setup, rot.position_ids);
+    if (rot.key_scale) check_key_scale(rot.key_scale, static_cast<int64_t>(kscale.GetTensorTypeAndShapeInfo().GetElementCount()));
     p.past_lens = past.data();
     cpu::gqa_attention(p, rot, q, k, v, past_key, past_value, y.GetTensorMutableRawData(),
                        present_key.GetTensorMutableData<uint8_t>(), present_value.GetTensorMutableData<uint8_t>(),

@@ -11,6 +11,8 @@ namespace turboquant {
 constexpr int kFormatVersion = 1;
 constexpr int kMinHeadDim = 16;
 constexpr int kMaxHeadDim = 256;
+// Head counts beyond any model, so that sums and products of them cannot overflow.
+constexpr int64_t kMaxHeads = 1 << 16;
 
 enum class Format : int { kMse3 = 0, kMse4, kFp8, kUint3, kUint4, kRaw16, kInvalid };
 

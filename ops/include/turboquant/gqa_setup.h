@@ -42,6 +42,7 @@ struct GqaSetup {
   bool packed_qkv = false;
   int64_t k_first = 0, v_first = 0;  // element offsets of K and V inside `query` when packed_qkv
   bool first_prompt = false;         // S == total_sequence_length: every sequence starts at 0
+  bool position_ids = false;         // positions given: check_position_ids checks them, not the past lengths
   Dims y, present_key, present_value;
 };
 
@@ -53,5 +54,9 @@ std::vector<int32_t> gqa_past_lengths(const GqaSetup& setup, const int32_t* seql
 
 // position_ids (host memory, [B, S]) inside the rotary table. Throws InvalidArgument.
 void check_position_ids(const GqaSetup& setup, const int64_t* position_ids);
+
+// key_scale (host memory, one value per rotated channel of a KV head): positive and finite, as the
+// keys are divided by it before packing. Throws InvalidArgument.
+void check_key_scale(const float* key_scale, int64_t count);
 
 }  // namespace turboquant

@@ -64,7 +64,12 @@ struct AttentionParams {
   TQ_HD int64_t present_rows_or_total() const { return present_rows ? present_rows : past_len + new_len; }
   TQ_HD int64_t key_row() const { return key_row_bytes ? key_row_bytes : packed_size(key_format, head_dim); }
   TQ_HD int64_t value_row() const { return value_row_bytes ? value_row_bytes : packed_size(value_format, v_head_dim); }
-  TQ_HD int64_t past_of(int64_t b) const { return sequence_past(past_lens, b, past_len, past_lens_bias); }
+  // sequence b's past length, within past_len and the past buffer's rows (lengths read on the device
+  // are clamped, not checked: no row past the buffer is read)
+  TQ_HD int64_t past_of(int64_t b) const {
+    const int64_t rows = past_rows_or_len();
+    return sequence_past(past_lens, b, past_len < rows ? past_len : rows, past_lens_bias);
+  }
   // The first row of each (b, h) that a fresh present (not past's buffer) of the preallocated
   // layout gets zeroed from: the rows past the copied past, which the new tokens reach for some
   // sequences only and then not in their padding bytes. present_rows_or_total() when nothing is to

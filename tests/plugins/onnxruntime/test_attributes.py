@@ -60,3 +60,19 @@ def test_a_wrongly_typed_attribute_is_refused(ort_session, op, name, value, decl
 ])
 def test_attributes_of_the_declared_type_are_accepted(ort_session, op, name, value):
     assert isinstance(ort_session(with_attribute(model_for(op), name, value)), ort.InferenceSession)
+
+
+@pytest.mark.parametrize("name, value", [("softcap", 30.0), ("qk_matmul_output_mode", 1)])
+def test_onnx_attention_attributes_tqattention_does_not_take_are_refused(ort_session, name, value):
+    """Attributes of ONNX's Attention that TQAttention does not implement: refused, not run without."""
+    with pytest.raises(Exception) as e:
+        ort_session(with_attribute(model_for("TQAttention"), name, value))
+    assert f"TQAttention: attribute '{name}' is not supported" in str(e.value)
+
+
+def test_head_counts_whose_sums_would_overflow_are_refused(ort_session):
+    heads = (2**64 + 2) // 3  # num_heads + 2 * kv_num_heads wraps to 2 in 64 bits
+    model = with_attribute(with_attribute(model_for("TQGroupQueryAttention"), "num_heads", heads), "kv_num_heads", heads)
+    with pytest.raises(Exception) as e:
+        ort_session(model)
+    assert "must be positive, num_heads a multiple of kv_num_heads and at most 65536" in str(e.value)

@@ -160,7 +160,7 @@ def test_chunks_of_a_tile_of_rows_take_the_chunk_kernel():
 def test_chunks_take_the_wgmma_chunk_kernel_where_enabled(monkeypatch):
     """With TURBOQUANT_CHUNK_WGMMA=1 (until its measurements on the GPU), on devices that run sm_90a
     code: the chunk kernel's calls (MSE keys, uint values) with 128 rows or more per KV head, rows of
-    multiples of 4 bytes in (b, head) regions of multiples of 16 bytes, in 128-row blocks with the past
+    an odd number of 4-byte words in (b, head) regions of multiples of 16 bytes, in 128-row blocks with the past
     split while whole waves of blocks allow; else the chunk kernel."""
     chunk = dict(PRESET, batch=1, key_format="mse4", value_format="uint4", is_causal=True, q_len=512, buffer_rows=33280,
                  key_row_bytes=68, value_row_bytes=68)
@@ -179,7 +179,9 @@ def test_chunks_take_the_wgmma_chunk_kernel_where_enabled(monkeypatch):
         assert plan_split(**{**chunk, "key_format": formats[0], "value_format": formats[1]}).kernel == "tc_chunk_wgmma"
     assert plan_split(**{**chunk, "key_format": "mse3", "key_row_bytes": 50}).kernel == "tc_chunk"  # mse3's own 50
     for other in ({"q_len": 31}, {"buffer_rows": 33281}, {"key_row_bytes": 0}, {"aligned16": False}, {"device": A100},
-                  {"device": dataclasses.replace(H200, sm90a=False)}):
+                  {"device": dataclasses.replace(H200, sm90a=False)},
+                  {"key_row_bytes": 72, "value_row_bytes": 72},  # an even number of words: the producer's reads conflict
+                  {"head_dim": 64, "key_row_bytes": 128, "value_row_bytes": 128}):  # uniform 2 D-byte rows
         assert plan_split(**{**chunk, **other}).kernel == "tc_chunk", other
     monkeypatch.setenv("TURBOQUANT_CHUNK_WGMMA", "0")
     assert plan_split(**chunk).kernel == "tc_chunk"

@@ -500,3 +500,39 @@ def test_decode_steps_replayed_from_a_cuda_graph(cuda_ready, formats):
         want = reference(c, {**feeds, **before})
         session.run_with_iobinding(io)
         check_outputs(c, y.numpy(), on_gpu["past_key"].numpy(), on_gpu["past_value"].numpy(), want)
+
+
+def _rotary_step(ort_session, table_rows: int, key_scale: float, position: int | None):
+    """One decode step of B = 1 with the rotary (a past of 5 tokens), key_scale filled with one value."""
+    hq, hkv, d = 2, 1, 16
+    model = node_models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="uint4",
+                                  rotary_dim=d, position_ids=position is not None, key_scale=True)
+    rng = np.random.default_rng(0)
+    width = model.graph.input[3].type.tensor_type.shape.dim[3].dim_value
+    angles = rng.uniform(0, 6, (table_rows, d // 2))
+    feeds = {"query": rng.standard_normal((1, 1, hq * d)).astype(np.float32),
+             "key": rng.standard_normal((1, 1, hkv * d)).astype(np.float32),
+             "value": rng.standard_normal((1, 1, hkv * d)).astype(np.float32),
+             "past_key": np.zeros((1, hkv, 8, width), np.uint8), "past_value": np.zeros((1, hkv, 8, width), np.uint8),
+             "seqlens_k": np.array([5], np.int32), "total_sequence_length": np.array(6, np.int32),
+             "cos_cache": np.cos(angles).astype(np.float32), "sin_cache": np.sin(angles).astype(np.float32),
+             "key_scale": np.full((hkv, d), key_scale, np.float32)}
+    if position is not None:
+        feeds["position_ids"] = np.array([[position]], np.int64)
+    return ort_session(model).run(None, feeds)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, np.nan, np.inf])
+def test_key_scales_that_are_not_positive_and_finite_are_refused(ort_session, value):
+    """The keys are divided by key_scale before packing: such a value would pack zeros, NaNs or flipped keys."""
+    with pytest.raises(Exception) as e:
+        _rotary_step(ort_session, 16, value, None)
+    assert "key_scale[0] = " in str(e.value) and "must be positive and finite" in str(e.value)
+
+
+def test_given_positions_are_checked_against_the_table_not_the_past(ort_session):
+    """position_ids inside the cos/sin table run, though the past length alone would lie past its rows."""
+    y, _, _ = _rotary_step(ort_session, 4, 1.0, 2)
+    assert np.isfinite(y).all()
+    with pytest.raises(Exception, match="position 5 of sequence 0 is beyond the 4 rows of 'cos_cache'"):
+        _rotary_step(ort_session, 4, 1.0, None)
