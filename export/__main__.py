@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from turboquant._libs import LibraryNotBuiltError
 from turboquant.arguments import non_negative
 from turboquant.config import TQ_PRESETS
 
 from .calibrate import DEFAULT_WINDOW, LLOYD_MAX_WINDOW
 from .errors import RewriteError
 from .rewrite import export
+from .rotary import MAX_POSITIONS
 
 
 def _layer_list(text: str) -> list[int]:
@@ -29,6 +31,13 @@ def _kept_layers(text: str) -> list[int] | str:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers or 'auto', got {text!r}") from None
 
 
+def _positions(text: str) -> int:
+    n = non_negative(text)
+    if n > MAX_POSITIONS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_POSITIONS} (2**24) positions, not {text}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m turboquant.export",
@@ -38,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("model", help="the exported decoder (.onnx); never overwritten")
     p.add_argument("--preset", required=True, choices=list(TQ_PRESETS), help="cache format")
-    p.add_argument("-o", "--output", help="where to write (default: MODEL.<preset>.onnx next to the input)")
+    p.add_argument("-o", "--output", help="where to write: a name that does not exist yet, as none is overwritten "
+                   "(default: MODEL.<preset>.onnx next to the input)")
     p.add_argument("--boundary", type=non_negative, default=2, help="first and last N attention layers kept uncompressed (default 2)")
     p.add_argument("--skip-layers", type=_layer_list, help="also keep these layers uncompressed, e.g. 0,1,5")
     p.add_argument("--keep-layers", type=_kept_layers, metavar="N,N,...|auto",
@@ -72,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
                    "SharedBufferDecoder); concat: past and present caches as the exporter made them, its masks kept "
                    "(any padding; for loops that feed presents back, Triton, TensorRT); auto (default): in-place where "
                    "the model allows it. onnxruntime-genai models are in place already")
-    p.add_argument("--rotary-positions", type=non_negative, metavar="N",
+    p.add_argument("--rotary-positions", type=_positions, metavar="N",
                    help="in-place form: the exporter's rotary embedding moved into the attention ops with cos/sin tables of "
                    "N positions, the longest sequence the output then takes (default: config.json's "
-                   "max_position_embeddings beside the model, else 131072); 0 keeps the exporter's rotary nodes")
+                   "max_position_embeddings beside the model, else 131072; at most 2**24); 0 keeps the exporter's rotary nodes")
     p.add_argument("--genai-cuda-graph", action="store_true",
                    help="onnxruntime-genai folders built for cuda: the output's genai_config.json sets enable_cuda_graph, "
                    "so genai replays each decode step from a CUDA graph (faster steps, a slower first token; genai's "
@@ -91,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                         key_scales=not args.no_key_scales, value_scales=args.value_scales, target=args.target,
                         unsupported=args.unsupported, cache=args.cache, rotary_positions=args.rotary_positions,
                         calibration_window=args.calibration_window, genai_cuda_graph=args.genai_cuda_graph)
-    except RewriteError as e:
+    except (RewriteError, LibraryNotBuiltError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(result.summary())

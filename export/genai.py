@@ -14,13 +14,14 @@ for such a model ORT refuses at the first step (a shape mismatch on the narrower
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import pathlib
 import re
 import shutil
 
-from turboquant._libs import ort_library_path
+from turboquant.saving import OutputExists, refuse_existing
 
 from .errors import RewriteError
 from .plan import RewriteResult
@@ -70,12 +71,22 @@ def check_output_folder(src: pathlib.Path, out: pathlib.Path) -> None:
                            f"config, so write it to another folder (-o OTHER_DIR/{out.name})")
 
 
-def _decoder(path: pathlib.Path) -> tuple[dict, dict]:
-    """(the config, its model.decoder section) of genai_config.json at path."""
-    config = json.loads(path.read_text())
-    decoder = config.get("model", {}).get("decoder")
+def read_config(path: pathlib.Path) -> tuple[dict, dict]:
+    """(the config, its model.decoder section) of genai_config.json at path; a RewriteError where it is
+    not JSON or lacks what the rewrite edits."""
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RewriteError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RewriteError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    model = config.get("model") if isinstance(config, dict) else None
+    decoder = model.get("decoder") if isinstance(model, dict) else None
     if not isinstance(decoder, dict):
         raise RewriteError(f"{path} has no model.decoder section")
+    options = decoder.get("session_options", {})
+    if not isinstance(options, dict) or not isinstance(options.get("provider_options", []), list):
+        raise RewriteError(f"{path}: model.decoder.session_options must be an object whose provider_options is a list")
     return config, decoder
 
 
@@ -92,33 +103,60 @@ def check_cuda_graph(src: pathlib.Path) -> None:
     path = src.parent / CONFIG
     if not path.is_file():
         raise RewriteError(f"--genai-cuda-graph is for onnxruntime-genai folders, and {src.parent} has no {CONFIG}")
-    _, decoder = _decoder(path)
+    _, decoder = read_config(path)
     if _cuda_options(decoder) is None:
-        providers = [k for e in decoder.get("session_options", {}).get("provider_options", []) for k in e] or ["cpu"]
+        entries = decoder.get("session_options", {}).get("provider_options", [])
+        providers = [k for e in entries if isinstance(e, dict) for k in e] or ["cpu"]
         raise RewriteError(f"--genai-cuda-graph: {path} runs the decoder on {', '.join(providers)}, not on the cuda "
                            "provider whose graphs it would enable (build the model for cuda)")
 
 
-def write_folder(src: pathlib.Path, out: pathlib.Path, result: RewriteResult, cuda_graph: bool = False) -> pathlib.Path:
-    """Completes out's folder for onnxruntime-genai; returns the config written. cuda_graph: the CUDA
-    provider's decode steps replayed from graphs (enable_cuda_graph), which genai's GroupQueryAttention
-    refuses at batch sizes above 1 and TQGroupQueryAttention runs."""
-    config, decoder = _decoder(src.parent / CONFIG)
+@dataclasses.dataclass
+class Folder:
+    """What the output folder gets beside the model, read and checked before any work."""
+    config: dict  # the source's genai_config.json, edited when staged
+    decoder: dict  # its model.decoder section
+    library: pathlib.Path  # turboquant's custom-op library, copied beside the model
+    copies: list[pathlib.Path]  # the source folder's other files (tokenizer, chat template, ...)
+    cuda_graph: bool = False  # the CUDA provider's decode steps replayed from graphs (enable_cuda_graph)
+
+    def names(self) -> list[str]:
+        return [self.library.name, *(f.name for f in self.copies), CONFIG]
+
+
+def plan_folder(src: pathlib.Path, out: pathlib.Path, library: pathlib.Path, cuda_graph: bool = False) -> Folder:
+    """The files out's folder will get; a RewriteError naming the first that exists (nothing is replaced,
+    nor a stale tokenizer kept beside a new config)."""
+    check_output_folder(src, out)
     if cuda_graph:
         check_cuda_graph(src)
-        _cuda_options(decoder)["enable_cuda_graph"] = "1"
-    library = pathlib.Path(ort_library_path())
-    shutil.copy2(library, out.parent / library.name)
-    decoder["filename"] = out.name
+    config, decoder = read_config(src.parent / CONFIG)
+    skip = {CONFIG, src.name, out.name, f"{out.name}.data", library.name}
+    copies = sorted(f for f in src.parent.iterdir() if f.is_file() and f.name not in skip
+                    and not f.name.endswith((".onnx", ".onnx.data", ".onnx_data")))
+    folder = Folder(config, decoder, library, copies, cuda_graph)
+    try:
+        refuse_existing([out.parent / n for n in folder.names()], "the onnxruntime-genai folder's file")
+    except OutputExists as e:
+        raise RewriteError(str(e)) from None
+    return folder
+
+
+def stage_folder(folder: Folder, out: pathlib.Path, result: RewriteResult, tmp: pathlib.Path
+                 ) -> list[tuple[pathlib.Path, pathlib.Path]]:
+    """Writes the folder's files into tmp; returns (staged, final) pairs, the config last, so genai
+    finds no config before the files it names. With cuda_graph the decode steps are replayed from
+    CUDA graphs, which genai's GroupQueryAttention refuses at batch sizes above 1 and
+    TQGroupQueryAttention runs."""
+    staged = tmp / "genai"  # a folder of its own: no name here meets the model's
+    staged.mkdir()
+    if folder.cuda_graph:
+        _cuda_options(folder.decoder)["enable_cuda_graph"] = "1"
+    folder.decoder["filename"] = out.name
     # the uint8 caches' head_size is a row width in bytes: the widest layer's (module docstring)
-    decoder["head_size"] = result.row_bytes
-    options = decoder.setdefault("session_options", {})
-    options["custom_ops_library"] = library.name
-    skip = {CONFIG, src.name, out.name, library.name}
-    for f in src.parent.iterdir():
-        if f.is_file() and f.name not in skip and not f.name.endswith((".onnx", ".onnx.data", ".onnx_data")):
-            if not (out.parent / f.name).exists():
-                shutil.copy2(f, out.parent / f.name)
-    path = out.parent / CONFIG
-    path.write_text(json.dumps(config, indent=4) + "\n")
-    return path
+    folder.decoder["head_size"] = result.row_bytes
+    folder.decoder.setdefault("session_options", {})["custom_ops_library"] = folder.library.name
+    for f in (folder.library, *folder.copies):
+        shutil.copy2(f, staged / f.name)
+    (staged / CONFIG).write_text(json.dumps(folder.config, indent=4) + "\n")
+    return [(staged / n, out.parent / n) for n in folder.names()]

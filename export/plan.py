@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 from turboquant.config import TQ_PRESETS, TurboQuantConfig, packed_size
 
-from .cache_io import CacheLayer, find_cache_layers, layer_infos
+from .cache_io import _KV_NAMES, _STATE_NAMES, CacheLayer, find_cache_layers, layer_infos
 from .errors import RewriteError
 
 
@@ -109,6 +109,8 @@ def plan_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers=Non
     if keep_layers is not None:
         kept = set(keep_layers)
     else:
+        if all(info.has_kv_cache for info in infos):  # a hybrid model's boundary is not used
+            _refuse_boundary(boundary, len(layers))
         kept = set(TurboQuantConfig.get_boundary_skip_layers(infos, boundary))
     kept |= set(skip_layers or ())
     unknown = sorted(kept - set(layers))
@@ -122,3 +124,24 @@ def plan_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers=Non
     return plans, layers
 
 
+def _refuse_boundary(boundary: int, layers: int, auto: bool = False) -> None:
+    """A boundary that keeps every cache layer is refused: get_boundary_skip_layers caps it at half the
+    layers (vLLM's rule), which keeps them all where their count is even."""
+    kept = 2 * boundary if auto else 2 * min(boundary, layers // 2)
+    if boundary > 0 and layers > 0 and kept >= layers:
+        keeps = (f"--keep-layers auto keeps 2 x --boundary = {2 * boundary} layers; the model has {layers}" if auto
+                 else f"--boundary {boundary} keeps the first and last {boundary} of the model's {layers}")
+        raise RewriteError(f"{keeps} cache layers, which leaves none to compress (--boundary {(layers - 1) // 2} at most)")
+
+
+def check_boundary(graph: ir.Graph, boundary, keep_layers=None) -> None:
+    """_refuse_boundary from the graph's input names alone, before anything slow (plan_layers checks it
+    again); a list of kept layers replaces the boundary, and a hybrid model does not use it."""
+    auto = isinstance(keep_layers, str) and keep_layers == "auto"
+    if (keep_layers is not None and not auto) or not isinstance(boundary, int) or isinstance(boundary, bool):
+        return
+    names = [v.name or "" for v in graph.inputs]
+    cache = {int(m["layer"]) for n in names for pat in _KV_NAMES if (m := pat.match(n))}
+    states = {int(m["layer"]) for n in names if (m := _STATE_NAMES.match(n))}
+    if cache and not states - cache:
+        _refuse_boundary(boundary, len(cache), auto)

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
-import shutil
 import sys
-import tempfile
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 import turboquant
 from turboquant.config import FORMAT_VERSION, TQ_PRESETS
+from turboquant.saving import OutputExists, publish, staging
 
 from .errors import RewriteError
 from .forms import locate
@@ -21,7 +21,8 @@ from .cache_io import _KV_NAMES
 from .calibrate import DATA_FREE, check_window, default_window
 from .gqa import uses_gqa
 from .passes import TurboQuantRewrite
-from .plan import RewriteResult, plan_layers
+from .plan import RewriteResult, check_boundary, plan_layers
+from .rotary import MAX_POSITIONS
 from .surgery import pack_other_branch, present_outputs, reroute_cache_shapes, shape_only_uses_are_safe, apply_site
 
 
@@ -87,6 +88,8 @@ def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layer
 
 
 def _load(path: pathlib.Path) -> ir.Model:
+    if path.is_dir():
+        raise RewriteError(f"{path} is a folder, not an ONNX model; give the model's .onnx file")
     if not path.is_file():
         raise RewriteError(f"{path}: no such file")
     try:
@@ -99,6 +102,24 @@ def default_output(path: pathlib.Path, preset: str) -> pathlib.Path:
     return path.with_name(f"{path.stem}.{preset}.onnx")
 
 
+def _output_path(src: pathlib.Path, preset: str, output) -> pathlib.Path:
+    if output is None:
+        return default_output(src, preset)
+    if not os.fspath(output).strip():  # checked before Path(), which reads "" as "."
+        raise RewriteError("the output (-o) is an empty name")
+    return pathlib.Path(output)
+
+
+def _ort_library() -> pathlib.Path:
+    """The custom-op library, found before any work (a RewriteError where it is missing)."""
+    from turboquant._libs import LibraryNotBuiltError, ort_library_path
+
+    try:
+        return pathlib.Path(ort_library_path())
+    except LibraryNotBuiltError as e:
+        raise RewriteError(str(e)) from None
+
+
 def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike | None = None, *, boundary: int = 2,
            skip_layers=None, keep_layers=None, dry_run: bool = False, progress: bool | None = None,
            calibrate: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
@@ -106,7 +127,9 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
            target: str = "onnxruntime", unsupported: str = "refuse", cache: str = "auto",
            rotary_positions: int | None = None, calibration_window: int | None = None,
            genai_cuda_graph: bool = False) -> RewriteResult:
-    """Rewrites the model at model_path and saves it (never over the input). See python -m turboquant.export.
+    """Rewrites the model at model_path and saves it, never over a file that exists (the output's names
+    are refused before any work, and its files appear together or not at all: turboquant.saving).
+    See python -m turboquant.export.
 
     calibrate: token ids (.npy) or text (with tokenizer, a local tokenizer folder) on which the
     original model is run to compute the per-layer key offsets and scales (and, with value_offsets,
@@ -142,8 +165,10 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         raise RewriteError(f"cache must be 'auto', 'concat' or 'in-place', got {cache!r}")
     if calibration_window is not None:
         check_window(calibration_window)
+    if rotary_positions is not None and rotary_positions > MAX_POSITIONS:
+        raise RewriteError(f"rotary_positions must be at most {MAX_POSITIONS} (2**24), got {rotary_positions}")
     src = pathlib.Path(model_path)
-    out = pathlib.Path(output) if output else default_output(src, preset)
+    out = _output_path(src, preset, output)
     if calibrate is not None and not offsets:
         raise RewriteError("--calibrate and --no-offsets contradict each other: calibration only computes offsets and scales")
     if calibration_window is not None and not offsets:
@@ -164,13 +189,15 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         from .genai import check_cuda_graph
 
         check_cuda_graph(src)
-    if not dry_run:  # before loading and calibrating, which take a while
+    library = _ort_library()  # calibration, probes and the output all run turboquant's ops
+    model = _load(src)  # without its external data: the input's files are known before any slow work
+    _refuse_missing_data(src, model)
+    _refuse_input_files(src, model, out)  # before check_output_file, whose "exists" would say less
+    if not dry_run:  # before calibrating, which takes a while
         _check_writable(out)
-    _refuse_input_files(src, None, out)
-    model = _load(src)
-    _refuse_input_files(src, model, out)
-    if not dry_run and _saved_external(model):
-        _check_writable(_data_file(out), "the output's external data file")
+        if _saved_external(model):
+            _check_writable(_data_file(out), "the output's external data file")
+    check_boundary(model.graph, boundary, keep_layers)
     calibrates = offsets
     auto_keep = isinstance(keep_layers, str)
     if auto_keep and keep_layers != "auto":
@@ -192,7 +219,8 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         return _export_gqa(model, src, out, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
                            dry_run=dry_run, calibrate=calibrate if calibrates else False, tokenizer=tokenizer,
                            value_offsets=value_offsets, key_scales=key_scales, progress=shows, target=target,
-                           unsupported=unsupported, window=calibration_window, cuda_graph=genai_cuda_graph)
+                           unsupported=unsupported, window=calibration_window, cuda_graph=genai_cuda_graph,
+                           library=library)
     if genai_cuda_graph:
         raise RewriteError(f"--genai-cuda-graph is for onnxruntime-genai models; {src} has no GroupQueryAttention nodes")
     auto = cache == "auto"
@@ -319,10 +347,10 @@ def _check_writable(path: pathlib.Path, what: str = "the output") -> None:
         raise RewriteError(str(e)) from None
 
 
-def _refuse_input_files(src: pathlib.Path, model: ir.Model | None, out: pathlib.Path) -> None:
+def _refuse_input_files(src: pathlib.Path, model: ir.Model, out: pathlib.Path) -> None:
     """The output and its data file may be none of the input's files (compared as files, so a hard
-    link or another spelling of the same path counts): the model, or (once loaded) its external data."""
-    inputs = [src] + (sorted(_external_files(src, model)) if model is not None else [])
+    link or another spelling of the same path counts): the model or its external data."""
+    inputs = [src] + sorted(_external_files(src, model))
     for mine in (out, _data_file(out)):
         for theirs in inputs:
             if os.path.exists(mine) and os.path.exists(theirs) and os.path.samefile(mine, theirs):
@@ -330,49 +358,65 @@ def _refuse_input_files(src: pathlib.Path, model: ir.Model | None, out: pathlib.
                 raise RewriteError(f"the output {mine} is the input's {what}; turboquant never overwrites its input")
 
 
-def _save(model: ir.Model, out: pathlib.Path) -> None:
-    """Writes the model (and its external data) under temporary names in the output folder, then
-    renames them into place: a failure leaves no half-written output and no new data file paired
-    with an old graph."""
+def _refuse_missing_data(src: pathlib.Path, model: ir.Model) -> None:
+    """Every external data file the model names must be there: calibration and saving read them."""
+    for f in sorted(_external_files(src, model)):
+        if not f.is_file():
+            why = "is a folder" if f.is_dir() else "does not exist"
+            raise RewriteError(f"{src}: its external data file {f} {why}")
+
+
+@contextlib.contextmanager
+def _new_folders(folder: pathlib.Path):
+    """Removes again, on failure, the folders up to `folder` that did not exist before."""
+    made = []
+    while not os.path.lexists(folder) and folder != folder.parent:
+        made.append(folder)
+        folder = folder.parent
+    try:
+        yield
+    except BaseException:
+        for f in made:  # deepest first; rmdir leaves a folder something else has filled meanwhile
+            with contextlib.suppress(OSError):
+                os.rmdir(f)
+        raise
+
+
+def _save(model: ir.Model, out: pathlib.Path, stage_more=None) -> None:
+    """Writes the model, its external data and stage_more(tmp)'s (staged, final) files under temporary
+    names in the output folder, then publishes them together (turboquant.saving): nothing that exists
+    is replaced, and a failure leaves none of them and no folder it made."""
     external = _saved_external(model)
     data = _data_file(out)
-    tmp = None
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tq-", dir=out.parent))
-        # the graph names its data file relative to itself: saved under the final names, in tmp
-        ir.save(model, tmp / out.name, external_data=data.name if external else None)
-        if not external:
-            os.replace(tmp / out.name, out)
-            return
-        old = tmp / "previous.data"
-        if data.exists():
-            os.replace(data, old)
-        os.replace(tmp / data.name, data)
-        try:
-            os.replace(tmp / out.name, out)
-        except OSError:
-            if old.exists():
-                os.replace(old, data)  # the old graph keeps its old data
-            raise
+        with _new_folders(out.parent), staging(out.parent) as tmp:
+            # the graph names its data file relative to itself: saved under the final names, in tmp
+            ir.save(model, tmp / out.name, external_data=data.name if external else None)
+            files = [(tmp / data.name, data)] if external else []  # the data first: no graph without it
+            files.append((tmp / out.name, out))
+            if stage_more is not None:
+                files += stage_more(tmp)
+            publish(files, "the output")
+    except OutputExists as e:
+        raise RewriteError(str(e)) from None
     except OSError as e:
         raise RewriteError(f"cannot write {out}: {e.strerror or e}") from None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: str, *, boundary, skip_layers,
                 keep_layers, dry_run, calibrate, tokenizer, value_offsets, key_scales, progress, target,
-                unsupported, window, cuda_graph=False) -> RewriteResult:
+                unsupported, window, cuda_graph=False, library=None) -> RewriteResult:
     """export() for onnxruntime-genai models (GroupQueryAttention). calibrate: a file, "random" or
     "self" (data-free), or False (no calibration), in windows of `window` tokens;
     export/calibrate_gqa.py measures it."""
     from . import genai
 
     genai_folder = target == "onnxruntime" and (src.parent / genai.CONFIG).is_file()  # genai runs ONNX Runtime only
-    if genai_folder and not dry_run:
-        genai.check_output_folder(src, out)
+    folder = None
+    if genai_folder:  # its config read and every name the output folder gets refused before any work
+        genai.read_config(src.parent / genai.CONFIG)
+        if not dry_run:
+            folder = genai.plan_folder(src, out, library or _ort_library(), cuda_graph)
     calibration, notes = None, []
     if calibrate is not False:
         from .calibrate import calibration_tokens
@@ -415,10 +459,11 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
                                 f"ops, not plugins): {', '.join(foreign)}; an engine needs them replaced first")
     if dry_run:
         return result
-    _save(model, out)
+    writes_folder = folder is not None and not result.left
+    _save(model, out, (lambda tmp: genai.stage_folder(folder, out, result, tmp)) if writes_folder else None)
     result.output = out
-    if genai_folder and not result.left:
-        result.notes.append(f"onnxruntime-genai folder: {genai.write_folder(src, out, result, cuda_graph)}"
+    if writes_folder:
+        result.notes.append(f"onnxruntime-genai folder: {out.parent / genai.CONFIG}"
                             + (", decode steps replayed from CUDA graphs on the cuda provider (enable_cuda_graph)"
                                if cuda_graph else ""))
     elif genai_folder:

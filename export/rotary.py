@@ -23,11 +23,15 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from .subgraph import producer, run, subgraph
+from .errors import RewriteError
+from .subgraph import ort_errors, producer, run, subgraph
 
 # Positions the tables hold where the source folder's config.json does not say
 # (max_position_embeddings): Llama 3's 131072, 32 MiB of fp16 tables at head size 128.
 DEFAULT_POSITIONS = 131072
+# The most --rotary-positions takes: 16M positions, 4 GiB of fp16 tables at head size 128 (and
+# the float64 copies made on the way), far beyond any model's context.
+MAX_POSITIONS = 2**24
 
 
 @dataclasses.dataclass
@@ -104,7 +108,11 @@ def tables(model: ir.Model, site: RotarySite, position_ids: ir.Value, positions:
         return None
     try:
         cos, sin = run(sub, {position_ids.name: np.arange(positions, dtype=np.int64)[None]})
-    except Exception:  # noqa: BLE001 - a subgraph ORT cannot run alone is left to the exporter's nodes
+    except MemoryError:
+        raise _too_many(positions) from None
+    except ort_errors() as e:  # a subgraph ORT cannot run alone is left to the exporter's nodes
+        if "alloc" in str(e).lower():  # ORT out of memory (bad_alloc, failed to allocate): no other form fixes that
+            raise _too_many(positions) from None
         return None
     if cos.shape != sin.shape or cos.ndim != (4 if site.doubled else 3):
         return None
@@ -123,6 +131,11 @@ def tables(model: ir.Model, site: RotarySite, position_ids: ir.Value, positions:
             return None
         cos, sin = cos[:, :half], sin[:, :half]
     return RotaryTables(cos, sin, seq_axis)
+
+
+def _too_many(positions: int) -> RewriteError:
+    return RewriteError(f"the rotary tables of {positions} positions do not fit in memory; give fewer with "
+                        "--rotary-positions (0 keeps the exporter's rotary)")
 
 
 def rotate(x: np.ndarray, t: RotaryTables, pos: np.ndarray, dtype) -> np.ndarray:
@@ -151,7 +164,7 @@ def verified(model: ir.Model, x: ir.Value, x_rot: ir.Value, t: RotaryTables, pos
     xv = np.random.default_rng(1).standard_normal(shape).astype(np_dtype)
     try:
         (got,) = run(sub, {x.name: xv, position_ids.name: pos[None].astype(np.int64)})
-    except Exception:  # noqa: BLE001 - as in tables()
+    except ort_errors():  # as in tables()
         return False
     want = rotate(xv.astype(np.float64), t, pos, np_dtype)
     tol = 1e-5 if dtype == ir.DataType.FLOAT else 2e-2

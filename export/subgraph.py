@@ -55,3 +55,11 @@ def run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def ort_errors() -> tuple[type[Exception], ...]:
+    """What ONNX Runtime raises for a graph it cannot load or run: a piece it does not take alone, which
+    the callers leave to the exporter's nodes; anything else is a bug and is raised."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as s
+
+    return (s.Fail, s.InvalidArgument, s.InvalidGraph, s.NotImplemented, s.RuntimeException)

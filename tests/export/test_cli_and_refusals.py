@@ -1,5 +1,7 @@
 """The CLI, the Python entry point, and every refusal."""
 
+import os
+import stat
 import subprocess
 import sys
 
@@ -10,6 +12,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from turboquant.export import RewriteError, export
+
+from .cli_helpers import assert_refused, run_main, tree as _tree
 
 
 def cli(*args):
@@ -251,31 +255,49 @@ def test_save_leaves_nothing_behind_when_the_output_is_a_folder(exported, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.onnx", "e.onnx.data", "out.onnx"]
 
 
-def test_save_renames_the_pair_or_keeps_the_old_one(exported, tmp_path, monkeypatch):
-    """An .onnx that cannot be replaced: the earlier output keeps its graph and its data, and no
-    temporary file is left."""
+def test_save_publishes_the_pair_or_nothing(exported, tmp_path, monkeypatch):
+    """A graph that cannot be linked to its name: the data file already published is removed again,
+    and neither the staging folder nor the output folder the save made is left."""
     import os
 
     (tmp_path / "src").mkdir()
     src = _external(exported, tmp_path / "src")
-    out = tmp_path / "o.onnx"
-    export(src, "turboquant_k8v4", out)
-    old = _files(tmp_path)
-    assert set(old) == {"o.onnx", "o.onnx.data"}
-    replace = os.replace
+    out = tmp_path / "new" / "deeper" / "o.onnx"
+    link = os.link
 
-    def refuse_the_graph(a, b):
+    def refuse_the_graph(a, b, *args, **kw):
         if os.fspath(b) == os.fspath(out):
             raise PermissionError(13, "Permission denied")
-        replace(a, b)
+        link(a, b, *args, **kw)
 
-    monkeypatch.setattr(os, "replace", refuse_the_graph)
+    monkeypatch.setattr(os, "link", refuse_the_graph)
     with pytest.raises(RewriteError, match="cannot write .*o.onnx: Permission denied"):
         export(src, "turboquant_4bit_nc", out, offsets=False)
     monkeypatch.undo()
-    assert _files(tmp_path) == old and sorted(p.name for p in tmp_path.iterdir()) == ["o.onnx", "o.onnx.data", "src"]
-    export(src, "turboquant_4bit_nc", out, offsets=False)  # and a save that can rename replaces both
-    assert set(_files(tmp_path)) == {"o.onnx", "o.onnx.data"} and _files(tmp_path) != old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    export(src, "turboquant_4bit_nc", out, offsets=False)  # and a save that can link writes both
+    assert sorted(p.name for p in out.parent.iterdir()) == ["o.onnx", "o.onnx.data"]
+
+
+def test_an_output_that_appears_during_the_save_is_kept(exported, tmp_path, monkeypatch):
+    """A file given the output's name while the model was being written stays as it was, and the
+    rewrite's own data file goes again."""
+    import onnx_ir as ir
+
+    src = _external(exported, tmp_path)
+    out = tmp_path / "o.onnx"
+    save = ir.save
+
+    def theirs_appears(model, path, **kw):
+        save(model, path, **kw)
+        out.write_bytes(b"theirs")
+
+    monkeypatch.setattr(ir, "save", theirs_appears)
+    before = _files(tmp_path)
+    with pytest.raises(RewriteError, match="o.onnx appeared while it was being written; left as it was"):
+        export(src, "turboquant_4bit_nc", out, offsets=False)
+    assert _files(tmp_path) == {**before, "o.onnx": b"theirs"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.onnx", "e.onnx.data", "o.onnx"]
 
 
 def test_output_checked_before_calibration(exported, tmp_path, monkeypatch):
@@ -319,3 +341,89 @@ def test_negative_boundary_refused_for_every_form(exported, tmp_path):
     for src in (exported("gpt2-mha-torchscript"), _save(_gqa(), tmp_path / "gqa.onnx")):
         with pytest.raises(RewriteError, match="--boundary must be a layer count of zero or more, got -1"):
             export(src, "turboquant_4bit_nc", tmp_path / "o.onnx", boundary=-1)
+
+
+# -- bad input from the command line: one line, exit status 2, nothing written or changed --------------
+
+def test_existing_outputs_are_refused(exported, tmp_path, capsys):
+    """-o naming a file that exists, the default MODEL.<preset>.onnx that exists, an existing
+    OUT.onnx.data beside a new OUT.onnx, and /dev/null: refused before any work, all left as they were."""
+    src = _external(exported, tmp_path)
+    (tmp_path / "exists.onnx").write_bytes(b"mine")
+    (tmp_path / "e.turboquant_4bit_nc.onnx").write_bytes(b"my default")
+    (tmp_path / "fresh.onnx.data").write_bytes(b"my data")
+    before = _tree(tmp_path)
+    cases = [(["-o", tmp_path / "exists.onnx"], "exists.onnx exists; turboquant does not overwrite files"),
+             ([], "e.turboquant_4bit_nc.onnx exists; turboquant does not overwrite files"),
+             (["-o", tmp_path / "fresh.onnx"], "fresh.onnx.data exists; turboquant does not overwrite files")]
+    for args, message in cases:
+        assert_refused(*run_main(capsys, src, "--preset", "turboquant_4bit_nc", *args), message)
+    assert _tree(tmp_path) == before
+    null = os.stat("/dev/null")
+    assert_refused(*run_main(capsys, src, "--preset", "turboquant_4bit_nc", "-o", "/dev/null"), "/dev/null exists")
+    after = os.stat("/dev/null")
+    assert stat.S_ISCHR(after.st_mode) and after.st_rdev == null.st_rdev and after.st_ino == null.st_ino
+
+
+def test_empty_output_name_refused(exported, tmp_path, capsys):
+    src = tmp_path / "m.onnx"
+    src.write_bytes(exported("gpt2-mha-torchscript").read_bytes())
+    r = cli(src, "--preset", "turboquant_4bit_nc", "-o", "", "--no-offsets")
+    assert_one_line_error(r, "the output (-o) is an empty name")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]  # not the default name either
+    with pytest.raises(RewriteError, match="empty name"):
+        export(src, "turboquant_4bit_nc", "", offsets=False)
+
+
+def test_too_large_boundary_names_the_layer_count(exported, tmp_path, capsys):
+    """A boundary that keeps every layer (which was capped in silence) is refused with the model's
+    layer count, before the calibration runs; --keep-layers auto's 2 x boundary too."""
+    src = exported("gpt2-mha-torchscript")
+    for boundary in ("99999999999999999999", "3"):
+        rc, err = run_main(capsys, src, "--preset", "turboquant_4bit_nc", "-o", tmp_path / "o.onnx", "--boundary", boundary)
+        assert_refused(rc, err, f"--boundary {boundary} keeps the first and last {boundary} of the model's 6 cache "
+                                "layers, which leaves none to compress (--boundary 2 at most)")
+    rc, err = run_main(capsys, src, "--preset", "turboquant_4bit_nc", "-o", tmp_path / "o.onnx", "--boundary", "3",
+                       "--keep-layers", "auto")
+    assert_refused(rc, err, "--keep-layers auto keeps 2 x --boundary = 6 layers; the model has 6 cache layers, which "
+                            "leaves none to compress")
+    assert list(tmp_path.iterdir()) == []
+    assert export(src, "turboquant_4bit_nc", tmp_path / "o.onnx", boundary=3, keep_layers=[0], offsets=False).compressed == [1, 2, 3, 4, 5]
+
+
+def test_input_folder_is_named_a_folder(tmp_path, capsys):
+    (tmp_path / "adir.onnx").mkdir()
+    rc, err = run_main(capsys, tmp_path / "adir.onnx", "--preset", "turboquant_4bit_nc")
+    assert_refused(rc, err, "adir.onnx is a folder, not an ONNX model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir.onnx"]
+
+
+@pytest.mark.parametrize("offsets", [[], ["--no-offsets"]], ids=["calibrated", "no-offsets"])
+def test_missing_external_data_named_before_any_work(exported, tmp_path, capsys, offsets):
+    """The input's data file gone: named, with calibration (which ORT failed on) and without (which
+    blamed the output), and the output's folder is not made."""
+    (tmp_path / "src").mkdir()
+    src = _external(exported, tmp_path / "src")
+    (tmp_path / "src" / "e.onnx.data").unlink()
+    rc, err = run_main(capsys, src, "--preset", "turboquant_4bit_nc", "-o", tmp_path / "nd" / "out.onnx", *offsets)
+    assert_refused(rc, err, f"its external data file {tmp_path / 'src' / 'e.onnx.data'} does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_missing_library_refused_before_any_work(exported, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TURBOQUANT_ORT_LIBRARY", str(tmp_path / "nope.so"))
+    rc, err = run_main(capsys, exported("gpt2-mha-torchscript"), "--preset", "turboquant_4bit_nc", "-o", tmp_path / "o" / "m.onnx")
+    assert_refused(rc, err, f"TURBOQUANT_ORT_LIBRARY points at {tmp_path / 'nope.so'}, which is not a file")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_save_removes_the_folders_it_made(exported, tmp_path, monkeypatch):
+    from turboquant.export import rewrite
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rewrite, "publish", full)
+    with pytest.raises(RewriteError, match="No space left on device"):
+        export(exported("gpt2-mha-torchscript"), "turboquant_4bit_nc", tmp_path / "a" / "b" / "m.onnx", offsets=False)
+    assert list(tmp_path.iterdir()) == []

@@ -3,7 +3,9 @@ Llama and Qwen2 configs, rewritten to TQGroupQueryAttention, run with a shared b
 plain ONNX Runtime and through onnxruntime-genai itself."""
 
 import json
+import pathlib
 import re
+import shutil
 from unittest import mock
 
 import numpy as np
@@ -17,6 +19,8 @@ from turboquant.export import RewriteError, export
 from turboquant.export import genai as genai_folder
 from turboquant.export.gqa import row_width
 from turboquant.shared_buffer import SharedBufferDecoder
+
+from .cli_helpers import assert_refused, run_main, tree as _tree
 
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes these models)")
 
@@ -410,3 +414,80 @@ def test_cuda_generates_with_onnxruntime_genai(cuda_ready, tmp_path, graph):
     assert any("Detected per-layer KV shape variation" in line for line in logs), logs
     ours = SharedBufferDecoder(result.output, 9 + steps, providers=["CUDAExecutionProvider"]).generate(prompt, len(tokens))
     assert tokens and tokens == ours[0].tolist()
+
+
+# -- the output folder: never over the user's files, written as a whole, its config checked first -----
+
+def _copy(src, folder):
+    """A copy of src's genai folder in `folder`; the model's path there."""
+    shutil.copytree(src.parent, folder)
+    return folder / src.name
+
+
+def test_output_folder_files_refused(built, tmp_path, capsys):
+    """A folder holding the user's genai_config.json and tokenizer.json (which was overwritten, and
+    kept stale), or a folder where the library goes: refused, every file as it was, nothing added."""
+    src = built("llama")
+    out = tmp_path / "gout3"
+    out.mkdir()
+    (out / "genai_config.json").write_text('{"mine": 1}')
+    (out / "tokenizer.json").write_text("my tokenizer")
+    (tmp_path / "gout4" / "libturboquant_ort.so").mkdir(parents=True)
+    before = _tree(tmp_path)
+    args = ("--preset", "turboquant_4bit_nc", "--no-offsets")
+    assert_refused(*run_main(capsys, src, *args, "-o", out / "model.onnx"),
+                   f"the onnxruntime-genai folder's file {out / 'tokenizer.json'} exists; turboquant does not overwrite files")
+    assert_refused(*run_main(capsys, src, *args, "-o", tmp_path / "gout4" / "model.onnx"),
+                   f"file {tmp_path / 'gout4' / 'libturboquant_ort.so'} exists")
+    assert _tree(tmp_path) == before
+    (out / "tokenizer.json").unlink()
+    assert_refused(*run_main(capsys, src, *args, "-o", out / "model.onnx"), f"file {out / 'genai_config.json'} exists")
+    assert sorted(p.name for p in out.iterdir()) == ["genai_config.json"]
+
+
+def test_output_folder_published_as_a_whole(built, tmp_path, monkeypatch):
+    """The config's link failing (it comes last): the model, its data, the library and the tokenizer
+    files already given their names go again, and so does the folder the save made."""
+    import os
+
+    src = built("llama")
+    out = tmp_path / "o" / "model.onnx"
+    link = os.link
+
+    def refuse_the_config(a, b, *args, **kw):
+        if pathlib.Path(b).name == "genai_config.json":
+            raise PermissionError(13, "Permission denied")
+        link(a, b, *args, **kw)
+
+    monkeypatch.setattr(os, "link", refuse_the_config)
+    with pytest.raises(RewriteError, match="Permission denied"):
+        export(src, "turboquant_4bit_nc", out, offsets=False, progress=False)
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+    export(src, "turboquant_4bit_nc", out, offsets=False, progress=False)
+    copied = sorted(f.name for f in src.parent.iterdir() if not f.name.startswith(("model.onnx", "genai_config")))
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(
+        ["genai_config.json", "libturboquant_ort.so", "model.onnx", "model.onnx.data", *copied])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "genai_config.json is not valid JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
+    ("{}", "genai_config.json has no model.decoder section"),
+    ('{"model": {"decoder": {"session_options": []}}}', "session_options must be an object whose provider_options is a list"),
+], ids=["not-json", "empty", "bad-options"])
+def test_bad_config_refused_before_any_work(built, tmp_path, capsys, text, message):
+    """Read and checked before the calibration runs or anything is saved (a traceback, or a model
+    and its data left without a config, before)."""
+    src = _copy(built("llama"), tmp_path / "badgenai")
+    (src.parent / "genai_config.json").write_text(text)
+    assert_refused(*run_main(capsys, src, "--preset", "turboquant_4bit_nc", "-o", tmp_path / "out" / "model.onnx"), message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["badgenai"]
+
+
+def test_missing_library_refused_before_the_save(built, tmp_path, capsys, monkeypatch):
+    """The library the folder gets, missing: refused before anything is written (it was raised after
+    the model and its data were saved)."""
+    monkeypatch.setenv("TURBOQUANT_ORT_LIBRARY", str(tmp_path / "nope.so"))
+    rc, err = run_main(capsys, built("llama"), "--preset", "turboquant_4bit_nc", "--no-offsets", "-o", tmp_path / "out" / "model.onnx")
+    assert_refused(rc, err, f"TURBOQUANT_ORT_LIBRARY points at {tmp_path / 'nope.so'}, which is not a file")
+    assert list(tmp_path.iterdir()) == []

@@ -96,3 +96,45 @@ def test_verification_rejects_tables_that_are_not_the_exporters(exported):
     shifted = rotary.RotaryTables(np.roll(t.cos, 1, axis=0), np.roll(t.sin, 1, axis=0), t.seq_axis)
     other_base = rotary.RotaryTables(t.cos ** 2, np.sqrt(np.clip(1 - t.cos ** 4, 0, 1)) * np.sign(t.sin), t.seq_axis)
     assert not check(shifted) and not check(other_base)
+
+
+def test_rotary_positions_bounded(exported, tmp_path, capsys):
+    """More than 2**24 positions: refused by the CLI's argument and by export(), nothing written (the
+    table build failed and the rotary stayed outside the ops, under a misleading note)."""
+    from turboquant.export.__main__ import main
+
+    src = exported("llama-gqa-torchscript")
+    with pytest.raises(SystemExit) as e:
+        main([str(src), "--preset", PRESET, "-o", str(tmp_path / "o.onnx"), "--rotary-positions", "99999999999"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith("argument --rotary-positions: at most 16777216 (2**24) positions, not 99999999999")
+    with pytest.raises(RewriteError, match="rotary_positions must be at most 16777216"):
+        export(src, PRESET, tmp_path / "o.onnx", rotary_positions=2**24 + 1, offsets=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_table_failures_are_not_swallowed(exported, monkeypatch):
+    """A subgraph ONNX Runtime cannot run alone leaves the exporter's rotary (None); tables too large
+    for memory are a RewriteError that says so; anything else is raised as it is."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    model = ir.load(exported("llama-gqa-torchscript"))
+    plans, layers = plan_layers(model, PRESET, 1, None, None)
+    site = locate(layers[plans[0].index])
+    found = rotary.match(site.q, site.k_new)
+    position_ids = next(v for v in model.graph.inputs if v.name == "position_ids")
+
+    def fails_with(error):
+        def run(*a, **k):
+            raise error
+
+        monkeypatch.setattr(rotary, "run", run)
+        return lambda: rotary.tables(model, found, position_ids, 64)
+
+    assert fails_with(ort_state.Fail("cannot run alone"))() is None
+    for error in (MemoryError(), ort_state.RuntimeException("Failed to allocate memory for requested buffer")):
+        with pytest.raises(RewriteError, match="the rotary tables of 64 positions do not fit in memory"):
+            fails_with(error)()
+    with pytest.raises(ValueError, match="a bug"):
+        fails_with(ValueError("a bug"))()
