@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import tempfile
+
+from .saving import refuse_existing
 
 
 def _integer(text: str, what: str) -> int:
@@ -56,9 +59,12 @@ def cuda_missing() -> str | None:
 
 
 def check_output_file(path: str | os.PathLike, what: str = "output") -> pathlib.Path:
-    """Refuses (ValueError naming `what`) a file path that cannot be written: an existing folder, a
-    name longer than the file system takes, a parent that is a file or a folder it may not write in.
-    Writes nothing: missing parent folders are created later, by the writer."""
+    """Refuses (ValueError naming `what`) a file path that cannot be written: a name that exists (a
+    file is never overwritten), an empty name, a name longer than the file system takes, a parent that
+    is a file or a folder it may not write in. Leaves nothing behind: missing parent folders are
+    created later, by the writer (turboquant.saving)."""
+    if not str(path).strip():
+        raise ValueError(f"{what} is an empty name")
     path = pathlib.Path(path)
     parent = path.parent
     while not os.path.exists(parent):  # os.path, not pathlib: a name too long is "missing", not an OSError
@@ -71,8 +77,46 @@ def check_output_file(path: str | os.PathLike, what: str = "output") -> pathlib.
             raise ValueError(f"{what} {path}: the name {part[:40]}... is longer than the {limit} bytes its file system takes")
     if os.path.isdir(path):
         raise ValueError(f"{what} {path} is a folder; give a file name")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {path}: {parent} is not writable")
+    refuse_existing([path], what)
+    check_writable_folder(parent, f"{what} {path}")
+    return path
+
+
+def check_output_folder(folder: str | os.PathLike, what: str) -> pathlib.Path:
+    """Refuses (ValueError naming `what`) a folder path where nothing could be written: an empty name,
+    a file, a nearest existing parent that is a file or takes no files. Makes nothing."""
+    if not str(folder).strip():
+        raise ValueError(f"{what} is an empty name")
+    path = pathlib.Path(folder)
+    if os.path.lexists(path) and not path.is_dir():
+        raise ValueError(f"{what} {folder} is a file, not a folder")
+    existing = path
+    while not os.path.exists(existing):  # made later, by the writer: its nearest existing parent must take files
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{what} {folder}: {existing} is a file, not a folder")
+    check_writable_folder(existing, f"{what} {folder}")
+    return path
+
+
+def check_writable_folder(folder: str | os.PathLike, what: str) -> None:
+    """ValueError unless a file can be made in `folder` (tried: permissions alone do not say so for
+    root, nor in /proc or /sys)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what}: cannot write in {folder} ({e.strerror or e})") from None
+
+
+def check_plot_file(path: str | os.PathLike, what: str = "--plot") -> pathlib.Path:
+    """check_output_file, and a suffix matplotlib can save (.png, .svg, .pdf, ...)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = check_output_file(path, what)
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in kinds:
+        raise ValueError(f"{what} {path}: a plot is saved as one of {', '.join('.' + k for k in sorted(kinds))}")
     return path
 
 
@@ -89,10 +133,36 @@ def read_onnx(path: str | os.PathLike):
     import onnx
 
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not an ONNX model")
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     try:
-        return onnx.load(str(path), load_external_data=False)
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # noqa: BLE001 - any parse failure means the same thing to the user
         detail = str(e).splitlines()[0][:200] if str(e) else ""
         raise ValueError(f"{path}: not an ONNX model ({type(e).__name__}: {detail})") from None
+    missing = sorted(f for f in external_data_files(model, path.parent) if not f.is_file())
+    if missing:
+        raise ValueError(f"{path}: its external data file {missing[0]} is missing")
+    return model
+
+
+def external_data_files(model, folder: pathlib.Path) -> set[pathlib.Path]:
+    """The files that the tensors of a ModelProto (its graphs and subgraphs) keep their data in."""
+    import onnx
+
+    def tensors(graph):
+        yield from graph.initializer
+        for node in graph.node:
+            for a in node.attribute:
+                yield from ([a.t] if a.HasField("t") else []) + list(a.tensors)
+                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield from tensors(g)
+
+    files = set()
+    for t in tensors(model.graph):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in t.external_data if e.key == "location"), "")
+            files.add(folder / location)
+    return files

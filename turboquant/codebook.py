@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import pathlib
+import sys
 
 import numpy as np
 
@@ -120,12 +122,40 @@ def render_header() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write_header(path: pathlib.Path) -> None:
+    """A new file, or the header this command generated before (regenerated in place, atomically);
+    any other file is left as it is."""
+    from .arguments import check_output_file
+    from .saving import staging, write_new_text
+
+    text = render_header()
+    if path.is_file() and not path.is_symlink():
+        with open(path, errors="replace") as f:
+            if f.readline() != text.splitlines(keepends=True)[0]:
+                raise ValueError(f"--write-header {path} exists and is not a header this command generated; "
+                                 "turboquant does not overwrite files")
+        with staging(path.parent) as tmp:
+            (tmp / path.name).write_text(text)
+            os.replace(tmp / path.name, path)
+        return
+    check_output_file(path, "--write-header")
+    write_new_text(path, text, "--write-header")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m turboquant.codebook", description=__doc__.split("\n")[0])
-    p.add_argument("--write-header", type=pathlib.Path, help="write the C++ header to this path")
+    p.add_argument("--write-header", type=pathlib.Path, help="write the C++ header to this path (a new file, or one "
+                   "this command generated)")
     args = p.parse_args(argv)
-    if args.write_header:
-        args.write_header.write_text(render_header())
+    if args.write_header is not None:
+        try:
+            _write_header(args.write_header)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"error: --write-header {args.write_header}: {e.strerror or e}", file=sys.stderr)
+            return 2
     else:
         for bits in SUPPORTED_BITS:
             c, _ = lloyd_max(bits)

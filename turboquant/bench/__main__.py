@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from ..arguments import cuda_missing
 from ..arguments import head_dim as _head_dim
 from ..arguments import positive as _positive
 from ..config import TQ_PRESETS
-from . import attention, decode_cli, prefill
+from ..saving import OutputExists, write_new_text
+from . import attention, checks, decode_cli, prefill
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +63,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.what in decode_cli.COMMANDS:  # their own checks (decode_cli)
         return decode_cli.main(args)
     _check(p, args)
+    try:
+        _refuse(args)
+    except ValueError as e:
+        return checks.fail(args.what, str(e))
+    try:
+        return _run(args)
+    except OutputExists as e:  # a name taken while the run measured: left as it is
+        print(f"{checks.PROG} {args.what}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args) -> int:
     if args.what == "prefill":
         return prefill.main(args)
     if args.what == "pack":
@@ -71,10 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             rows_n = pack.run(args.device, n, args.head_dim, args.threads, args.repeat)
             print(pack.report(rows_n, args.device), flush=True)
             rows += rows_n
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        if args.plot:
+        if args.json is not None:
+            write_new_text(args.json, json.dumps(rows, indent=1), "--json")
+        if args.plot is not None:
             pack.plot(rows, args.device, args.plot)
             print(f"plot written to {args.plot}")
         return 0
@@ -94,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             [(1, 4096), (1, 32768), (8, 32768), (32, 8192)]
         runs = cuda.run(shapes, args.presets, args.repeat)
         print(cuda.report(runs, args.presets))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump([r.to_json() for r in runs], f, indent=1)
+        if args.json is not None:
+            write_new_text(args.json, json.dumps([r.to_json() for r in runs], indent=1), "--json")
         return 0
     results = []
     for s in args.context:
@@ -104,10 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         rs = attention.run_cpu(shape, args.presets, args.threads, args.repeat)
         print(attention.report(rs, args.threads), flush=True)
         results += rs
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.__dict__ for r in results], f, indent=1)
-    if args.plot:
+    if args.json is not None:
+        write_new_text(args.json, json.dumps([r.__dict__ for r in results], indent=1), "--json")
+    if args.plot is not None:
         attention.plot(results, args.plot)
         print(f"plot written to {args.plot}")
     return 0
@@ -119,6 +130,38 @@ def _check(p: argparse.ArgumentParser, args) -> None:
         p.error(f"argument --device: cuda: {cuda_missing()}")
     if getattr(args, "q_heads", None) and args.q_heads % args.kv_heads:
         p.error(f"argument --q-heads: {args.q_heads} is not a multiple of --kv-heads {args.kv_heads}")
+
+
+def _refuse(args) -> None:
+    """ValueError for what would fail only after the measuring: outputs that cannot be written, arrays
+    larger than the machine, no custom-op library for our candidates."""
+    if args.what == "report":
+        from . import report
+
+        if args.device == "cuda" and (args.q_heads, args.kv_heads, args.head_dim) != (32, 8, 128):
+            raise ValueError("--device cuda: the CUDA report runs 32 query heads, 8 KV heads, head_dim 128 only")
+        report.check_folder(args.out, args.device)
+    else:
+        files = {"--json": args.json, "--plot": getattr(args, "plot", None)}
+        checks.check_outputs(files, plots=("--plot",))
+    checks.check_library()
+    for need, what in _arrays(args):
+        checks.check_fits(need, what)
+
+
+def _arrays(args):
+    """(bytes, what) of each run's largest host arrays, estimated from the arguments."""
+    if args.what == "pack":
+        from . import pack
+
+        return [(pack.need_bytes(n, args.head_dim), f"--vectors {n}") for n in args.vectors]
+    if args.what == "prefill":
+        return prefill.arrays(args)
+    if args.device == "cuda":  # the caches are the device's (its own out-of-memory errors)
+        return []
+    batches = args.batch if args.what == "report" else [args.batch]
+    return [(attention.need_bytes(attention.Shape(b, args.q_heads, args.kv_heads, args.head_dim, s)),
+             f"--context {s} at batch {b}") for b in batches for s in args.context]
 
 
 if __name__ == "__main__":

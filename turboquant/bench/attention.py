@@ -19,6 +19,7 @@ from .. import node_models
 from ..config import TQ_PRESETS, TurboQuantConfig, check_head_dim
 from ..ort import inference_session
 from ..reference import formats
+from ..saving import save_new_figure
 from . import baselines
 
 
@@ -38,6 +39,12 @@ class Shape:
         if self.q_heads % self.kv_heads:
             raise ValueError(f"q_heads {self.q_heads} is not a multiple of kv_heads {self.kv_heads}")
         check_head_dim(self.head_dim)
+
+
+def need_bytes(shape: Shape) -> int:
+    """Host bytes of the largest candidate at its peak: an fp32 baseline's K and V caches fed to ORT
+    and the present K and V it returns (drawn as float64 first: no more than those)."""
+    return 16 * shape.batch * shape.kv_heads * shape.context * shape.head_dim
 
 
 @dataclasses.dataclass
@@ -160,4 +167,7 @@ def plot(results: list[Result], path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    try:
+        save_new_figure(fig, path, dpi=120)
+    finally:
+        plt.close(fig)

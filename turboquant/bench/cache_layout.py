@@ -55,6 +55,7 @@ class ModelInfo:
     vocab: int | None
     weight_shapes: Counter  # shapes of the large initializers (what a rewrite leaves as it was)
     max_length: int | None  # genai_config's context_length
+    rotary_positions: int | None = None  # a rewrite's rotary tables: the positions its attention ops take
 
     @property
     def layers(self) -> int:
@@ -68,14 +69,37 @@ class ModelInfo:
         return batch * context * self.bytes_per_token()
 
 
+def genai_config(folder: pathlib.Path) -> dict:
+    """genai_config.json's "model" section; LayoutError naming the file where it is not one."""
+    config = folder / GENAI_CONFIG
+    try:
+        model = json.loads(config.read_text())["model"]
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or type(e).__name__  # a UnicodeDecodeError has no strerror
+        raise LayoutError("MODEL", f"{config}: cannot be read ({why})") from None
+    except json.JSONDecodeError as e:
+        raise LayoutError("MODEL", f"{config}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except (KeyError, TypeError):
+        raise LayoutError("MODEL", f"{config}: no \"model\" section") from None
+    if not isinstance(model, dict) or not isinstance(model.get("decoder", {}), dict):
+        raise LayoutError("MODEL", f"{config}: \"model\" and its \"decoder\" are not objects")
+    for key, value in [("context_length", model.get("context_length")), ("vocab_size", model.get("vocab_size")),
+                       *((f"decoder.{k}", model.get("decoder", {}).get(k))
+                         for k in ("head_size", "hidden_size", "num_attention_heads"))]:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise LayoutError("MODEL", f"{config}: model.{key} is {value!r}, not a positive whole number")
+    if not isinstance(model.get("decoder", {}).get("filename", ""), str):
+        raise LayoutError("MODEL", f"{config}: model.decoder.filename is not a file name")
+    return model
+
+
 def resolve(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path | None]:
     """The .onnx file of a model argument (a file, or a genai folder) and its genai folder, if any."""
     p = pathlib.Path(path)
     if p.is_dir():
-        config = p / GENAI_CONFIG
-        if not config.is_file():
+        if not (p / GENAI_CONFIG).is_file():
             raise LayoutError("MODEL", f"{p} is a folder without {GENAI_CONFIG}; pass the .onnx file")
-        name = json.loads(config.read_text())["model"]["decoder"].get("filename", "model.onnx")
+        name = genai_config(p).get("decoder", {}).get("filename", "model.onnx")
         return p / name, p
     if not p.is_file():
         raise LayoutError("MODEL", f"{p}: no such file")
@@ -90,7 +114,10 @@ def inspect(path: str | pathlib.Path) -> ModelInfo:
         m = onnx.load(str(onnx_path), load_external_data=False)
     except Exception as e:  # noqa: BLE001 - any parse failure means the same to the user
         raise LayoutError("MODEL", f"{onnx_path}: not an ONNX model ({type(e).__name__})") from None
-    config = json.loads((folder / GENAI_CONFIG).read_text())["model"] if folder else {}
+    missing = sorted(f for f in _data_files(m, onnx_path.parent) if not f.is_file())
+    if missing:  # else its cache inputs may read as symbolic, or the session fails once the run is under way
+        raise LayoutError("MODEL", f"{onnx_path}: its external data file {missing[0]} is missing")
+    config = genai_config(folder) if folder else {}
     decoder = config.get("decoder", {})
     meta = {p.key: p.value for p in m.metadata_props}
     formats = {d["layer"]: d for d in json.loads(meta.get("turboquant.layers", "[]"))}
@@ -135,7 +162,28 @@ def inspect(path: str | pathlib.Path) -> ModelInfo:
     shapes = Counter(tuple(t.dims) for t in large if not t.name.startswith("tq_qkv_weight_"))
     shapes["elements"] = sum(int(np.prod(t.dims)) for t in large)
     return ModelInfo(onnx_path, folder, caches, any(n.op_type in _SHARED_OPS for n in m.graph.node),
-                     meta.get("turboquant.preset"), vocab or config.get("vocab_size"), shapes, config.get("context_length"))
+                     meta.get("turboquant.preset"), vocab or config.get("vocab_size"), shapes, config.get("context_length"),
+                     _positions(meta, onnx_path))
+
+
+def _positions(meta: dict, onnx_path: pathlib.Path) -> int | None:
+    """turboquant.rotary_positions of a rewrite (what SharedBufferDecoder refuses a longer max_length by)."""
+    text = meta.get("turboquant.rotary_positions")
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise LayoutError("MODEL", f"{onnx_path}: metadata turboquant.rotary_positions is {text!r}, not a number") from None
+
+
+def _data_files(model, folder: pathlib.Path) -> set[pathlib.Path]:
+    """The files the model's tensors (initializers, node attributes, subgraphs) keep their data in."""
+    from onnx import TensorProto
+    from onnx.external_data_helper import _get_all_tensors
+
+    return {folder / next((e.value for e in t.external_data if e.key == "location"), "")
+            for t in _get_all_tensors(model) if t.data_location == TensorProto.EXTERNAL}
 
 
 def _head_dim(fmt: str | None, width: int, hint: int | None) -> int | None:

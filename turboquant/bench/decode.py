@@ -80,6 +80,22 @@ def token_ids(vocab: int, batch: int, length: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, max(vocab, 4), (batch, length), dtype=np.int64)
 
 
+def host_bytes(infos: list[ModelInfo], opts: Options) -> int:
+    """Host bytes a run holds at its largest, from the layouts: every point's token ids (made up
+    front); on the CPU, one model's caches at its largest point (twice for DecoderSession, which takes
+    numpy copies) and a prefill call's logits."""
+    total = sum(b * (s + WARMUP + opts.steps) * 8 for b, s in opts.points)
+    if opts.device != "cpu":  # the caches are the device's (its own out-of-memory errors, recorded)
+        return total
+    most = 0
+    for info in infos:
+        for b, s in opts.points:
+            caches = info.kv_bytes(b, s + WARMUP + opts.steps) * (1 if info.shared else 2)
+            logits = b * min(opts.prefill_chunk or s, s) * (info.vocab or 0) * 4 if opts.fill == "prefill" else 0
+            most = max(most, caches + logits)
+    return total + most
+
+
 def _providers(device: str) -> list:
     if device == "cuda":
         # kSameAsRequested: the arena grows by what is asked, so the peak is not a power-of-two round-up

@@ -4,33 +4,34 @@ checks made before any work (exit status 2 and a message naming the argument), a
 from __future__ import annotations
 
 import argparse
+import decimal
+import os
 import pathlib
+import shutil
 import sys
 
 COMMANDS = ("decode", "models")
+LARGEST = 2**63 - 1  # ONNX Runtime's shapes and numpy's sizes are int64
 
 
 def _count(text: str) -> int:
+    """A positive whole number, also written as 4e3 or 80e9; exact (Decimal, not float: 2.5e0 is
+    refused, not cut to 2, and 1e400 is too large, not an overflow)."""
     try:
-        n = int(float(text)) if "e" in text.lower() else int(text)
-    except ValueError:
+        d = decimal.Decimal(text.strip())
+    except decimal.InvalidOperation:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, not {text!r}") from None
-    if n <= 0:
+    if not d.is_finite() or d != d.to_integral_value():
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, not {text!r}")
+    if d <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, not {text}")
-    return n
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, not {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, not {text}")
-    return v
+    if d > LARGEST:  # compared before int(): 1e999999999 as an int would take the memory itself
+        raise argparse.ArgumentTypeError(f"{text} is too large (at most {LARGEST})")
+    return int(d)
 
 
 def add_parsers(sub) -> None:
+    from .checks import non_negative_float
     from .decode_models import BUILDERS, SHAPES
 
     d = sub.add_parser("decode", help="whole-model decode: tokens/s, time to first token, KV bytes, memory, capacity",
@@ -57,7 +58,7 @@ def add_parsers(sub) -> None:
                    "graphs beside an original that runs without")
     d.add_argument("--fill", choices=["prefill", "random"], default="prefill",
                    help="how the caches reach S tokens: a real prefill, or random K/V (packed through TQPack) without one")
-    d.add_argument("--ttft-budget", type=_seconds, default=120.0, metavar="SECONDS",
+    d.add_argument("--ttft-budget", type=non_negative_float, default=120.0, metavar="SECONDS",
                    help="--fill random: the prefill timed for ttft is given up after this long (0: none)")
     d.add_argument("--no-ttft-warmup", dest="ttft_warmup", action="store_false",
                    help="time the first prefill at each point (by default the same prompt runs once untimed first, "
@@ -95,7 +96,7 @@ def add_parsers(sub) -> None:
     m.add_argument("--no-calibration", action="store_true",
                    help="rewrite without key offsets or scales (no data-free calibration run of the original on the CPU)")
     m.add_argument("--boundary", type=int, help="the rewrite's boundary layers (default 2; 1 for models under 6 layers)")
-    m.add_argument("--cache", choices=["auto", "in-place", "concat"], default="auto",
+    m.add_argument("--cache", choices=["auto", "in-place", "concat"],
                    help="torchscript: the rewrite's cache form (turboquant.export --cache; default auto, which is in-place "
                    "for these models); genai models are in place already")
 
@@ -105,12 +106,18 @@ def _fail(arg: str, message: str) -> int:
     return 2
 
 
+def _refused(e: ValueError) -> int:
+    """A check's message that starts with the option's name (checks.check_outputs's)."""
+    print(f"error: argument {e}", file=sys.stderr)
+    return 2
+
+
 def main(args) -> int:
     return _decode(args) if args.what == "decode" else _models(args)
 
 
 def _decode(args) -> int:
-    from . import decode, decode_report
+    from . import checks, decode, decode_report
     from .cache_layout import LayoutError, check_same_model, inspect
 
     try:
@@ -153,12 +160,20 @@ def _decode(args) -> int:
         if info.shared and info.max_length and longest + decode.WARMUP + args.steps > info.max_length:
             return _fail("--context", f"{longest} + {decode.WARMUP + args.steps} steps exceed {info.path}'s "
                          f"context_length {info.max_length}")
-    for flag in ("json", "plot"):
-        target = getattr(args, flag)
-        if target and pathlib.Path(target).exists():
-            return _fail(f"--{flag}", f"{target} exists; choose a new file (results never overwrite a file)")
-        if target and not pathlib.Path(target).absolute().parent.is_dir():
-            return _fail(f"--{flag}", f"{pathlib.Path(target).parent} is not a folder")
+    for info in infos:
+        if info.shared and info.rotary_positions and longest + decode.WARMUP + args.steps > info.rotary_positions:
+            return _fail("--context", f"{longest} + {decode.WARMUP + args.steps} steps exceed the "
+                         f"{info.rotary_positions} positions of {info.path}'s rotary tables (python -m "
+                         "turboquant.export --rotary-positions N makes longer ones)")
+    try:
+        checks.check_outputs({"--json": args.json, "--plot": args.plot}, plots=("--plot",))
+    except ValueError as e:
+        return _refused(e)
+    if args.runtime == "ort":
+        try:
+            checks.check_library()
+        except ValueError as e:
+            return _fail("MODEL", str(e))
     if args.device == "cuda":
         from ..arguments import cuda_missing
 
@@ -168,9 +183,16 @@ def _decode(args) -> int:
                           prefill_chunk=args.prefill_chunk, runtime=args.runtime, fill=args.fill, cuda_graph=graphs, graph_models=graph_models,
                           ttft_budget=args.ttft_budget, ttft_max_tokens=args.ttft_max_tokens, ttft_warmup=args.ttft_warmup, capacity=args.capacity, threads=args.threads,
                           rounds=args.rounds, isolate=args.isolate)
+    try:
+        checks.check_fits(decode.host_bytes(infos, opts), f"context {longest} at batch {max(args.batch)}")
+    except ValueError as e:
+        return _fail("--context", str(e))
+    out = decode_report.JsonRecords(args.json) if args.json is not None else None
+    lost: list = []  # an output whose name was taken during the run (saving.OutputExists): reported at the end
+
     def saved(records):  # after every record: a run cut short keeps what it measured
-        if args.json:
-            decode_report.write_json(records, args.json)
+        if out is not None and not lost:
+            _save(lambda: out.save(records), lost)
         r = records[-1]
         print(f"  {r.ms_per_step or float('nan'):.2f} ms/step, ttft {r.ttft_ms or float('nan'):.0f} ms"
               f"{', ' + r.error if r.error else ''}", file=sys.stderr, flush=True)
@@ -178,42 +200,98 @@ def _decode(args) -> int:
     runner = decode.run_rounds if args.rounds > 1 or args.isolate else decode.run
     records = runner(args.models, infos, opts, log=lambda s: print(s, file=sys.stderr, flush=True), on_record=saved)
     print(decode_report.table(records))
-    if args.json:
-        decode_report.write_json(records, args.json)
+    if out is not None and not lost and _save(lambda: out.save(records), lost):
         print(f"records written to {args.json}")
-    if args.plot:
-        decode_report.plot(records, args.plot)
+    if args.plot is not None and _save(lambda: decode_report.plot(records, args.plot), lost):
         print(f"plot written to {args.plot}")
-    return 1 if all(r.error for r in records) else 0
+    for e in lost:
+        print(f"error: {e}", file=sys.stderr)
+    return 1 if lost or all(r.error for r in records) else 0
+
+
+def _save(write, lost: list) -> bool:
+    from ..saving import OutputExists
+
+    try:
+        write()
+        return True
+    except OutputExists as e:
+        lost.append(e)
+        return False
 
 
 def _models(args) -> int:
-    from .decode_models import build
+    why = _models_refused(args)
+    if why:
+        return _fail(*why)
+    paths = _build_new(pathlib.Path(args.output), args)
+    for k, v in paths.items():
+        print(f"{k}: {v}")
+    return 0
 
-    out = pathlib.Path(args.output)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        return _fail("-o", f"{out} exists and is not an empty folder (nothing is overwritten)")
+
+def _models_refused(args) -> tuple[str, str] | None:
+    """(argument, why) for what `models` cannot build, before any weights are made."""
+    from ..arguments import check_output_folder
+    from . import checks
+
+    try:
+        out = check_output_folder(args.output, "-o")
+    except ValueError as e:
+        return "-o", str(e)
+    if out.is_dir() and any(out.iterdir()):
+        return "-o", f"{out} is not an empty folder (nothing is overwritten)"
+    if args.rewrite is None:  # these shape the rewrite only: given without one, they would be ignored
+        for flag, given in (("--no-calibration", args.no_calibration), ("--boundary", args.boundary is not None),
+                            ("--cache", args.cache is not None)):
+            if given:
+                return flag, "shapes the rewrite, and no --rewrite was asked for"
     if args.builder == "genai":
         try:
             import onnxruntime_genai  # noqa: F401
         except ImportError:
-            return _fail("--builder", "genai: onnxruntime-genai (its model builder) is not installed")
+            return "--builder", "genai: onnxruntime-genai (its model builder) is not installed"
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            return _fail("--device", "cuda: torch sees no CUDA device")
+            return "--device", "cuda: torch sees no CUDA device"
     if args.rewrite:
         from ..config import TQ_PRESETS
 
         if args.rewrite not in TQ_PRESETS:
-            return _fail("--rewrite", f"unknown preset {args.rewrite!r}; one of {', '.join(TQ_PRESETS)}")
+            return "--rewrite", f"unknown preset {args.rewrite!r}; one of {', '.join(TQ_PRESETS)}"
+        try:
+            checks.check_library()  # the rewrite is checked in ONNX Runtime through it
+        except ValueError as e:
+            return "--rewrite", str(e)
     if args.boundary is not None and args.boundary < 0:
-        return _fail("--boundary", f"must not be negative, not {args.boundary}")
+        return "--boundary", f"must not be negative, not {args.boundary}"
     if args.cache == "concat" and args.builder == "genai":
-        return _fail("--cache", "concat is for torchscript exports: genai models' caches are written in place, and stay so")
-    paths = build(args.shape, args.builder, args.precision, args.device, out, args.rewrite, args.boundary,
-                  calibrate=not args.no_calibration, cache=args.cache, log=lambda s: print(s, flush=True))
-    for k, v in paths.items():
-        print(f"{k}: {v}")
-    return 0
+        return "--cache", "concat is for torchscript exports: genai models' caches are written in place, and stay so"
+    return None
+
+
+def _build_new(out: pathlib.Path, args) -> dict[str, pathlib.Path]:
+    """decode_models.build in a temporary folder inside `out`, its folders then moved into `out`: a
+    failure leaves `out` as it was (removed again where this run made it)."""
+    from ..saving import refuse_existing, staging
+    from .decode_models import build
+
+    made, moved = not out.exists(), []
+    try:
+        with staging(out) as tmp:
+            paths = build(args.shape, args.builder, args.precision, args.device, tmp, args.rewrite, args.boundary,
+                          calibrate=not args.no_calibration, cache=args.cache or "auto",
+                          log=lambda s: print(s, flush=True))
+            for entry in sorted(tmp.iterdir()):
+                refuse_existing([out / entry.name], "-o")
+                entry.rename(out / entry.name)
+                moved.append(out / entry.name)
+            return {k: out / os.path.relpath(v, tmp) for k, v in paths.items()}
+    except BaseException:
+        for p in moved:
+            shutil.rmtree(p, ignore_errors=True)
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        raise

@@ -6,8 +6,8 @@ import dataclasses
 import json
 import os
 import pathlib
-import tempfile
 
+from ..saving import OutputExists, save_new_figure, staging, write_new_text
 from .decode import Record
 
 
@@ -92,13 +92,41 @@ def point_table(records: list[Record]) -> str:
     return "\n".join(lines)
 
 
+def _json(records: list[Record]) -> str:
+    return json.dumps([dataclasses.asdict(r) for r in records], indent=1)
+
+
 def write_json(records: list[Record], path: str | os.PathLike) -> None:
-    """Atomic: a temporary file beside the target, renamed over it."""
-    path = pathlib.Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump([dataclasses.asdict(r) for r in records], f, indent=1)
-    os.replace(tmp, path)
+    """A new file (saving.write_new_text: atomic, never over a file)."""
+    write_new_text(path, _json(records), "--json")
+
+
+class JsonRecords:
+    """The --json file of a run, saved again after every record (a run cut short keeps what it
+    measured): made new the first time, then replaced only while it is still the file this run made."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = pathlib.Path(path)
+        self._mine: tuple[int, int] | None = None  # (device, inode) of the file this run made
+
+    def save(self, records: list[Record]) -> None:
+        if self._mine is None:
+            write_new_text(self.path, _json(records), "--json")
+            self._mine = _identity(self.path)
+            return
+        with staging(self.path.parent) as tmp:
+            staged = tmp / self.path.name
+            staged.write_text(_json(records))
+            if not os.path.lexists(self.path) or _identity(self.path) != self._mine:
+                raise OutputExists(f"--json {self.path} was removed or replaced during the run; left as it is")
+            mine = _identity(staged)
+            os.replace(staged, self.path)  # over this run's own earlier save only
+        self._mine = mine
+
+
+def _identity(path: pathlib.Path) -> tuple[int, int]:
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
 
 
 def plot(records: list[Record], path: str | os.PathLike) -> None:
@@ -123,6 +151,7 @@ def plot(records: list[Record], path: str | os.PathLike) -> None:
     r0 = records[0]
     fig.suptitle(f"decode on {r0.device} ({r0.runtime} runtime)", fontsize=10)
     fig.tight_layout()
-    tmp = pathlib.Path(path).with_name(f".{pathlib.Path(path).name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    try:
+        save_new_figure(fig, path, dpi=120)
+    finally:
+        plt.close(fig)

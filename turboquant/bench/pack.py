@@ -22,6 +22,7 @@ from onnx import TensorProto
 from .. import node_models
 from ..config import packed_size
 from ..ort import session_options
+from ..saving import save_new_figure
 
 FORMATS = ["mse4", "mse3", "fp8", "uint4", "uint3", "raw16"]  # the presets' formats, genai's uncompressed layers
 
@@ -35,6 +36,12 @@ def _median_seconds(run, repeat: int, warmup: int = 3) -> float:
         run()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def need_bytes(vectors: int, head_dim: int) -> int:
+    """Host bytes of a run at its peak: the input drawn as float64, then kept as fp16 (the copy's two
+    buffers and a format's packed output come after the float64 is gone, and take less)."""
+    return vectors * head_dim * (8 + 2)
 
 
 def cpu_copy_rate(nbytes: int, repeat: int) -> float:
@@ -134,5 +141,7 @@ def plot(rows: list[dict], device: str, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_new_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)

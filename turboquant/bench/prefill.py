@@ -23,11 +23,13 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from .. import node_models
-from ..arguments import check_output_file, head_dim as _head_dim, positive as _positive
+from ..arguments import head_dim as _head_dim, positive as _positive
 from ..config import TQ_PRESETS, TurboQuantConfig
 from ..node_models import IR_VERSION
 from ..ort import session_options
 from ..reference import formats
+from ..saving import write_new_text
+from .checks import non_negative_float
 
 NP_OF = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 DTYPES = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
@@ -72,7 +74,7 @@ def add_parser(sub) -> None:
     f.add_argument("--presets", nargs="+", default=["turboquant_4bit_nc"], choices=list(TQ_PRESETS))
     f.add_argument("--baselines", nargs="+", default=list(BASELINES), choices=list(BASELINES),
                    help="ORT's attention to time against (default: all)")
-    f.add_argument("--max-baseline-gb", type=float, default=8.0,
+    f.add_argument("--max-baseline-gb", type=non_negative_float, default=8.0,
                    help="skip a CPU baseline whose S x (P + S) probabilities need more (default 8)")
     f.add_argument("--json", help="write the rows here as JSON")
 
@@ -258,19 +260,43 @@ def report(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _points(args) -> list[Point]:
+    return ([Point(b, s, 0) for b in args.batch for s in args.prompt]
+            + [Point(b, s, args.past) for b in args.batch for s in args.chunk])
+
+
+def need_bytes(pt: Point, hq: int, hkv: int, d: int, itemsize: int, probabilities: bool) -> int:
+    """Host bytes of a point's largest candidate: a baseline's K and V past (each drawn as float64,
+    then kept in the dtype) and what ORT returns of their size, Q, K and V likewise, and ORT's CPU
+    probability matrix where the baseline is not skipped."""
+    cache = 2 * pt.batch * hkv * (pt.past + pt.new) * d * (8 + 2 * itemsize)
+    qkv = pt.batch * pt.new * (hq + 2 * hkv) * d * (8 + itemsize)
+    return cache + qkv + (int(_probabilities_gb(pt, hq) * 1e9) if probabilities else 0)
+
+
+def arrays(args) -> list[tuple[int, str]]:
+    """(bytes, what) of every point and dtype, for checks.check_fits."""
+    out = []
+    for pt in _points(args):
+        what = f"--chunk {pt.new} at batch {pt.batch} over --past {pt.past}" if pt.past else \
+            f"--prompt {pt.new} at batch {pt.batch}"
+        probabilities = args.device == "cpu" and _probabilities_gb(pt, args.q_heads) <= args.max_baseline_gb
+        for dt in _dtypes(args):
+            itemsize = np.dtype(NP_OF[DTYPES[dt]]).itemsize
+            out.append((need_bytes(pt, args.q_heads, args.kv_heads, args.head_dim, itemsize, probabilities), what))
+    return out
+
+
+def _dtypes(args) -> list[str]:
+    return args.dtypes or (["fp32"] if args.device == "cpu" else ["fp16"])
+
+
 def main(args) -> int:
-    points = [Point(b, s, 0) for b in args.batch for s in args.prompt]
-    points += [Point(b, s, args.past) for b in args.batch for s in args.chunk]
+    points = _points(args)
     if not points:
         print("python -m turboquant.bench prefill: error: no --prompt and no --chunk lengths to time", file=sys.stderr)
         return 2
-    if args.json:
-        try:
-            check_output_file(args.json, "--json")
-        except ValueError as e:
-            print(f"python -m turboquant.bench prefill: error: {e}", file=sys.stderr)
-            return 2
-    dtypes = args.dtypes or (["fp32"] if args.device == "cpu" else ["fp16"])
+    dtypes = _dtypes(args)
     print(f"device={args.device} threads={args.threads} heads={args.q_heads}/{args.kv_heads} d={args.head_dim}")
     rows = []
     for pt in points:
@@ -278,9 +304,6 @@ def main(args) -> int:
             rows += measure(args.device, pt, args.q_heads, args.kv_heads, args.head_dim, dt, args.presets,
                             args.threads, args.repeat, args.max_baseline_gb, args.baselines)
     print(report(rows))
-    if args.json:
-        tmp = f"{args.json}.tmp"
-        with open(tmp, "w") as f:
-            json.dump([r.__dict__ for r in rows], f, indent=1)
-        os.replace(tmp, args.json)
+    if args.json is not None:
+        write_new_text(args.json, json.dumps([r.__dict__ for r in rows], indent=1), "--json")
     return 0

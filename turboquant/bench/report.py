@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 
+from ..arguments import check_output_file, check_output_folder
 from ..config import TQ_PRESETS
+from ..saving import publish, refuse_existing, staging
 from .cuda_record import INPLACE, ROTARY
+
+PLOTS = ("time", "bandwidth")
 
 
 @dataclasses.dataclass
@@ -123,21 +128,38 @@ def plots(points: list[Point], folder: pathlib.Path) -> list[pathlib.Path]:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         fig.tight_layout()
-        path = folder / f"attention-{points[0].device}-{what}.png"
+        path = folder / file_names(points[0].device)[f"{what}.png"]
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
     return written
 
 
+def file_names(device: str) -> dict[str, str]:
+    """What the report writes (table, points, plots) -> its file name in the folder."""
+    return {"md": f"attention-{device}.md", "json": f"attention-{device}.json",
+            **{f"{what}.png": f"attention-{device}-{what}.png" for what in PLOTS}}
+
+
+def check_folder(folder: str | os.PathLike, device: str) -> None:
+    """ValueError unless the report can go to `folder`: a new folder, or one without any of the
+    files the report writes (none is overwritten), where files can be made."""
+    folder = check_output_folder(folder, "--out")
+    for name in file_names(device).values():
+        check_output_file(folder / name, "--out: the report's file")
+
+
 def write(points: list[Point], folder: str | pathlib.Path) -> list[pathlib.Path]:
-    folder = pathlib.Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    """The table, the points and the plots, all written or none (saving.publish), never over a file."""
     if not points:
         raise ValueError("no measurements to report")
-    device = points[0].device
-    md = folder / f"attention-{device}.md"
-    md.write_text(markdown(points))
-    js = folder / f"attention-{device}.json"
-    js.write_text(json.dumps([dataclasses.asdict(p) for p in points], indent=1) + "\n")
-    return [md, js, *plots(points, folder)]
+    folder = pathlib.Path(folder)
+    names = file_names(points[0].device)
+    finals = [folder / name for name in names.values()]
+    refuse_existing(finals, "--out: the report's file")
+    with staging(folder) as tmp:
+        (tmp / names["md"]).write_text(markdown(points))
+        (tmp / names["json"]).write_text(json.dumps([dataclasses.asdict(p) for p in points], indent=1) + "\n")
+        plots(points, tmp)
+        publish([(tmp / name, folder / name) for name in names.values()], "--out: the report's file")
+    return finals

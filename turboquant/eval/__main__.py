@@ -7,7 +7,10 @@ import json
 import pathlib
 import sys
 
-from turboquant.arguments import check_output_file, cuda_missing, positive, read_onnx
+import numpy as np
+
+from turboquant.arguments import check_output_file, check_output_folder, cuda_missing, non_negative, positive, read_onnx
+from turboquant.saving import write_new_text
 from turboquant.config import TQ_PRESETS
 
 
@@ -44,7 +47,7 @@ def parse(argv):
     p.add_argument("--sensitivity-mode", choices=["only", "all-but-one"], default="only",
                    help="'only': that layer alone compressed; 'all-but-one': every compressed layer but that one")
     p.add_argument("--layers", type=_layers, help="with --sensitivity, only these layers")
-    p.add_argument("--boundary", type=int, default=2, help="with --sensitivity: the first and last N layers the rewrite keeps (default 2); all-but-one keeps them, "
+    p.add_argument("--boundary", type=non_negative, default=2, help="with --sensitivity: the first and last N layers the rewrite keeps (default 2); all-but-one keeps them, "
                    "only names the 2N costliest layers to keep instead")
     p.add_argument("--cache-dir", metavar="DIR", help="where the original's log-probabilities are kept for later runs "
                    "on the same original, text and settings (default $TURBOQUANT_CACHE/eval, else ~/.cache/turboquant/eval)")
@@ -54,15 +57,20 @@ def parse(argv):
     args = p.parse_args(argv)
     if not args.rewritten and not args.sensitivity:
         p.error("give at least one rewritten model, or --sensitivity PRESET")
-    if args.json and args.json != "-":  # the results come after the whole run: refuse a bad path now
+    if args.json is not None and args.json != "-":  # the results come after the whole run: refuse a bad path now
         try:
             check_output_file(args.json, "--json")
         except ValueError as e:
             p.error(str(e))
     if args.cache_dir and args.no_cache:
         p.error("--cache-dir and --no-cache contradict each other")
-    if args.cache_dir and pathlib.Path(args.cache_dir).exists() and not pathlib.Path(args.cache_dir).is_dir():
-        p.error(f"--cache-dir {args.cache_dir} is a file, not a folder")
+    if args.cache_dir is not None:
+        try:
+            check_output_folder(args.cache_dir, "--cache-dir")
+        except ValueError as e:
+            p.error(str(e))
+    if args.layers is not None and not args.sensitivity:
+        p.error("--layers chooses the layers of --sensitivity; give --sensitivity PRESET too")
     if args.device == "cuda" and cuda_missing():
         p.error(f"--device cuda: {cuda_missing()}")
     return args
@@ -78,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from .sensitivity import choose_layers, costliest_layers, layer_sensitivity
 
     try:
-        vocab = _check_models(args.original, args.rewritten)
+        vocab = _check_models(args.original, args.rewritten, args.shared_buffer)
         if args.sensitivity:  # refuse a bad layer choice before the long run
             choose_layers(args.original, args.sensitivity_mode, args.layers, args.boundary)
         ids, source = load_tokens(args.text, args.tokenizer, vocab=vocab)
@@ -125,20 +133,38 @@ def main(argv: list[str] | None = None) -> int:
         if args.json == "-":
             print(out)
         else:
-            pathlib.Path(args.json).write_text(out + "\n")
+            try:
+                write_new_text(args.json, out + "\n", "--json")
+            except (OSError, ValueError) as e:
+                print(f"error: --json {args.json}: {e}", file=sys.stderr)
+                return 2
     return 0
 
 
-def _check_models(original: str, rewritten: list[str]) -> int | None:
-    """Refuses a path that is no ONNX model before anything runs; returns the original's vocabulary
-    size (None where the model does not say it), which the token ids must stay within."""
+def _check_models(original: str, rewritten: list[str], shared_buffer: bool) -> int | None:
+    """Refuses, before anything runs, a path that is no ONNX model, an original that is a rewrite,
+    a rewrite of another model, and models --shared-buffer cannot run; returns the original's
+    vocabulary size (None where the model does not say it), which the token ids must stay within."""
     import onnx_ir as ir
 
+    from turboquant.bench.cache_layout import check_same_model, inspect
     from turboquant.export.calibrate import vocabulary_size
 
     for path in rewritten:
         read_onnx(path)
-    return vocabulary_size(ir.from_proto(read_onnx(original)))
+    vocab = vocabulary_size(ir.from_proto(read_onnx(original)))
+    first = inspect(original)
+    if first.preset or any(c.dtype is np.uint8 for c in first.caches):
+        raise ValueError(f"ORIGINAL {original} is a turboquant rewrite ({first.preset}); pass the model it was made from")
+    infos = [inspect(path) for path in rewritten]
+    for path, info in zip(rewritten, infos):
+        check_same_model(first, info, path)
+    if shared_buffer:
+        for path, info in [(original, first), *zip(rewritten, infos)]:
+            if not info.shared:
+                raise ValueError(f"--shared-buffer runs models the way onnxruntime-genai does, on (TQ)GroupQueryAttention's "
+                                 f"shared buffers; {path} has no such node (run it without --shared-buffer)")
+    return vocab
 
 
 def _label(path: str, paths: list[str]) -> str:

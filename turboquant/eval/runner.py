@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -90,7 +91,11 @@ class Evaluator:
             self.original.add(logp, batch[:, self.windows.prefill:])
             self._ref.append(logp)
         if self.cache_entry is not None:
-            cache.store(self.cache_entry, {"nll_sum": self.original.nll_sum, "tokens": self.original.tokens}, self._ref)
+            try:
+                cache.store(self.cache_entry, {"nll_sum": self.original.nll_sum, "tokens": self.original.tokens}, self._ref)
+            except OSError as e:  # the cache only spares a later run; this one goes on without it
+                print(f"warning: the original's logits not kept in {self.cache_entry.parent}: {e.strerror or e}", file=sys.stderr)
+                self.cache_entry = None
 
     @property
     def scored_tokens(self) -> int:

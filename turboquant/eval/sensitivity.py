@@ -31,6 +31,10 @@ def cache_layers(model: str | os.PathLike) -> list[int]:
 def choose_layers(original: str | os.PathLike, mode: str, layers: list[int] | None, boundary: int) -> tuple[list[int], list[int], set[int]]:
     """(layers to examine, every cache layer, boundary layers); ValueError when the choice makes no sense."""
     every = cache_layers(original)
+    if boundary < 0:
+        raise ValueError(f"the boundary must be zero or more layers, not {boundary}")
+    if mode == "all-but-one" and 2 * boundary >= len(every):
+        raise ValueError(f"a boundary of {boundary} keeps all {len(every)} cache layers of {original}: nothing to compress")
     kept = set(every[:boundary] + every[len(every) - boundary:]) if boundary else set()
     if mode == "only":
         todo = layers if layers is not None else every

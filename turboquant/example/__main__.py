@@ -24,6 +24,7 @@ import numpy as np
 from ..arguments import positive
 from ..config import TQ_PRESETS
 from ..eval.metrics import mean_kl
+from .workspace import rewrite, workspace
 
 PROMPT = "The three primary colours are"
 
@@ -32,40 +33,60 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m turboquant.example", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="turboquant_4bit_nc", choices=list(TQ_PRESETS))
     p.add_argument("--out", default="turboquant-example", help="folder for the models (default ./turboquant-example)")
-    p.add_argument("--tokens", type=positive, default=24, help="tokens to generate")
+    p.add_argument("--tokens", type=_tokens, default=24, help=f"tokens to generate (at most {MAX_TOKENS})")
     p.add_argument("--exporter", default="torchscript", choices=["torchscript", "dynamo"])
     p.add_argument("--prompt", default=PROMPT, help=f"the real model's prompt (default {PROMPT!r})")
     p.add_argument("--random", action="store_true", help="the random model even where SmolLM2 is installed")
     args = p.parse_args(argv)
-    if pathlib.Path(args.out).exists() and not pathlib.Path(args.out).is_dir():
-        p.error(f"--out {args.out} is a file, not a folder")
 
     from . import real
 
     folder, why = (None, "--random") if args.random else real.find_model()
-    if folder is not None:
-        return real.run(folder, pathlib.Path(args.out), args.preset, args.tokens, args.prompt, args.exporter)
-    if not args.random:
-        print(f"note: a random model, whose tokens mean nothing: {why}", flush=True)
-    return run_random(args)
+    try:
+        out = workspace(args.out, real.FILES if folder is not None else _random_files(args.preset))
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        if folder is not None:
+            return real.run(folder, out, args.preset, args.tokens, args.prompt, args.exporter)
+        if not args.random:
+            print(f"note: a random model, whose tokens mean nothing: {why}", flush=True)
+        return run_random(args, out)
+    except subprocess.CalledProcessError as e:  # the step said why on stderr
+        print(f"error: the step `{' '.join(e.cmd[1:])}` failed", file=sys.stderr)
+        return 2 if e.returncode == 2 else 1
 
 
-def run_random(args) -> int:
+MAX_TOKENS = 4096
+
+
+def _random_files(preset: str) -> tuple[str, ...]:
+    names = ("tiny-llama.onnx", f"tiny-llama.{preset}.onnx")
+    return names + tuple(f"{n}.data" for n in names)
+
+
+def _tokens(text: str) -> int:
+    n = positive(text)
+    if n > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_TOKENS} tokens, not {n}")
+    return n
+
+
+def run_random(args, out: pathlib.Path) -> int:
     from .. import random_decoders
     from ..decoder import DecoderSession, open_decoder
 
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = random_decoders.TinyConfig(family="llama", layers=8, hidden=256, heads=8, kv_heads=2, head_dim=64, vocab=512)
-    src = out / "tiny-llama.onnx"
-    print(f"[1/3] exporting a random {cfg.layers}-layer Llama-style decoder ({cfg.heads} query heads, {cfg.kv_heads} kv heads, "
-          f"head_dim {cfg.head_dim}) with torch.onnx ({args.exporter}) to {src}", flush=True)
-    random_decoders.export(cfg, src, args.exporter)
+    src = out / _random_files(args.preset)[0]
+    if src.exists():
+        print(f"[1/3] {src} exists from an earlier run; kept (delete it to export again)", flush=True)
+    else:
+        print(f"[1/3] exporting a random {cfg.layers}-layer Llama-style decoder ({cfg.heads} query heads, {cfg.kv_heads} "
+              f"kv heads, head_dim {cfg.head_dim}) with torch.onnx ({args.exporter}) to {src}", flush=True)
+        random_decoders.export(cfg, src, args.exporter)
 
-    dst = out / f"tiny-llama.{args.preset}.onnx"
-    cmd = [sys.executable, "-m", "turboquant.export", str(src), "--preset", args.preset, "-o", str(dst)]
-    print(f"[2/3] {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, check=True)
+    dst = out / _random_files(args.preset)[1]
+    rewrite(src, dst, args.preset, "[2/3]")
 
     print(f"[3/3] greedy generation of {args.tokens} tokens in ONNX Runtime (CPU)", flush=True)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab, (1, 12))

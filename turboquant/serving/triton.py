@@ -20,7 +20,8 @@ import re
 import shutil
 import sys
 
-from ..arguments import non_negative_list, positive, read_onnx
+from ..arguments import check_output_folder, external_data_files, non_negative_list, positive, read_onnx
+from ..saving import refuse_existing, staging
 
 _TRITON_TYPES = {1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 6: "TYPE_INT32", 7: "TYPE_INT64", 9: "TYPE_BOOL",
                  10: "TYPE_FP16", 11: "TYPE_FP64", 16: "TYPE_BF16"}
@@ -104,45 +105,91 @@ def config_text(name: str, inputs, outputs, *, backend: str, library: str, gpus:
 def write_repository(model: str | os.PathLike, out: str | os.PathLike, *, name: str | None = None,
                      backend: str = "onnxruntime", engine: str | os.PathLike | None = None, library: str | None = None,
                      gpus: list[int] | None = None, instances: int = 1, stateful: bool = False) -> pathlib.Path:
-    """Writes out/NAME/config.pbtxt and out/NAME/1/ (the model, or the engine); returns the model folder."""
+    """Writes out/NAME/config.pbtxt and out/NAME/1/ (the model, or the engine), all of NAME's folder or
+    none of it, never over a model already in the repository; returns the model folder."""
     model = pathlib.Path(model)
     if not model.is_file():
         raise ValueError(f"{model}: no such file")
+    _check_options(backend, engine, library, instances, gpus)
+    name = check_name(name if name is not None else model.name.split(".")[0])
+    folder = _check_repository(out, name)
+    inputs, outputs, proto = _io(model)
+    _check_decoder(model, proto, inputs)
+    if backend == "onnxruntime" and library is None:
+        import turboquant
+
+        try:
+            library = turboquant.ort_library_path()
+        except FileNotFoundError as e:  # not built: the repository would name no library
+            raise ValueError(f"{e} (or give --library PATH as the server sees it)") from None
+    text = config_text(name, inputs, outputs, backend=backend, library=library or "", gpus=gpus or [],
+                       instances=instances, stateful=stateful)
+    made = not folder.parent.exists()
+    try:
+        with staging(folder.parent) as tmp:
+            (tmp / name / "1").mkdir(parents=True)
+            for src, dst in _files(model, proto, backend, engine):
+                (tmp / name / "1" / dst).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, tmp / name / "1" / dst)
+            (tmp / name / "config.pbtxt").write_text(text)
+            refuse_existing([folder], "the repository's model")
+            os.rename(tmp / name, folder)
+    except BaseException:
+        if made:
+            shutil.rmtree(folder.parent, ignore_errors=True)
+        raise
+    return folder
+
+
+def _check_options(backend, engine, library, instances, gpus) -> None:
     if backend not in ("onnxruntime", "tensorrt"):
         raise ValueError(f"backend must be 'onnxruntime' or 'tensorrt', got {backend!r}")
     if backend == "tensorrt" and (engine is None or not pathlib.Path(engine).is_file()):
         raise ValueError("the TensorRT backend serves an engine: give --engine PLAN (built with trtexec or "
                          "turboquant.tensorrt.build_engine)")
+    if backend == "onnxruntime" and engine is not None:
+        raise ValueError("--engine is served by --backend tensorrt; the onnxruntime backend serves the model itself")
+    if backend == "tensorrt" and library is not None:
+        raise ValueError("--library is the ONNX Runtime backend's custom-op library; TensorRT's plugins are given "
+                         "to the server (--backend-config=tensorrt,plugins=...)")
     if not isinstance(instances, int) or instances < 1:
         raise ValueError(f"--instances must be a positive count, got {instances!r}")
     if any(not isinstance(g, int) or g < 0 for g in gpus or []):
         raise ValueError(f"--gpus must be GPU ids of zero or more, got {gpus}")
     if library is not None and any(c in library for c in '"\\\n'):
         raise ValueError(f"--library {library!r}: config.pbtxt cannot quote a path with '\"', '\\' or a newline")
-    name = check_name(name if name is not None else model.name.split(".")[0])
-    inputs, outputs, proto = _io(model)
+
+
+def _check_repository(out: str | os.PathLike, name: str) -> pathlib.Path:
+    """out/name, refused where out is no folder, cannot be written or already has a model `name`."""
+    out = check_output_folder(out, "--out")
+    refuse_existing([out / name], "the repository's model")
+    return out / name
+
+
+def _check_decoder(model: pathlib.Path, proto, inputs) -> None:
+    """A decoder's cache inputs: [batch, heads, positions, row] each (the state's shapes come from them)."""
+    caches = [(n, d) for n, _, d in inputs if n.startswith("past_key_values.") or n.startswith("past_")]
+    if not caches:
+        raise ValueError(f"{model} has no KV-cache inputs (past_key_values.N.key or past_N_key): not a decoder")
+    for n, d in caches:
+        if len(d) != 4:
+            raise ValueError(f"{model}: cache input {n} has {len(d)} dims; a decoder's caches are [batch, heads, positions, row]")
     if {p.key: p.value for p in proto.metadata_props}.get("turboquant.cache") == "in-place":
         raise ValueError(f"{model}: its caches are buffers written in place (--cache in-place), which Triton's "
                          "ONNX Runtime backend cannot bind as both input and output; rewrite with --cache concat")
-    folder = pathlib.Path(out) / name
-    version = folder / "1"
-    version.mkdir(parents=True, exist_ok=True)
-    if backend == "onnxruntime":
-        shutil.copy2(model, version / "model.onnx")
-        for t in proto.graph.initializer:  # external data travels with the model
-            for entry in t.external_data:
-                if entry.key == "location" and (model.parent / entry.value).is_file():
-                    shutil.copy2(model.parent / entry.value, version / entry.value)
-        if library is None:
-            import turboquant
 
-            library = turboquant.ort_library_path()
-    else:
-        shutil.copy2(engine, version / "model.plan")
-    text = config_text(name, inputs, outputs, backend=backend, library=library or "", gpus=gpus or [],
-                       instances=instances, stateful=stateful)
-    (folder / "config.pbtxt").write_text(text)
-    return folder
+
+def _files(model: pathlib.Path, proto, backend: str, engine) -> list[tuple[pathlib.Path, str]]:
+    """(source, path in the version folder): the model and its external data where the model names
+    it, or the engine."""
+    if backend == "tensorrt":
+        return [(pathlib.Path(engine), "model.plan")]
+    data = sorted(external_data_files(proto, model.parent))
+    outside = [f for f in data if ".." in f.relative_to(model.parent).parts]
+    if outside:
+        raise ValueError(f"{model}: its external data {outside[0]} lies outside its folder; the repository could not hold it")
+    return [(model, "model.onnx")] + [(f, str(f.relative_to(model.parent))) for f in data]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                                   gpus=a.gpus or [], instances=a.instances, stateful=a.stateful)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: cannot write the repository in {a.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"wrote {folder}/config.pbtxt and {folder}/1/")
     if a.backend == "tensorrt":

@@ -48,3 +48,36 @@ def test_prefill_bench_refuses_a_length_that_is_not_positive():
 def test_prefill_bench_refuses_a_json_path_it_cannot_write(tmp_path, capsys):
     assert main(["prefill", *SMALL, "--prompt", "40", "--chunk", "--json", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def _refused(capsys, argv, message):
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and message in err.strip().splitlines()[-1], err
+
+
+def test_prefill_bench_never_writes_over_a_file(tmp_path, capsys):
+    taken = tmp_path / "pf.json"
+    taken.write_bytes(b"keep")
+    _refused(capsys, ["prefill", *SMALL, "--prompt", "16", "--chunk", "--json", str(taken)], "--json")
+    assert taken.read_bytes() == b"keep" and [p.name for p in tmp_path.iterdir()] == ["pf.json"]
+
+
+def test_prefill_bench_makes_the_json_folder(tmp_path):
+    out = tmp_path / "nodir" / "pf.json"
+    assert main(["prefill", *SMALL, "--batch", "1", "--prompt", "16", "--chunk", "--json", str(out)]) == 0
+    assert len(json.loads(out.read_text())) == 4 and [p.name for p in out.parent.iterdir()] == ["pf.json"]
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "-inf", "lots"])
+def test_prefill_bench_refuses_a_memory_limit_that_is_no_size(value, capsys):
+    _refused(capsys, ["prefill", *SMALL, "--prompt", "16", "--chunk", "--max-baseline-gb", value],
+             "argument --max-baseline-gb")
+
+
+def test_prefill_bench_refuses_arrays_larger_than_the_machine(capsys):
+    _refused(capsys, ["prefill", *SMALL, "--batch", "1", "--prompt", "16", "--chunk", "1000", "--past", "999999999999"],
+             "--chunk 1000 at batch 1 over --past 999999999999 needs about")

@@ -6,6 +6,7 @@ import os
 import pytest
 
 import turboquant.decoder
+import turboquant.shared_buffer  # noqa: F401 - its class derives from DecoderSession before a test wraps that in a function
 from turboquant.eval import Evaluator, Windows
 from turboquant.eval.__main__ import main
 from turboquant.tokens import load_tokens

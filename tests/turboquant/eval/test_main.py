@@ -1,5 +1,6 @@
 """The CLI: text and JSON output, sensitivity mode, clear errors."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -7,6 +8,8 @@ import onnxruntime as ort
 import pytest
 
 from turboquant.eval.__main__ import main
+
+from .conftest import CFG
 
 
 def test_cli_json_and_table(tiny, tmp_path, capsys):
@@ -91,8 +94,15 @@ def test_bad_input_refused_before_the_run(tiny, tmp_path, capsys, monkeypatch):
         assert main([str(a) for a in argv] + base) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+    kept = tmp_path / "kept.json"
+    kept.write_text("the user's")
     for argv, message in [
         ([src, dst, "--text", text, "--json", tmp_path / "folder"], f"--json {tmp_path / 'folder'} is a folder"),
+        ([src, dst, "--text", text, "--json", kept], f"--json {kept} exists; turboquant does not overwrite files"),
+        ([src, dst, "--text", text, "--json", ""], "--json is an empty name"),
+        ([src, dst, "--text", text, "--cache-dir", "/proc/tq-eval"], "--cache-dir /proc/tq-eval: cannot write in /proc"),
+        ([src, dst, "--text", text, "--layers", "1"], "--layers chooses the layers of --sensitivity"),
+        ([src, "--text", text, "--sensitivity", "turboquant_4bit_nc", "--boundary", "-1"], "argument --boundary: must be zero or more"),
         ([src, dst, "--text", text, "--threads", "-1"], "argument --threads: must be a positive count, not -1"),
         ([src, dst, "--text", text, "--threads", "0"], "argument --threads: must be a positive count, not 0"),
         *([([src, dst, "--text", text, "--device", "cuda"], "--device cuda: this ONNX Runtime has no CUDAExecutionProvider")]
@@ -102,3 +112,47 @@ def test_bad_input_refused_before_the_run(tiny, tmp_path, capsys, monkeypatch):
             main([str(a) for a in argv] + base)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and message in err[-1], err
+    assert kept.read_text() == "the user's"
+
+
+def test_models_that_do_not_belong_refused_before_the_run(tiny, tmp_path, capsys, monkeypatch):
+    """A rewrite as the original, a rewrite of another model, a missing data file, --shared-buffer on
+    an exporter's decoder: one line each, exit status 2, nothing run."""
+    import onnx
+
+    from turboquant import random_decoders
+    from turboquant.eval import runner
+
+    monkeypatch.setattr(runner.Evaluator, "__init__", lambda *a, **k: pytest.fail("the evaluation ran"))
+    src, dst, text = tiny
+    other = random_decoders.export(dataclasses.replace(CFG, layers=3), tmp_path / "other.onnx")
+    split = tmp_path / "split" / "model.onnx"
+    split.parent.mkdir()
+    onnx.save(onnx.load(str(src)), str(split), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    (split.parent / "model.onnx.data").unlink()
+    for argv, message in [
+        ([dst, src], f"ORIGINAL {dst} is a turboquant rewrite (turboquant_3bit_nc)"),
+        ([other, dst], f"{dst} is not a form of {other}"),
+        ([src, split], f"its external data file {split.parent / 'model.onnx.data'} is missing"),
+        ([src, dst, "--shared-buffer"], f"{src} has no such node"),
+    ]:
+        assert main([str(a) for a in argv] + ["--text", str(text), "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+
+
+def test_json_written_into_new_folders_and_unkept_cache_a_warning(tiny, tmp_path, capsys, monkeypatch):
+    from turboquant.eval import cache
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cache, "store", refuse)
+    src, dst, text = tiny
+    out = tmp_path / "new" / "deeper" / "r.json"
+    assert main([str(src), str(dst), "--text", str(text), "--context", "64", "--prefill", "32", "--max-tokens", "64",
+                 "--json", str(out), "--no-progress"]) == 0
+    assert json.loads(out.read_text())["scored_tokens"] == 64
+    captured = capsys.readouterr()
+    assert "warning: the original's logits not kept" in captured.err and "logits kept in" not in captured.out
+    assert [p.name for p in out.parent.iterdir()] == ["r.json"]  # no temporary file left beside it

