@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
@@ -366,22 +365,6 @@ def _refuse_missing_data(src: pathlib.Path, model: ir.Model) -> None:
             raise RewriteError(f"{src}: its external data file {f} {why}")
 
 
-@contextlib.contextmanager
-def _new_folders(folder: pathlib.Path):
-    """Removes again, on failure, the folders up to `folder` that did not exist before."""
-    made = []
-    while not os.path.lexists(folder) and folder != folder.parent:
-        made.append(folder)
-        folder = folder.parent
-    try:
-        yield
-    except BaseException:
-        for f in made:  # deepest first; rmdir leaves a folder something else has filled meanwhile
-            with contextlib.suppress(OSError):
-                os.rmdir(f)
-        raise
-
-
 def _save(model: ir.Model, out: pathlib.Path, stage_more=None) -> None:
     """Writes the model, its external data and stage_more(tmp)'s (staged, final) files under temporary
     names in the output folder, then publishes them together (turboquant.saving): nothing that exists
@@ -389,7 +372,7 @@ def _save(model: ir.Model, out: pathlib.Path, stage_more=None) -> None:
     external = _saved_external(model)
     data = _data_file(out)
     try:
-        with _new_folders(out.parent), staging(out.parent) as tmp:
+        with staging(out.parent) as tmp:
             # the graph names its data file relative to itself: saved under the final names, in tmp
             ir.save(model, tmp / out.name, external_data=data.name if external else None)
             files = [(tmp / data.name, data)] if external else []  # the data first: no graph without it

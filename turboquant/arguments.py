@@ -66,9 +66,7 @@ def check_output_file(path: str | os.PathLike, what: str = "output") -> pathlib.
     if not str(path).strip():
         raise ValueError(f"{what} is an empty name")
     path = pathlib.Path(path)
-    parent = path.parent
-    while not os.path.exists(parent):  # os.path, not pathlib: a name too long is "missing", not an OSError
-        parent = parent.parent
+    parent = _nearest_existing(path.parent, f"{what} {path}")
     if not parent.is_dir():
         raise ValueError(f"{what} {path}: {parent} is a file, not a folder")
     limit = _name_max(parent)
@@ -88,14 +86,22 @@ def check_output_folder(folder: str | os.PathLike, what: str) -> pathlib.Path:
     if not str(folder).strip():
         raise ValueError(f"{what} is an empty name")
     path = pathlib.Path(folder)
-    if os.path.lexists(path) and not path.is_dir():
+    existing = _nearest_existing(path, f"{what} {folder}")  # the rest made later, by the writer
+    if existing == path and not path.is_dir():
         raise ValueError(f"{what} {folder} is a file, not a folder")
-    existing = path
-    while not os.path.exists(existing):  # made later, by the writer: its nearest existing parent must take files
-        existing = existing.parent
     if not existing.is_dir():
         raise ValueError(f"{what} {folder}: {existing} is a file, not a folder")
     check_writable_folder(existing, f"{what} {folder}")
+    return path
+
+
+def _nearest_existing(path: pathlib.Path, what: str) -> pathlib.Path:
+    """path or its nearest ancestor that exists; ValueError where that is a link to nothing (the
+    writer could not make the folders below it)."""
+    while not os.path.lexists(path):  # os.path, not pathlib: a name too long is "missing", not an OSError
+        path = path.parent
+    if not os.path.exists(path):
+        raise ValueError(f"{what}: {path} is a link to {os.readlink(path)}, which does not exist")
     return path
 
 
@@ -114,7 +120,7 @@ def check_plot_file(path: str | os.PathLike, what: str = "--plot") -> pathlib.Pa
     from matplotlib.backend_bases import FigureCanvasBase
 
     path = check_output_file(path, what)
-    kinds = FigureCanvasBase.get_supported_filetypes()
+    kinds = set(FigureCanvasBase.get_supported_filetypes()) - {"pgf"}  # pgf: saved through a LaTeX installation
     if path.suffix.lstrip(".").lower() not in kinds:
         raise ValueError(f"{what} {path}: a plot is saved as one of {', '.join('.' + k for k in sorted(kinds))}")
     return path
@@ -125,7 +131,6 @@ def _name_max(folder: pathlib.Path) -> int:
         return os.pathconf(folder, "PC_NAME_MAX")
     except (OSError, ValueError):  # pragma: no cover - a file system that does not say
         return 255
-
 
 
 def read_onnx(path: str | os.PathLike):

@@ -26,14 +26,33 @@ def refuse_existing(paths: Iterable[str | os.PathLike], what: str = "output") ->
 
 @contextlib.contextmanager
 def staging(folder: str | os.PathLike) -> Iterator[pathlib.Path]:
-    """A temporary folder inside `folder` (created with its parents), removed with what is left in it."""
+    """A temporary folder inside `folder` (created with its parents), removed with what is left in it;
+    the folders made for it are removed too where nothing was published into them."""
     folder = pathlib.Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tq-", dir=folder))
+    made = []  # deepest first
+    missing = folder
+    while not os.path.lexists(missing):
+        made.append(missing)
+        missing = missing.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tq-", dir=folder))
+    except BaseException:
+        _remove_empty(made)
+        raise
     try:
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(made)
+
+
+def _remove_empty(folders: list[pathlib.Path]) -> None:
+    for f in folders:
+        try:
+            f.rmdir()
+        except OSError:  # it holds an output (or another's file): kept, with its parents
+            return
 
 
 def _publish_one(src: pathlib.Path, dst: pathlib.Path, what: str) -> None:
@@ -61,6 +80,34 @@ def publish(files: list[tuple[pathlib.Path, pathlib.Path]], what: str = "output"
             with contextlib.suppress(OSError):
                 os.unlink(dst)
         raise
+
+
+def publish_folder(src: pathlib.Path, dst: pathlib.Path, what: str = "output") -> None:
+    """Gives a staged folder its name, which must not exist (a rename that cannot replace, where the
+    kernel and file system have one; elsewhere checked, then renamed)."""
+    if not _rename_noreplace(src, dst, what):
+        refuse_existing([dst], what)
+        os.rename(src, dst)
+
+
+def _rename_noreplace(src: pathlib.Path, dst: pathlib.Path, what: str) -> bool:
+    """Linux's renameat2(RENAME_NOREPLACE): True when done, False where it is not available; OutputExists
+    where dst exists."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2  # the C library the interpreter runs on
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, noreplace = -100, 1
+    if renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), noreplace) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code == errno.EEXIST:
+        raise OutputExists(f"{what} {dst} appeared while it was being written; left as it was")
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(src), None, str(dst))
 
 
 def write_new(path: str | os.PathLike, write: Callable[[pathlib.Path], None], what: str = "output") -> None:

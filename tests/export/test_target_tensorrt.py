@@ -15,7 +15,7 @@ from turboquant import node_models, random_decoders
 from turboquant import tensorrt as tq_trt
 from turboquant.config import packed_size
 from turboquant.decoder import DecoderSession
-from turboquant.export import RewriteError, export
+from turboquant.export import export
 from turboquant.export.__main__ import main
 from turboquant.export.tensorrt import for_tensorrt
 

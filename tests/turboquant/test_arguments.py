@@ -89,6 +89,8 @@ def test_plot_file_needs_a_format_matplotlib_saves(tmp_path):
     assert arguments.check_plot_file(tmp_path / "p.svg") == tmp_path / "p.svg"
     with pytest.raises(ValueError, match=r"--plot .*p.txt: a plot is saved as one of .*\.png"):
         arguments.check_plot_file(tmp_path / "p.txt")
+    with pytest.raises(ValueError, match=r"--plot .*p.pgf: a plot is saved as one of"):  # it needs LaTeX
+        arguments.check_plot_file(tmp_path / "p.pgf")
 
 
 def _model_with_external_data(folder):
@@ -120,3 +122,18 @@ def test_read_onnx(tmp_path):
     (tmp_path / "m.data").unlink()
     with pytest.raises(ValueError, match="m.onnx: its external data file .*m.data is missing"):
         arguments.read_onnx(path)
+
+
+def test_a_link_to_nothing_on_the_way_is_refused(tmp_path):
+    (tmp_path / "dl").symlink_to(tmp_path / "nowhere")
+    for check, what in [(arguments.check_output_file, "-o"), (arguments.check_output_folder, "--out")]:
+        with pytest.raises(ValueError, match=f"{what} .*dl/x/y: .*dl is a link to .*nowhere, which does not exist"):
+            check(tmp_path / "dl" / "x" / "y", what)
+    with pytest.raises(ValueError, match="--out .*dl: .*dl is a link to .*nowhere, which does not exist"):
+        arguments.check_output_folder(tmp_path / "dl", "--out")
+    with pytest.raises(OutputExists, match="dl exists"):
+        arguments.check_output_file(tmp_path / "dl", "-o")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert arguments.check_output_file(tmp_path / "link" / "new" / "x.onnx", "-o") == tmp_path / "link" / "new" / "x.onnx"
+    assert arguments.check_output_folder(tmp_path / "link", "--out") == tmp_path / "link"

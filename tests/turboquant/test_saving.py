@@ -121,3 +121,35 @@ def test_save_new_figure_takes_the_format_from_the_suffix(tmp_path):
     finally:
         plt.close(fig)
     assert (tmp_path / "plot.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_folders_made_for_an_output_go_when_it_fails(tmp_path):
+    def write(p):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        saving.write_new(tmp_path / "a" / "b" / "out.json", write)
+    assert _names(tmp_path) == []
+    saving.write_new_text(tmp_path / "a" / "b" / "out.json", "{}")
+    assert (tmp_path / "a" / "b" / "out.json").read_text() == "{}"
+
+
+def test_publish_folder_never_replaces(tmp_path):
+    with saving.staging(tmp_path / "repo") as stage:
+        (stage / "model" / "1").mkdir(parents=True)
+        (tmp_path / "repo" / "model").mkdir()  # even an empty folder, which a plain rename would replace
+        with pytest.raises(saving.OutputExists, match="model appeared while it was being written"):
+            saving.publish_folder(stage / "model", tmp_path / "repo" / "model")
+        saving.publish_folder(stage / "model", tmp_path / "repo" / "other")
+    assert _names(tmp_path / "repo") == ["model", "other"]
+    assert _names(tmp_path / "repo" / "other") == ["1"] and _names(tmp_path / "repo" / "model") == []
+
+
+def test_publish_folder_without_renameat2_checks_then_renames(tmp_path, monkeypatch):
+    monkeypatch.setattr(saving, "_rename_noreplace", lambda src, dst, what: False)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(saving.OutputExists, match="taken exists"):
+        saving.publish_folder(tmp_path / "a", tmp_path / "taken")
+    saving.publish_folder(tmp_path / "a", tmp_path / "b")
+    assert _names(tmp_path) == ["b", "taken"]

@@ -275,23 +275,20 @@ def _models_refused(args) -> tuple[str, str] | None:
 def _build_new(out: pathlib.Path, args) -> dict[str, pathlib.Path]:
     """decode_models.build in a temporary folder inside `out`, its folders then moved into `out`: a
     failure leaves `out` as it was (removed again where this run made it)."""
-    from ..saving import refuse_existing, staging
+    from ..saving import publish_folder, staging
     from .decode_models import build
 
-    made, moved = not out.exists(), []
-    try:
-        with staging(out) as tmp:
-            paths = build(args.shape, args.builder, args.precision, args.device, tmp, args.rewrite, args.boundary,
-                          calibrate=not args.no_calibration, cache=args.cache or "auto",
-                          log=lambda s: print(s, flush=True))
+    with staging(out) as tmp:  # the folders made for out go again if this fails
+        paths = build(args.shape, args.builder, args.precision, args.device, tmp, args.rewrite, args.boundary,
+                      calibrate=not args.no_calibration, cache=args.cache or "auto",
+                      log=lambda s: print(s.replace(str(tmp), str(out)), flush=True))  # the names they will have
+        moved = []
+        try:
             for entry in sorted(tmp.iterdir()):
-                refuse_existing([out / entry.name], "-o")
-                entry.rename(out / entry.name)
+                publish_folder(entry, out / entry.name, "-o")
                 moved.append(out / entry.name)
-            return {k: out / os.path.relpath(v, tmp) for k, v in paths.items()}
-    except BaseException:
-        for p in moved:
-            shutil.rmtree(p, ignore_errors=True)
-        if made:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+        except BaseException:
+            for p in moved:
+                shutil.rmtree(p, ignore_errors=True)
+            raise
+        return {k: out / os.path.relpath(v, tmp) for k, v in paths.items()}

@@ -24,6 +24,7 @@ import numpy as np
 from ..arguments import positive
 from ..config import TQ_PRESETS
 from ..eval.metrics import mean_kl
+from ..saving import write_new
 from .workspace import rewrite, workspace
 
 PROMPT = "The three primary colours are"
@@ -83,7 +84,7 @@ def run_random(args, out: pathlib.Path) -> int:
     else:
         print(f"[1/3] exporting a random {cfg.layers}-layer Llama-style decoder ({cfg.heads} query heads, {cfg.kv_heads} "
               f"kv heads, head_dim {cfg.head_dim}) with torch.onnx ({args.exporter}) to {src}", flush=True)
-        random_decoders.export(cfg, src, args.exporter)
+        write_new(src, lambda staged: random_decoders.export(cfg, staged, args.exporter))  # whole, or not there
 
     dst = out / _random_files(args.preset)[1]
     rewrite(src, dst, args.preset, "[2/3]")

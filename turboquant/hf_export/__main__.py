@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import shutil
 import sys
 
 from ..arguments import check_output_file
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import AutoModelForCausalLM
 
-    from .streamed import data_file, export_to_files
+    from .streamed import data_file, stage_export
 
     kw = {"gguf_file": args.gguf} if args.gguf else {}
     try:
@@ -53,23 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         detail = str(e).splitlines()[0][:300] if str(e) else ""
         print(f"error: {src}: not a model transformers can load ({type(e).__name__}: {detail})", file=sys.stderr)
         return 2
-    made = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
     try:
-        with staging(out.parent) as tmp:
+        with staging(out.parent) as tmp:  # the model, its data and its tokenizer appear together or not at all
             tokenizer = _stage_tokenizer(src, kw, tmp, out.parent)
             c = model.config
             print(f"exporting {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads} query heads, "
                   f"{getattr(c, 'num_key_value_heads', None) or c.num_attention_heads} kv heads to {out}", flush=True)
-            export_to_files(model, out, args.exporter, DTYPES[args.dtype])
-            try:
-                publish(tokenizer, "the tokenizer's file")
-            except BaseException:
-                for f in (out, data_file(out)):  # the model goes with its tokenizer, or not at all
-                    f.unlink(missing_ok=True)
-                raise
+            publish(stage_export(model, tmp, out, args.exporter, DTYPES[args.dtype]) + tokenizer)
     except (OSError, ValueError) as e:  # a full disk, a file that appeared meanwhile: nothing half-written is left
-        for folder in made:
-            shutil.rmtree(folder, ignore_errors=True)
         print(f"error: cannot write {out}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
     print(f"wrote {out} and {data_file(out).name}" + (f", and the tokenizer's {len(tokenizer)} files" if tokenizer else ""))

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
-import tempfile
 import warnings
 
 from .. import random_decoders
+from ..saving import publish, refuse_existing, staging
 
 IN_FLIGHT = 128 << 20  # bytes of tensors being written at once
 IR_VERSION = 10  # onnxruntime 1.31 refuses IR versions above 13; a widely readable one
@@ -25,30 +24,28 @@ IR_VERSION = 10  # onnxruntime 1.31 refuses IR versions above 13; a widely reada
 def export_to_files(model, out: str | os.PathLike, exporter: str = "torchscript", dtype: str = "float32") -> pathlib.Path:
     """Writes out (the graph) and out.data (every weight) for a Hugging Face causal LM, with
     past_key_values.N.key/value inputs and present.N.key/value outputs in dtype. Both are written
-    under temporary names in out's folder and renamed into place; existing files are refused."""
+    under temporary names in out's folder and then given their names together; existing names are
+    refused (turboquant.saving)."""
     out = pathlib.Path(out)
-    data = data_file(out)
-    for f in (out, data):
-        if os.path.lexists(f):
-            raise FileExistsError(f"{f} exists; turboquant does not overwrite files")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tq-export-", dir=out.parent))
-    try:
-        graph = _export_graph(model, tmp, exporter, dtype)
-        graph.ir_version = min(graph.ir_version, IR_VERSION)
-        import onnx_ir as ir
-
-        # the graph names its data file relative to itself; few tensors in flight at once
-        ir.save(graph, tmp / out.name, external_data=data.name, **_bounded_writes(ir.save))
-        os.replace(tmp / data.name, data)
-        try:
-            os.replace(tmp / out.name, out)
-        except OSError:
-            data.unlink()  # no data file without its graph
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    refuse_existing([out, data_file(out)])
+    with staging(out.parent) as tmp:
+        publish(stage_export(model, tmp, out, exporter, dtype))
     return out
+
+
+def stage_export(model, tmp: pathlib.Path, out: pathlib.Path, exporter: str, dtype: str) -> list[tuple[pathlib.Path, pathlib.Path]]:
+    """The graph and its data file written into tmp (a staging folder in out's folder), as the
+    (staged, final) pairs for turboquant.saving.publish, the data file first."""
+    import onnx_ir as ir
+
+    scratch = tmp / "export"
+    scratch.mkdir()
+    graph = _export_graph(model, scratch, exporter, dtype)
+    graph.ir_version = min(graph.ir_version, IR_VERSION)
+    data = data_file(out)
+    # the graph names its data file relative to itself; few tensors in flight at once
+    ir.save(graph, tmp / out.name, external_data=data.name, **_bounded_writes(ir.save))
+    return [(tmp / data.name, data), (tmp / out.name, out)]
 
 
 def _bounded_writes(save) -> dict:

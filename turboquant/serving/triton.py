@@ -21,7 +21,7 @@ import shutil
 import sys
 
 from ..arguments import check_output_folder, external_data_files, non_negative_list, positive, read_onnx
-from ..saving import refuse_existing, staging
+from ..saving import publish_folder, refuse_existing, staging
 
 _TRITON_TYPES = {1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 6: "TYPE_INT32", 7: "TYPE_INT64", 9: "TYPE_BOOL",
                  10: "TYPE_FP16", 11: "TYPE_FP64", 16: "TYPE_BF16"}
@@ -124,20 +124,13 @@ def write_repository(model: str | os.PathLike, out: str | os.PathLike, *, name: 
             raise ValueError(f"{e} (or give --library PATH as the server sees it)") from None
     text = config_text(name, inputs, outputs, backend=backend, library=library or "", gpus=gpus or [],
                        instances=instances, stateful=stateful)
-    made = not folder.parent.exists()
-    try:
-        with staging(folder.parent) as tmp:
-            (tmp / name / "1").mkdir(parents=True)
-            for src, dst in _files(model, proto, backend, engine):
-                (tmp / name / "1" / dst).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src, tmp / name / "1" / dst)
-            (tmp / name / "config.pbtxt").write_text(text)
-            refuse_existing([folder], "the repository's model")
-            os.rename(tmp / name, folder)
-    except BaseException:
-        if made:
-            shutil.rmtree(folder.parent, ignore_errors=True)
-        raise
+    with staging(folder.parent) as tmp:  # the folders made for it go again if it fails
+        (tmp / name / "1").mkdir(parents=True)
+        for src, dst in _files(model, proto, backend, engine):
+            (tmp / name / "1" / dst).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, tmp / name / "1" / dst)
+        (tmp / name / "config.pbtxt").write_text(text)
+        publish_folder(tmp / name, folder, "the repository's model")
     return folder
 
 

@@ -121,3 +121,23 @@ def test_unreadable_weights_one_line(tmp_path, capsys):
     assert "not a model transformers can load" in err[-1] and "Traceback" not in "".join(err), err
     assert main([str(tmp_path / "hf"), "-o", str(tmp_path / ".onnx")]) == 2
     assert "needs a name before .onnx" in capsys.readouterr().err
+
+
+def test_files_that_appear_during_the_export_are_kept(tmp_path, capsys, monkeypatch):
+    from turboquant.hf_export import streamed
+
+    cfg = random_decoders.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
+    random_decoders.build_model(cfg).save_pretrained(tmp_path / "hf")
+    out = tmp_path / "new" / "model.onnx"
+    export_graph = streamed._export_graph
+
+    def another_writer(*args):  # takes the data file's name while the graph is exported
+        (tmp_path / "new" / "model.onnx.data").write_text("the user's")
+        return export_graph(*args)
+
+    monkeypatch.setattr(streamed, "_export_graph", another_writer)
+    assert main([str(tmp_path / "hf"), "-o", str(out), "--exporter", "torchscript"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "model.onnx.data appeared while it was being written" in err[-1], err
+    assert [p.name for p in out.parent.iterdir()] == ["model.onnx.data"]
+    assert (out.parent / "model.onnx.data").read_text() == "the user's"

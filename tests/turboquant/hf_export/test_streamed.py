@@ -11,6 +11,7 @@ import onnx_ir as ir  # noqa: E402
 from turboquant import random_decoders  # noqa: E402
 from turboquant.hf_export import streamed  # noqa: E402
 from turboquant.decoder import DecoderSession  # noqa: E402
+from turboquant.saving import OutputExists  # noqa: E402
 
 CFG = random_decoders.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
 
@@ -76,7 +77,7 @@ def test_existing_files_refused(tmp_path):
     model = random_decoders.build_model(CFG)
     out = tmp_path / "model.onnx"
     (tmp_path / "model.onnx.data").write_bytes(b"someone's data")
-    with pytest.raises(FileExistsError, match="model.onnx.data exists"):
+    with pytest.raises(OutputExists, match="model.onnx.data exists"):
         streamed.export_to_files(model, out, "torchscript")
     assert (tmp_path / "model.onnx.data").read_bytes() == b"someone's data"
     assert not out.exists()

@@ -154,3 +154,17 @@ def test_refusals_leave_nothing(rewritten, tmp_path, capsys, monkeypatch, case):
     assert len(err) == 1 and message in err[0], err
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == (["in", "repo"] if case == "out is a file" else ["in"]), left
+
+
+def test_a_failed_copy_leaves_no_folder_behind(rewritten, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from turboquant.serving import triton
+
+    def full_disk(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(triton.shutil, "copy2", full_disk)
+    assert main([str(rewritten), "--out", str(tmp_path / "a" / "b" / "repo")]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # a/b/repo made for it, and removed again
