@@ -44,6 +44,22 @@ def uses_gqa(model: ir.Model) -> bool:
     return any(is_gqa_node(n) for n in model.graph)
 
 
+def refuse_fused_attention(model: ir.Model) -> None:
+    """ONNX Runtime's fused attention contrib ops other than GroupQueryAttention (onnxruntime-genai's
+    builder writes MultiHeadAttention for fp16 on the CPU, with the caches concatenated outside the
+    op and a symbolic head size; ORT's transformer optimizer writes both) are not rewritten: refused
+    by name rather than by the symptom the exporter-pattern path would meet first."""
+    if uses_gqa(model):
+        return
+    for n in model.graph:
+        if n.domain == "com.microsoft" and n.op_type in ("MultiHeadAttention", "Attention"):
+            raise RewriteError(
+                f"node {n.name!r} is com.microsoft.{n.op_type}, which turboquant does not rewrite (onnxruntime-genai's "
+                "builder writes it for fp16 on the CPU, ORT's transformer optimizer for fused models); rewrite the "
+                "builder's GroupQueryAttention models (-p fp32 or int4 with -e cpu, or -e cuda) or the exporter's "
+                "model before optimization")
+
+
 def _attr(n: ir.Node, name: str, default):
     a = n.attributes.get(name)
     return default if a is None else a.value

@@ -18,7 +18,7 @@ from .errors import RewriteError
 from .forms import locate
 from .cache_io import _KV_NAMES
 from .calibrate import DATA_FREE, check_window, default_window
-from .gqa import uses_gqa
+from .gqa import refuse_fused_attention, uses_gqa
 from .passes import TurboQuantRewrite
 from .plan import RewriteResult, check_boundary, plan_layers
 from .rotary import MAX_POSITIONS
@@ -191,6 +191,7 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     library = _ort_library()  # calibration, probes and the output all run turboquant's ops
     model = _load(src)  # without its external data: the input's files are known before any slow work
     _refuse_missing_data(src, model)
+    refuse_fused_attention(model)
     _refuse_input_files(src, model, out)  # before check_output_file, whose "exists" would say less
     if not dry_run:  # before calibrating, which takes a while
         _check_writable(out)

@@ -359,6 +359,17 @@ def test_unsupported_features_refused_or_left(built, tmp_path):
     assert "mixes cache dtypes" in result.summary()
 
 
+def test_cpu_fp16_multi_head_attention_refused_by_name(tmp_path, capsys):
+    """genai's builder writes MultiHeadAttention for fp16 on the CPU (caches concatenated outside the
+    op, a symbolic head size): refused naming the op and the builds that are rewritten."""
+    src = random_decoders.export_genai(CONFIGS["llama"], tmp_path / "fp16cpu", precision="fp16", provider="cpu")
+    assert any(n.op_type == "MultiHeadAttention" for n in onnx.load(src, load_external_data=False).graph.node)
+    before = _tree(tmp_path)
+    rc, err = run_main(capsys, src, "--preset", "turboquant_4bit_nc", "-o", tmp_path / "out" / "model.onnx")
+    assert_refused(rc, err, "is com.microsoft.MultiHeadAttention, which turboquant does not rewrite")
+    assert "-p fp32 or int4 with -e cpu, or -e cuda" in err and _tree(tmp_path) == before
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
 def test_cuda_fp16_model_tracks_the_original_and_the_cpu(cuda_ready, tmp_path, preset):

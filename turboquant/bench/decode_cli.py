@@ -224,7 +224,12 @@ def _models(args) -> int:
     why = _models_refused(args)
     if why:
         return _fail(*why)
-    paths = _build_new(pathlib.Path(args.output), args)
+    from turboquant.export import RewriteError
+
+    try:
+        paths = _build_new(pathlib.Path(args.output), args)
+    except RewriteError as e:  # what the rewrite refuses in the model built: one line, nothing left behind
+        return _fail("--rewrite", str(e))
     for k, v in paths.items():
         print(f"{k}: {v}")
     return 0
@@ -251,6 +256,9 @@ def _models_refused(args) -> tuple[str, str] | None:
             import onnxruntime_genai  # noqa: F401
         except ImportError:
             return "--builder", "genai: onnxruntime-genai (its model builder) is not installed"
+        if args.precision == "fp16" and args.device == "cpu":
+            return "--precision", ("fp16 on the CPU: genai's builder writes MultiHeadAttention there, which turboquant "
+                                   "does not rewrite; give --precision fp32 (or --device cuda)")
     if args.device == "cuda":
         import torch
 

@@ -119,6 +119,28 @@ def test_models_refusals_leave_nothing(tmp_path, capsys, monkeypatch):
     assert _files(tmp_path) == [(pathlib.Path("afile"), b"a file")]
 
 
+def test_genai_fp16_on_the_cpu_refused(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes these models)")
+    monkeypatch.setattr(decode_models, "build", lambda *a, **k: pytest.fail("built"))
+    genai = ["models", "--shape", "tiny", "--builder", "genai", "--precision", "fp16", "--device", "cpu"]
+    _refused(capsys, [*genai, "-o", str(tmp_path / "m")], "--precision", "genai's builder writes MultiHeadAttention")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_model_the_rewrite_refuses_one_line(tmp_path, capsys, monkeypatch):
+    from turboquant.export import RewriteError
+
+    def refused_build(shape, builder, precision, device, out, *a, **k):
+        (out / "model").mkdir()
+        raise RewriteError("layer 0: the model's refusal")
+
+    monkeypatch.setattr(decode_models, "build", refused_build)
+    out = tmp_path / "a" / "m"
+    _refused(capsys, ["models", "--shape", "tiny", "--builder", "torchscript", "-o", str(out), "--rewrite"],
+             "--rewrite", "layer 0: the model's refusal")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("exists", [False, True])
 def test_a_failed_build_leaves_nothing(tmp_path, monkeypatch, exists):
     def half_build(shape, builder, precision, device, out, *a, **k):
