@@ -134,10 +134,13 @@ def apply_site(model: ir.Model, site: AttentionSite, layer: CacheLayer, plan: La
 
 def reroute_cache_shapes(site: AttentionSite, node: ir.Node, head_dim: int) -> None:
     """Shape computations that still read the float cache (or its repeat over query heads) after
-    the attention is gone, e.g. the output reshape of TorchScript exports, are given the same
-    numbers from the packed cache: batch, heads and length from its shape, the head size as a
-    constant, and the query head count from Q's shape."""
-    for old, new in ((site.present_key, node.outputs[1]), (site.present_value, node.outputs[2])):
+    the attention is gone, e.g. the output reshape of TorchScript exports or the mask's slice to the
+    keys' length in optimum's, are given the same numbers from the op's inputs, so that none depends
+    on its outputs (a mask the op reads would make a cycle): batch and heads from the packed past's
+    shape, the length as the past's plus the new tokens', the head size as a constant, and the query
+    head count from Q's shape. Without a past input, from the packed present."""
+    for old, new, past, fresh in ((site.present_key, node.outputs[1], node.inputs[4], node.inputs[1]),
+                                  (site.present_value, node.outputs[2], node.inputs[5], node.inputs[2])):
         frontier, chain = [(old, False)], []
         while frontier:
             v, repeated = frontier.pop()
@@ -162,8 +165,17 @@ def reroute_cache_shapes(site: AttentionSite, node: ir.Node, head_dim: int) -> N
                 if i == 3:
                     value = ir.node("Constant", [], {"value": ir.tensor(np.full(idx.numpy().shape, head_dim, np.int64))}, name=f"{g.name}_tq")
                     graph.insert_before(g, value)
+                elif i == 2 and past is not None:  # past + new: the K/V inputs' sequence axis is -2 in either rank
+                    last = ir.node("Constant", [], {"value": ir.tensor(np.full(idx.numpy().shape, -2, np.int64))}, name=f"{g.name}_tq_axis")
+                    nodes = [ir.node("Shape", [past], name=f"{g.name}_tq_past_shape"),
+                             ir.node("Shape", [fresh], name=f"{g.name}_tq_new_shape"), last]
+                    nodes.append(ir.node("Gather", [nodes[0].outputs[0], g.inputs[1]], {"axis": 0}, name=f"{g.name}_tq_past"))
+                    nodes.append(ir.node("Gather", [nodes[1].outputs[0], last.outputs[0]], {"axis": 0}, name=f"{g.name}_tq_new"))
+                    value = ir.node("Add", [nodes[3].outputs[0], nodes[4].outputs[0]], name=f"{g.name}_tq")
+                    for n in (*nodes, value):
+                        graph.insert_before(g, n)
                 else:
-                    source = site.q if (i == 1 and repeated) else new
+                    source = site.q if (i == 1 and repeated) else (past if past is not None else new)
                     shp = ir.node("Shape", [source], name=f"{g.name}_tq_shape")
                     value = ir.node("Gather", [shp.outputs[0], g.inputs[1]], {"axis": 0}, name=f"{g.name}_tq")
                     graph.insert_before(g, shp)

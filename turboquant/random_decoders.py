@@ -201,6 +201,36 @@ def _set_ir_version(path: pathlib.Path, ir_version: int = 10) -> None:
         onnx.save(m, str(path))
 
 
+OPTIMUM_PYTHON = "TURBOQUANT_OPTIMUM_PYTHON"  # a Python with optimum-onnx, which pins transformers < 4.58
+
+
+def optimum_python() -> str | None:
+    """The Python that runs optimum's exporter (TURBOQUANT_OPTIMUM_PYTHON), or None where none is set."""
+    return os.environ.get(OPTIMUM_PYTHON) or None
+
+
+def export_optimum(cfg: TinyConfig, folder: str | os.PathLike) -> pathlib.Path:
+    """Exports a tiny decoder with optimum's ONNX exporter (`optimum-cli export onnx --task
+    text-generation-with-past`) run by optimum_python(): the weights made here and saved as a Hugging
+    Face folder, which that environment's transformers reads; returns folder/model.onnx."""
+    import subprocess
+
+    python = optimum_python()
+    if python is None:
+        raise RuntimeError(f"set {OPTIMUM_PYTHON} to a Python with optimum-onnx installed")
+    folder = pathlib.Path(folder)
+    hf = folder / "hf"
+    build_model(cfg).save_pretrained(hf)
+    cmd = [python, "-m", "optimum.commands.optimum_cli", "export", "onnx", "--model", str(hf),
+           "--task", "text-generation-with-past", "--no-post-process", str(folder / "onnx")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    path = folder / "onnx" / "model.onnx"
+    if done.returncode != 0 or not path.is_file():
+        raise RuntimeError(f"optimum's exporter failed ({' '.join(cmd)}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    _set_ir_version(path)
+    return path
+
+
 def merge_with_if(src: str | os.PathLike, dst: str | os.PathLike) -> pathlib.Path:
     """A merged decoder, as optimum used to export them: one If on a `use_cache_branch` input whose
     then-branch is the decoder reading past_key_values.N.*, and whose else-branch is the same decoder

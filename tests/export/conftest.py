@@ -1,4 +1,4 @@
-"""Models exported by real exporters (torch.onnx TorchScript and dynamo) from small random configs."""
+"""Models exported by real exporters (torch.onnx TorchScript and dynamo, optimum) from small random configs."""
 
 import pytest
 
@@ -16,6 +16,10 @@ MODELS = {
     "qwen2-gqa-dynamo-d128": (random_decoders.TinyConfig(family="qwen2", layers=5, hidden=256, heads=4, kv_heads=1, head_dim=128, seed=3), "dynamo"),
     # half precision: the exported graph attends in float32 (values cast up) and casts back
     "llama-gqa-torchscript-fp16": (random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=96, seed=5), "torchscript-float16"),
+    # optimum's exporter (TorchScript under its own patches), run by a Python of its own (optimum-onnx
+    # pins transformers < 4.58): skipped where TURBOQUANT_OPTIMUM_PYTHON is not set (.ci/run sets it)
+    "llama-gqa-optimum": (random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=6), "optimum"),
+    "qwen2-gqa-optimum": (random_decoders.TinyConfig(family="qwen2", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=7), "optimum"),
     # a merged decoder: the attention inside the branches of an If on use_cache_branch
     # (the same model as llama-gqa-torchscript, so the two rewrites must agree to float tolerance)
     "llama-gqa-torchscript-merged": (random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64), "torchscript-merged"),
@@ -31,8 +35,14 @@ def exported(tmp_path_factory):
         if name not in cache:
             cfg, exporter = MODELS[name]
             exporter, _, variant = exporter.partition("-")
+            if exporter == "optimum" and random_decoders.optimum_python() is None:
+                pytest.skip(f"optimum's exporter needs a Python with optimum-onnx (it pins transformers < 4.58): set "
+                            f"{random_decoders.OPTIMUM_PYTHON} (.ci/run makes one)")
             folder = tmp_path_factory.mktemp(name)
-            path = random_decoders.export(cfg, folder / f"{name}.onnx", exporter, "float16" if variant == "float16" else "float32")
+            if exporter == "optimum":
+                path = random_decoders.export_optimum(cfg, folder)
+            else:
+                path = random_decoders.export(cfg, folder / f"{name}.onnx", exporter, "float16" if variant == "float16" else "float32")
             if variant == "merged":
                 path = random_decoders.merge_with_if(path, folder / f"{name}.merged.onnx")
             cache[name] = path

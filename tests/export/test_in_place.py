@@ -16,7 +16,7 @@ PRESET = "turboquant_4bit_nc"
 STEPS = 32
 SEQUENCES = 8  # as test_rewrite_real_models: 256 scored tokens
 NAMES = ["llama-gqa-torchscript", "llama-gqa-dynamo", "qwen2-gqa-dynamo-d128", "gpt2-mha-torchscript",
-         "llama-gqa-torchscript-fp16"]
+         "llama-gqa-torchscript-fp16", "llama-gqa-optimum", "qwen2-gqa-optimum"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -19,7 +19,8 @@ from .conftest import MODELS
 PRESET = "turboquant_4bit_nc"
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-torchscript", "llama-gqa-dynamo", "llama-gqa-torchscript-fp16"])
+@pytest.mark.parametrize("name", ["llama-gqa-torchscript", "llama-gqa-dynamo", "llama-gqa-torchscript-fp16",
+                                  "llama-gqa-optimum"])
 def test_exporters_rotary_moves_into_the_ops(rewritten, name):
     """Every layer's attention op rotates Q and K itself from one pair of tables; no rotary node of
     the exporter's is left (the decode tests of test_in_place.py run these models)."""
@@ -36,9 +37,11 @@ def test_exporters_rotary_moves_into_the_ops(rewritten, name):
         assert list(n.input[7:9]) == ["tq_rotary_cos_cache", "tq_rotary_sin_cache"]
     tables = {t.name: t for t in m.graph.initializer if t.name.startswith("tq_rotary_")}
     assert sorted(tables) == ["tq_rotary_cos_cache", "tq_rotary_sin_cache"]
-    assert list(tables["tq_rotary_cos_cache"].dims) == [rotary.DEFAULT_POSITIONS, cfg.head_dim // 2]
+    # optimum writes config.json beside the model: its max_position_embeddings sizes the tables
+    positions = cfg.max_positions if name.endswith("optimum") else rotary.DEFAULT_POSITIONS
+    assert list(tables["tq_rotary_cos_cache"].dims) == [positions, cfg.head_dim // 2]
     meta = {p.key: p.value for p in m.metadata_props}
-    assert meta["turboquant.rotary_positions"] == str(rotary.DEFAULT_POSITIONS)
+    assert meta["turboquant.rotary_positions"] == str(positions)
     assert not any(n.op_type == "Mul" and n.name.startswith("tq_query_scaled") for n in m.graph.node)  # key_scale inside
 
 
