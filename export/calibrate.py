@@ -19,8 +19,10 @@ keys and values each layer caches, and the queries are read where each attention
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from typing import Iterator
 
 import numpy as np
 
@@ -79,6 +81,45 @@ def load_tokens(path: str | os.PathLike, tokenizer: str | os.PathLike | None = N
         return load(path, tokenizer, vocab=vocabulary_size(model) if model is not None else None)
     except ValueError as e:
         raise RewriteError(f"calibration file: {e}") from None
+
+
+def check_calibration_interface(model, calibrate) -> None:
+    """The calibration feeds token ids to `input_ids` and, writing text with the model ("self"),
+    reads its logits (the `logits` output, else the first, which must then be as wide as the
+    vocabulary): refused before any work where the model lacks them (onnxruntime-genai's
+    exclude_embeds and exclude_lm_head builds), rather than failing or calibrating on hidden states."""
+    vocab = vocabulary_size(model)
+    if vocab is None and calibrate in DATA_FREE:
+        return  # no data-free tokens without a vocabulary: the rewrite goes on uncalibrated and says so
+    names_in = [v.name for v in model.graph.inputs]
+    if "input_ids" not in names_in:
+        raise RewriteError(f"the calibration feeds token ids and the model has no input_ids input (it takes "
+                           f"{', '.join(names_in[:3])}, ...; onnxruntime-genai's exclude_embeds builds take "
+                           "inputs_embeds): rewrite it with --no-offsets")
+    outputs = list(model.graph.outputs)
+    taken = next((v for v in outputs if v.name == "logits"), outputs[0] if outputs else None)  # DecoderSession's
+    width = taken.shape[-1] if taken is not None and taken.shape is not None and len(taken.shape) else None
+    if calibrate == "self" and taken is not None and taken.name != "logits" and width != vocab:
+        raise RewriteError("the default calibration writes text with the model and reads its 'logits' output, which "
+                           "this model lacks (onnxruntime-genai's exclude_lm_head builds): give --calibrate random "
+                           "(random token ids), a text file, or --no-offsets")
+
+
+@contextlib.contextmanager
+def runtime_failures(what: str) -> Iterator[None]:
+    """ONNX Runtime's failures running the original model for the calibration (its own exception
+    types among them) as one RewriteError: a model this machine's ONNX Runtime cannot run (bfloat16
+    matrix products on the CPU) is refused with the reason, not a traceback."""
+    try:
+        yield
+    except RewriteError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ONNX Runtime's exception types share no base but Exception
+        if not (type(e).__module__.startswith("onnxruntime") or isinstance(e, RuntimeError)):
+            raise
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        raise RewriteError(f"{what}: ONNX Runtime could not run the original model ({type(e).__name__}: {first}); "
+                           "--no-offsets rewrites it without calibration") from None
 
 
 DATA_FREE = ("random", "self")  # --calibrate's data-free sources: random token ids, the model's own text

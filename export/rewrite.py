@@ -208,6 +208,10 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     gqa = uses_gqa(model)
     if calibrates and calibrate is None:
         calibrate = DATA_FREE_DEFAULT
+    if calibrates:
+        from .calibrate import check_calibration_interface
+
+        check_calibration_interface(model, calibrate)
     shows = progress if progress is not None else sys.stderr.isatty()  # calibration's bars
     if gqa:
         if value_scales:
@@ -227,22 +231,24 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     cache, why_concat = _cache_form(model, cache, target)
     calibration, chosen = None, None
     if calibrates:
-        from .calibrate import calibration_tokens, collect
+        from .calibrate import calibration_tokens, collect, runtime_failures
         from .layer_cost import measured_keep
 
         # auto: every layer calibrated, then the costliest kept
         planned = [] if auto_keep else keep_layers
         plans, _ = plan_layers(model, preset, boundary, skip_layers, planned)
-        ids, source = calibration_tokens(calibrate, tokenizer, model, src, shows, calibration_window)
-        if ids is not None:
-            plan_args = dict(preset=preset, boundary=boundary, skip_layers=skip_layers, keep_layers=planned)
-            calibration = collect(src, ids, [p.index for p in plans if p.compressed], source,
-                                  plan_args=plan_args if key_scales else None, progress=shows, value_scales=value_scales,
-                                  window=calibration_window)
-            if auto_keep:
-                keep_layers, chosen = measured_keep(src, ids, calibration, plans, preset, 2 * boundary,
-                                                    value_offsets=value_offsets, key_scales=key_scales, progress=shows)
-        elif auto_keep:
+        with runtime_failures("calibration"):
+            ids, source = calibration_tokens(calibrate, tokenizer, model, src, shows, calibration_window)
+            if ids is not None:
+                plan_args = dict(preset=preset, boundary=boundary, skip_layers=skip_layers, keep_layers=planned)
+                calibration = collect(src, ids, [p.index for p in plans if p.compressed], source,
+                                      plan_args=plan_args if key_scales else None, progress=shows,
+                                      value_scales=value_scales, window=calibration_window)
+                if auto_keep:
+                    keep_layers, chosen = measured_keep(src, ids, calibration, plans, preset, 2 * boundary,
+                                                        value_offsets=value_offsets, key_scales=key_scales,
+                                                        progress=shows)
+        if ids is None and auto_keep:
             raise RewriteError(f"--keep-layers auto measures the layers on calibration tokens, and there are none: {source}")
     if cache == "in-place":
         try:
@@ -403,7 +409,7 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
             folder = genai.plan_folder(src, out, library or _ort_library(), cuda_graph)
     calibration, notes = None, []
     if calibrate is not False:
-        from .calibrate import calibration_tokens
+        from .calibrate import calibration_tokens, runtime_failures
         from .calibrate_gqa import collect_gqa
         from .gqa import check_supported, plan_gqa_layers
         from .layer_cost import measured_keep
@@ -413,18 +419,21 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
         check_supported(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=planned,
                         unsupported=unsupported)
 
-        ids, source = calibration_tokens(calibrate, tokenizer, model, src, progress, window)
-        if ids is not None:
-            calibration, notes = collect_gqa(src, ids, source, preset=preset, boundary=boundary, skip_layers=skip_layers,
-                                             keep_layers=planned, key_scales=key_scales, progress=progress, window=window)
-            if auto_keep:
-                plans, _, _ = plan_gqa_layers(model, preset, boundary, skip_layers, planned)
-                keep_layers, chosen = measured_keep(src, ids, calibration, plans, preset, 2 * boundary,
-                                                    value_offsets=value_offsets, key_scales=key_scales, progress=progress)
-                notes.append(chosen)
-        elif auto_keep:
+        with runtime_failures("calibration"):
+            ids, source = calibration_tokens(calibrate, tokenizer, model, src, progress, window)
+            if ids is not None:
+                calibration, notes = collect_gqa(src, ids, source, preset=preset, boundary=boundary,
+                                                 skip_layers=skip_layers, keep_layers=planned, key_scales=key_scales,
+                                                 progress=progress, window=window)
+                if auto_keep:
+                    plans, _, _ = plan_gqa_layers(model, preset, boundary, skip_layers, planned)
+                    keep_layers, chosen = measured_keep(src, ids, calibration, plans, preset, 2 * boundary,
+                                                        value_offsets=value_offsets, key_scales=key_scales,
+                                                        progress=progress)
+                    notes.append(chosen)
+        if ids is None and auto_keep:
             raise RewriteError(f"--keep-layers auto measures the layers on calibration tokens, and there are none: {source}")
-        else:
+        if ids is None:
             notes.append(f"not calibrated: {source}")
     # TensorRT takes each cache's shape as declared: every layer gets its own row width
     rewrite = TurboQuantRewrite(preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,

@@ -294,11 +294,12 @@ def save_tokenizer(folder: str | os.PathLike, vocab: int) -> None:
 
 
 def export_genai(cfg: TinyConfig, folder: str | os.PathLike, precision: str = "fp32",
-                 provider: str = "cpu", device: str | None = None) -> pathlib.Path:
+                 provider: str = "cpu", device: str | None = None, extra: dict | None = None) -> pathlib.Path:
     """Builds a tiny decoder with onnxruntime-genai's model builder (GroupQueryAttention, packed QKV,
     rotary inside the op, a shared past/present buffer in genai_config.json); returns model.onnx's
     path in folder/model. Needs the onnxruntime-genai package. device: where the random weights are
-    made (given one: in fp16 when precision is fp16), before they are saved as a Hugging Face folder."""
+    made (given one: in fp16 when precision is fp16), before they are saved as a Hugging Face folder.
+    extra: the builder's --extra_options (e.g. {"exclude_embeds": "true"})."""
     folder = pathlib.Path(folder)
     hf_dir = folder / "hf"
     dtype = None
@@ -307,7 +308,7 @@ def export_genai(cfg: TinyConfig, folder: str | os.PathLike, precision: str = "f
 
         dtype = torch.float16
     save_hf_folder(build_model(cfg, device, dtype), cfg, hf_dir)
-    return build_genai(hf_dir, folder / "model", precision, provider, folder / "cache")
+    return build_genai(hf_dir, folder / "model", precision, provider, folder / "cache", extra)
 
 
 def save_hf_folder(model, cfg: TinyConfig, hf_dir: str | os.PathLike) -> pathlib.Path:
@@ -319,7 +320,7 @@ def save_hf_folder(model, cfg: TinyConfig, hf_dir: str | os.PathLike) -> pathlib
 
 
 def build_genai(hf_dir: str | os.PathLike, out: str | os.PathLike, precision: str = "fp32", provider: str = "cpu",
-                cache: str | os.PathLike | None = None) -> pathlib.Path:
+                cache: str | os.PathLike | None = None, extra: dict | None = None) -> pathlib.Path:
     """Runs onnxruntime-genai's model builder on a Hugging Face folder; returns out/model.onnx."""
     import subprocess
     import sys
@@ -328,6 +329,8 @@ def build_genai(hf_dir: str | os.PathLike, out: str | os.PathLike, precision: st
     cache = pathlib.Path(cache) if cache else out.parent / "cache"
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
            "-p", precision, "-e", provider, "-c", str(cache)]
+    if extra:
+        cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra.items())]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0 or not (out / "model.onnx").is_file():
         raise RuntimeError(f"onnxruntime-genai's builder failed ({' '.join(cmd)}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")

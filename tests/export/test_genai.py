@@ -370,6 +370,24 @@ def test_cpu_fp16_multi_head_attention_refused_by_name(tmp_path, capsys):
     assert "-p fp32 or int4 with -e cpu, or -e cuda" in err and _tree(tmp_path) == before
 
 
+@pytest.mark.parametrize(("precision", "provider", "extra", "message", "works"), [
+    ("fp32", "cpu", {"exclude_embeds": "true"}, "has no input_ids input", {"offsets": False}),
+    ("fp32", "cpu", {"exclude_lm_head": "true"}, "lacks (onnxruntime-genai's exclude_lm_head", {"calibrate": "random"}),
+    ("bf16", "cuda", None, "ONNX Runtime could not run the original model (NotImplemented", {"offsets": False}),
+], ids=["exclude_embeds", "exclude_lm_head", "bf16-cuda"])
+def test_builds_the_calibration_cannot_run_are_refused_by_reason(tmp_path, capsys, precision, provider, extra, message,
+                                                                 works):
+    """Builds whose original the calibration cannot run here (no token ids in, no logits out, bf16
+    products on the CPU) are refused with the reason and what rewrites them, which then does."""
+    src = random_decoders.export_genai(CONFIGS["llama"], tmp_path / "src", precision=precision, provider=provider,
+                                       extra=extra)
+    rc, err = run_main(capsys, src, "--preset", "turboquant_4bit_nc", "-o", tmp_path / "out" / "model.onnx")
+    assert_refused(rc, err, message)
+    assert not (tmp_path / "out").exists()
+    result = export(src, "turboquant_4bit_nc", tmp_path / "out" / "model.onnx", progress=False, **works)
+    assert result.compressed == [2, 3]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
 def test_cuda_fp16_model_tracks_the_original_and_the_cpu(cuda_ready, tmp_path, preset):
