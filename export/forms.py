@@ -242,7 +242,8 @@ def _site_decomposed(layer: CacheLayer, m1: ir.Node, ck: ir.Node, cv: ir.Node) -
             other = n.inputs[1] if n.inputs[0] is v else n.inputs[0]
             mask = other
         elif n.op_type not in _PASS_OPS:
-            raise RewriteError(f"{where}: {_describe(n)} between the scores and Softmax is not recognised")
+            why = " (attention logit softcapping, as Gemma 2's: the ops do not take it)" if n.op_type == "Tanh" else ""
+            raise RewriteError(f"{where}: {_describe(n)} between the scores and Softmax is not recognised{why}")
         v = n.outputs[0]
     # Softmax -> casts / NaN guard -> MatMul(P, V)
     v = n.outputs[0]

@@ -18,7 +18,7 @@ import onnx_ir as ir
 from .forms import locate
 from .plan import plan_layers
 
-PAST, NEW = 5, 3
+PAST, NEW = 253, 3  # a window shorter than 256 tokens shows in the probe; longer ones in config.json (windows)
 _HOLE = 1  # the key position the second sequence's attention_mask leaves out
 
 
@@ -130,6 +130,31 @@ def probe(model_path, plan_args: dict) -> tuple[dict[int, int], dict[int, str], 
         if not np.array_equal(got, exp):
             bad[i] = "its mask is not attention_mask's padding with causal (a sliding window, or another pattern)"
     return heads, bad, flat
+
+
+def windows(src, layers: int) -> dict[int, int]:
+    """The layers that attend through a sliding window, with its length, as config.json beside the
+    model says (Hugging Face's sliding_window, use_sliding_window and layer_types): the probe's
+    past is too short to see a window of thousands of tokens. Empty without a config, or where the
+    window is off or no shorter than max_position_embeddings."""
+    import json
+    import pathlib
+
+    try:
+        cfg = json.loads((pathlib.Path(src).parent / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(cfg, dict):
+        return {}
+    window, longest = cfg.get("sliding_window"), cfg.get("max_position_embeddings")
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0 or cfg.get("use_sliding_window") is False:
+        return {}
+    if isinstance(longest, int) and window >= longest:
+        return {}
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return {i: window for i, t in enumerate(types) if "sliding" in str(t)}
+    return dict.fromkeys(range(layers), window)
 
 
 def _flat_value(chain: list, values: dict) -> tuple[str, int | None] | None:

@@ -287,10 +287,16 @@ def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibrati
     """The in-place rewrite, after export/mask_probe.py has read off the original what the graph may
     not say: query heads, and that every mask is the one lengths replace (else a RewriteError)."""
     from .in_place import query_heads
-    from .mask_probe import probe
+    from .mask_probe import probe, windows
 
     value_offsets, key_scales = plan_args.pop("value_offsets"), plan_args.pop("key_scales")
     plans, layers = plan_layers(model, preset, **plan_args)
+    windowed = windows(src, len(layers))
+    if windowed:
+        from .plan import _ranges
+
+        raise RewriteError(f"lengths cannot replace the masks of layers {_ranges(sorted(windowed))}: a sliding window of "
+                           f"{max(windowed.values())} tokens (config.json), which the in-place ops do not take")
     sites = [locate(layers[p.index]) for p in plans]
     heads, flat = {}, {}
     if any(s.mask is not None or not s.is_causal or query_heads(s) is None for s in sites):

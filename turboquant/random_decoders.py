@@ -16,7 +16,8 @@ import warnings
 
 @dataclasses.dataclass(frozen=True)
 class TinyConfig:
-    family: str = "llama"  # "llama" (GQA, RoPE, RMSNorm), "qwen2" (GQA with q/k/v bias), "gpt2" (MHA)
+    family: str = "llama"  # "llama" (GQA, RoPE, RMSNorm), "qwen2" (GQA with q/k/v bias), "gpt2" (MHA),
+    # "mistral" (Llama's attention through a sliding window of `window` tokens)
     layers: int = 6
     hidden: int = 256
     heads: int = 4
@@ -29,6 +30,7 @@ class TinyConfig:
     max_positions: int = 1024
     init_range: float = 0.08  # std of the random weights
     head_scale: float = 6.0  # the output projection's extra factor (peaked predictions)
+    window: int | None = None  # mistral: the sliding window
 
 
 def build_model(cfg: TinyConfig, device: str | None = None, dtype=None):
@@ -59,8 +61,11 @@ def build_model(cfg: TinyConfig, device: str | None = None, dtype=None):
 
 
 def _hf_model(cfg: TinyConfig, common: dict, transformers):
-    if cfg.family in ("llama", "qwen2"):
-        klass = transformers.LlamaConfig if cfg.family == "llama" else transformers.Qwen2Config
+    if cfg.family in ("llama", "qwen2", "mistral"):
+        klass = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                 "mistral": transformers.MistralConfig}[cfg.family]
+        if cfg.family == "mistral":
+            common = {**common, "sliding_window": cfg.window}
         hf = klass(hidden_size=cfg.hidden, intermediate_size=cfg.mlp or 2 * cfg.hidden, num_hidden_layers=cfg.layers,
                    num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                    max_position_embeddings=cfg.max_positions, tie_word_embeddings=False, **common)

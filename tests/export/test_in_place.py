@@ -215,3 +215,32 @@ def test_attention_output_feeds_the_projection_as_it_is(rewritten, name):
             users = [u for u in m.graph.node if n.output[0] in u.input]
             assert len(users) == 1 and users[0].op_type in ("MatMul", "Cast"), [u.op_type for u in users]
             assert producers.get(users[0].output[0]) is users[0]
+
+
+@pytest.mark.parametrize(("window", "config"), [(16, False), (300, True)], ids=["seen-by-the-probe", "config-json"])
+def test_sliding_window_keeps_the_exporters_mask(tmp_path, window, config):
+    """Lengths cannot replace a sliding window's mask: a window the probe's past covers is seen in
+    the mask, a longer one in config.json beside the model; either way the default rewrite keeps the
+    concat form (the exporter's mask, window included) and tracks the original past the window, and
+    --cache in-place is refused."""
+    from turboquant import random_decoders
+
+    cfg = random_decoders.TinyConfig(family="mistral", layers=4, hidden=128, heads=4, kv_heads=2, head_dim=32,
+                                     window=window, seed=8)
+    model = random_decoders.build_model(cfg)
+    (tmp_path / "m").mkdir()
+    src = random_decoders.export_model(model, tmp_path / "m" / "model.onnx", "torchscript")
+    if config:
+        model.config.save_pretrained(tmp_path / "m")
+    result = export(src, PRESET, tmp_path / "tq" / "model.onnx", boundary=1, progress=False, calibrate="random")
+    summary = result.summary()
+    assert "cache form concat" in summary and "sliding window" in summary, summary
+    with pytest.raises(RewriteError, match="sliding window"):
+        export(src, PRESET, tmp_path / "tq2" / "model.onnx", boundary=1, progress=False, calibrate="random", cache="in-place")
+    ids = np.random.default_rng(9).integers(0, cfg.vocab, (2, window + 40))
+    a = DecoderSession(src).teacher_forced(ids, 8).astype(np.float32)
+    b = DecoderSession(result.output).teacher_forced(ids, 8).astype(np.float32)
+    np.testing.assert_allclose(b[:, 0], a[:, 0], atol=1e-4 * max(1.0, float(np.abs(a[:, 0]).max())))
+    beyond = slice(window - 8, None)  # the steps whose keys reach past the window
+    top1 = float((a[:, beyond].argmax(-1) == b[:, beyond].argmax(-1)).mean())
+    assert top1 >= 0.85, top1

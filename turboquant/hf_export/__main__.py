@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import AutoModelForCausalLM
 
-    from .streamed import data_file, stage_export
+    from .streamed import ExportFailed, data_file, stage_export
 
     kw = {"gguf_file": args.gguf} if args.gguf else {}
     try:
@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"exporting {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads} query heads, "
                   f"{getattr(c, 'num_key_value_heads', None) or c.num_attention_heads} kv heads to {out}", flush=True)
             publish(stage_export(model, tmp, out, args.exporter, DTYPES[args.dtype]) + tokenizer)
+    except ExportFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as e:  # a full disk, a file that appeared meanwhile: nothing half-written is left
         print(f"error: cannot write {out}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2

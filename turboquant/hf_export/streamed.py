@@ -17,6 +17,13 @@ import warnings
 from .. import random_decoders
 from ..saving import publish, refuse_existing, staging
 
+EXPORTERS = ("dynamo", "torchscript")
+
+
+class ExportFailed(ValueError):
+    """torch.onnx could not export the model: the exporter's reason, on one line."""
+
+
 IN_FLIGHT = 128 << 20  # bytes of tensors being written at once
 IR_VERSION = 10  # onnxruntime 1.31 refuses IR versions above 13; a widely readable one
 
@@ -40,7 +47,15 @@ def stage_export(model, tmp: pathlib.Path, out: pathlib.Path, exporter: str, dty
 
     scratch = tmp / "export"
     scratch.mkdir()
-    graph = _export_graph(model, scratch, exporter, dtype)
+    try:
+        graph = _export_graph(model, scratch, exporter, dtype)
+    except Exception as e:  # noqa: BLE001 - torch.onnx's failures on a model have no common type
+        if exporter not in EXPORTERS:
+            raise
+        detail = str(e).splitlines()[0][:300] if str(e) else ""
+        other = next(x for x in EXPORTERS if x != exporter)
+        raise ExportFailed(f"torch.onnx's {exporter} exporter failed on this model ({type(e).__name__}: {detail}); "
+                           f"try --exporter {other}") from None
     graph.ir_version = min(graph.ir_version, IR_VERSION)
     data = data_file(out)
     # the graph names its data file relative to itself; few tensors in flight at once

@@ -141,3 +141,20 @@ def test_files_that_appear_during_the_export_are_kept(tmp_path, capsys, monkeypa
     assert "model.onnx.data appeared while it was being written" in err[-1], err
     assert [p.name for p in out.parent.iterdir()] == ["model.onnx.data"]
     assert (out.parent / "model.onnx.data").read_text() == "the user's"
+
+
+def test_an_exporter_failure_is_one_line(tmp_path, capsys, monkeypatch):
+    from turboquant.hf_export import streamed
+
+    cfg = random_decoders.TinyConfig(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128)
+    random_decoders.build_model(cfg).save_pretrained(tmp_path / "hf")
+
+    def failing(*args):  # as torch.onnx's TorchScript exporter fails on Cohere's attention
+        raise AssertionError("All tensors must have the same rank")
+
+    monkeypatch.setattr(streamed, "_export_graph", failing)
+    assert main([str(tmp_path / "hf"), "-o", str(tmp_path / "out" / "model.onnx"), "--exporter", "torchscript"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: torch.onnx's torchscript exporter failed on this model (AssertionError: All tensors must "
+                       "have the same rank); try --exporter dynamo"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
