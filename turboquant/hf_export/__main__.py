@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shutil
 import sys
 
 from ..arguments import check_output_file
@@ -55,17 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with staging(out.parent) as tmp:  # the model, its data and its tokenizer appear together or not at all
             tokenizer = _stage_tokenizer(src, kw, tmp, out.parent)
+            config = _stage_config(src, model.config, tmp, out.parent)
             c = model.config
             print(f"exporting {c.model_type}: {c.num_hidden_layers} layers, {c.num_attention_heads} query heads, "
                   f"{getattr(c, 'num_key_value_heads', None) or c.num_attention_heads} kv heads to {out}", flush=True)
-            publish(stage_export(model, tmp, out, args.exporter, DTYPES[args.dtype]) + tokenizer)
+            publish(stage_export(model, tmp, out, args.exporter, DTYPES[args.dtype]) + config + tokenizer)
     except ExportFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as e:  # a full disk, a file that appeared meanwhile: nothing half-written is left
         print(f"error: cannot write {out}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
-    print(f"wrote {out} and {data_file(out).name}" + (f", and the tokenizer's {len(tokenizer)} files" if tokenizer else ""))
+    print(f"wrote {out}, {data_file(out).name}, its config.json" + (f" and the tokenizer's {len(tokenizer)} files" if tokenizer else ""))
     return 0
 
 
@@ -79,12 +81,30 @@ def _stage_tokenizer(src: pathlib.Path, kw: dict, tmp: pathlib.Path, folder: pat
     except (OSError, ValueError) as e:  # a model folder without a tokenizer still exports
         print(f"note: no tokenizer saved ({e})", file=sys.stderr)
         return []
+    return _new_files(tmp / "tokenizer", folder)
+
+
+def _stage_config(src: pathlib.Path, config, tmp: pathlib.Path, folder: pathlib.Path) -> list[tuple[pathlib.Path, pathlib.Path]]:
+    """The model's config.json beside the output, as optimum's exports have it (the folder's own, else
+    the one transformers read from a GGUF file): the rewrite reads max_position_embeddings and any
+    sliding window there, which the graph does not say."""
+    (tmp / "config").mkdir()
+    if (src / "config.json").is_file():
+        shutil.copyfile(src / "config.json", tmp / "config" / "config.json")
+    else:
+        config.to_json_file(str(tmp / "config" / "config.json"))
+    return _new_files(tmp / "config", folder)
+
+
+def _new_files(staged: pathlib.Path, folder: pathlib.Path) -> list[tuple[pathlib.Path, pathlib.Path]]:
+    """(staged, final) pairs for the files of `staged` that `folder` lacks; ValueError where it has one
+    of their names with other contents (nothing is overwritten)."""
     pairs = []
-    for f in sorted((tmp / "tokenizer").iterdir()):
+    for f in sorted(staged.iterdir()):
         final = folder / f.name
         if os.path.lexists(final):
             if final.is_file() and final.read_bytes() == f.read_bytes():
-                continue  # the same tokenizer saved before (another export of this model)
+                continue  # the same file saved before (another export of this model)
             raise ValueError(f"{final} exists with other contents; turboquant does not overwrite files")
         pairs.append((f, final))
     return pairs

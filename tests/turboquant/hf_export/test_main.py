@@ -18,7 +18,9 @@ def test_exports_a_saved_model_folder(tmp_path, capsys):
     out = tmp_path / "onnx" / "model.onnx"
     assert main([str(tmp_path / "hf"), "-o", str(out)]) == 0
     assert "no tokenizer saved" in capsys.readouterr().err  # the folder has none; the model still exports
-    assert sorted(p.name for p in out.parent.iterdir()) == ["model.onnx", "model.onnx.data"]  # one data file
+    # one data file, and the model's config.json as the folder had it (the rewrite reads it)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["config.json", "model.onnx", "model.onnx.data"]
+    assert (out.parent / "config.json").read_bytes() == (tmp_path / "hf" / "config.json").read_bytes()
     sess = DecoderSession(out)
     assert sorted(sess.cache_inputs) == [(0, "key"), (0, "value"), (1, "key"), (1, "value")]
     ids = np.array([[1, 2, 3, 4]])
