@@ -108,10 +108,17 @@ def load_plugins(registry=None, trt=None):
     for a runtime). Returns the library handle (keep it alive while the plugins are used)."""
     trt = trt or trt_module()
     registry = registry or trt.get_plugin_registry()
+    key = (trt.__name__, trt_plugin_path())
     handle = registry.load_library(trt_plugin_path())
+    if handle is None and key in _LOADED:  # loaded before: TensorRT's registries are one per process
+        return _LOADED[key]
     if handle is None:
         raise RuntimeError(f"TensorRT could not load {trt_plugin_path()}")
+    _LOADED[key] = handle
     return handle
+
+
+_LOADED: dict = {}  # (module, library) -> the handle of its first load, kept for the process's life
 
 
 class Profile(dict):
