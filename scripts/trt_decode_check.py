@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--capacity", type=int, default=512)
     p.add_argument("--timing-steps", type=int, default=20, help="decode steps timed at the end (each runtime)")
+    p.add_argument("--compute-capability", help="TensorRT-RTX's target GPU (e.g. SM89; default: its own choice)")
     a = p.parse_args(argv)
     import onnxruntime as ort
 
@@ -53,7 +54,8 @@ def main(argv=None) -> int:
         prof = tq_trt.decoder_profile(paths["tensorrt"], batch=(1, a.batch, a.batch), new=(1, 1, a.prompt),
                                       past=(0, a.prompt, a.capacity - a.prompt), capacity=a.capacity)
         try:
-            engine = tq_trt.build_engine(paths["tensorrt"], prof, runtime="tensorrt-rtx")
+            engine = tq_trt.build_engine(paths["tensorrt"], prof, runtime="tensorrt-rtx",
+                                         compute_capability=a.compute_capability)
         except tq_trt.EngineBuildError as e:
             print(f"TensorRT-RTX refused: {e}", flush=True)
             return 1
