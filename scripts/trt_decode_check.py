@@ -59,7 +59,8 @@ def main(argv=None) -> int:
         except tq_trt.EngineBuildError as e:
             print(f"TensorRT-RTX refused: {e}", flush=True)
             return 1
-        plan.write_bytes(engine)
+        plan.with_suffix(".tmp").write_bytes(engine)
+        plan.with_suffix(".tmp").rename(plan)  # whole or absent: a later call reuses it
         print(f"engine built by TensorRT-RTX: {len(engine)} bytes ({time.perf_counter() - t1:.0f} s)", flush=True)
     try:
         dec = EngineDecoder(plan, runtime="tensorrt-rtx")
