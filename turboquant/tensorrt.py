@@ -224,8 +224,9 @@ def build_engine(model: str | os.PathLike, profile: dict, *, fp16: bool = False,
     if fp16 and hasattr(trt.BuilderFlag, "FP16"):
         config.set_flag(trt.BuilderFlag.FP16)
     if compute_capability:
-        names = {c.lower(): getattr(trt.ComputeCapability, c) for c in dir(trt.ComputeCapability) if c.startswith("SM")}
-        if not hasattr(trt, "ComputeCapability") or compute_capability.lower() not in names:
+        caps = getattr(trt, "ComputeCapability", None)  # TensorRT-RTX's alone
+        names = {c.lower(): getattr(caps, c) for c in dir(caps) if c.startswith("SM")} if caps is not None else {}
+        if compute_capability.lower() not in names:
             raise ValueError(f"compute capability {compute_capability!r} is not one this TensorRT builds for "
                              f"({', '.join(sorted(n.upper() for n in names)) or 'none: TensorRT-RTX only'})")
         config.num_compute_capabilities = 1
