@@ -107,15 +107,15 @@ class EngineDecoder:
 
 
 def check_against_onnxruntime(ort_model: str | os.PathLike, engine: EngineDecoder, prompt: np.ndarray, steps: int,
-                              capacity: int, log=print) -> dict:
+                              capacity: int, log=print, providers=("CUDAExecutionProvider",)) -> dict:
     """A prompt then `steps` greedy decode steps through the engine and through ort_model (the same
     rewrite for ONNX Runtime, on its CUDA provider, its caches shared buffers as well); returns the
     largest logit difference of each step (relative to the logits' scale) and both token sequences."""
     from .shared_buffer import SharedBufferDecoder
 
-    ref = SharedBufferDecoder(ort_model, max_length=capacity, providers=["CUDAExecutionProvider"])
-    if "CUDAExecutionProvider" not in ref.session.get_providers():
-        raise RuntimeError(f"ONNX Runtime runs {ort_model} on {ref.session.get_providers()}, not CUDA")
+    ref = SharedBufferDecoder(ort_model, max_length=capacity, providers=list(providers))
+    if ref.session.get_providers()[0] != providers[0]:
+        raise RuntimeError(f"ONNX Runtime runs {ort_model} on {ref.session.get_providers()}, not {providers[0]}")
     b, s = prompt.shape
     ref_cache, cache = ref.empty_cache(b), engine.empty_cache(b, capacity)
     ids_ref = ids_trt = prompt
