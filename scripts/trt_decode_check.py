@@ -68,8 +68,12 @@ def main(argv=None) -> int:
         print(f"TensorRT-RTX refused to run the engine on {torch.cuda.get_device_name()}: {e}", flush=True)
         return 1
     info = tq_trt.inspect_engine(plan.read_bytes(), runtime="tensorrt-rtx")
-    plugins = [layer for layer in info["layers"] if "TQ" in str(layer)]
-    print(f"engine on {torch.cuda.get_device_name()}: {len(info['layers'])} layers, {len(plugins)} of them turboquant plugins")
+    import onnx
+
+    ours = [n.name for n in onnx.load(str(paths["tensorrt"]), load_external_data=False).graph.node if n.domain == "turboquant"]
+    found = [name for name in ours if any(name in str(layer) for layer in info["layers"])]
+    print(f"engine on {torch.cuda.get_device_name()}: {len(info['layers'])} layers; the engine inspector finds "
+          f"{len(found)} of the {len(ours)} turboquant nodes among them", flush=True)
     prompt = np.random.default_rng(0).integers(3, 30000, (a.batch, a.prompt))
     res = check_against_onnxruntime(paths["onnxruntime"], dec, prompt, a.steps, a.capacity)
     same = res["tokens_ort"] == res["tokens_engine"]
