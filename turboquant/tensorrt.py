@@ -294,6 +294,31 @@ def _named_node(path: str, message: str) -> tuple[str, str] | None:
     return None
 
 
+def gpu_refusal(runtime: str = "auto") -> str | None:
+    """Why this TensorRT cannot run engines on this machine's GPU, in TensorRT's words (TensorRT-RTX
+    1.7 builds for Hopper but refuses to run there: compute capability 9.0 is not among its GPUs), or
+    None where a one-layer engine deserializes."""
+    key = (runtime, "gpu")
+    if key not in _REFUSALS:
+        trt = trt_module(runtime)
+        log = _Log(trt)
+        builder = trt.Builder(log)
+        network = builder.create_network(0)
+        x = network.add_input("x", trt.float32, (1, 4))
+        network.mark_output(network.add_identity(x).get_output(0))
+        plan = builder.build_serialized_network(network, builder.create_builder_config())
+        if plan is None:
+            _REFUSALS[key] = _one_line(" | ".join(log.errors[:2]) or "TensorRT built no engine")
+        else:
+            runtime_ = trt.Runtime(log)
+            ok = runtime_.deserialize_cuda_engine(plan) is not None
+            _REFUSALS[key] = None if ok else _one_line(" | ".join(log.errors[:2]) or "TensorRT could not deserialize")
+    return _REFUSALS[key]
+
+
+_REFUSALS: dict = {}
+
+
 def inspect_engine(engine: bytes, runtime: str = "auto") -> dict:
     """The engine deserialized and described by TensorRT's engine inspector: {"layers": [the
     inspector's JSON layer records], "io": {tensor name: (dtype name, shape)}}. Needs what TensorRT
@@ -301,11 +326,12 @@ def inspect_engine(engine: bytes, runtime: str = "auto") -> dict:
     import json
 
     trt = trt_module(runtime)
-    rt = trt.Runtime(trt.Logger(trt.Logger.ERROR))
+    log = _Log(trt)
+    rt = trt.Runtime(log)
     handle = load_plugins(rt.get_plugin_registry(), trt=trt)  # noqa: F841 - kept alive while deserializing
     eng = rt.deserialize_cuda_engine(engine)
     if eng is None:
-        raise EngineBuildError("TensorRT could not deserialize the engine")
+        raise EngineBuildError("TensorRT could not deserialize the engine: " + _one_line(" | ".join(log.errors[:2])))
     inspector = eng.create_engine_inspector()
     info = json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
     io = {}

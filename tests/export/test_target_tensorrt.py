@@ -69,17 +69,22 @@ def test_cli_target_option(exported, tmp_path, capsys):
 
 def _trt_or_skip():
     try:
-        return tq_trt.trt_module()
+        trt = tq_trt.trt_module()
     except tq_trt.TensorRTMissing as e:
         pytest.skip(str(e))
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("TensorRT engine test needs a GPU")
+    why = tq_trt.gpu_refusal("tensorrt-rtx" if tq_trt.is_rtx(trt) else "tensorrt")
+    if why:
+        pytest.skip(f"{trt.__name__} runs no engine on this GPU: {why}")
+    return trt
 
 
 @pytest.mark.gpu
 def test_engine_matches_onnxruntime(exported, tmp_path):
     trt = _trt_or_skip()
     torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("TensorRT engine test needs a GPU")
     from turboquant import tensorrt as tq_trt
 
     src = exported("llama-gqa-torchscript")
@@ -210,8 +215,9 @@ def test_genai_profile_covers_the_shared_buffers(genai_trt):
         tq_trt.decoder_profile(genai_trt.output, new=(1, 1, 64), past=(0, 10, 100), capacity=(100, 164, 164))
 
 
-def _gqa_trt_model(**kw):
-    model = ir.from_proto(node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4", **kw))
+def _gqa_trt_model(q_heads=4, kv_heads=2, head_dim=64, **kw):
+    model = ir.from_proto(node_models.gqa_model(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, key_format="mse4",
+                                                value_format="uint4", **kw))
     for_tensorrt(model)
     return model
 
@@ -262,8 +268,6 @@ def test_gqa_engine_updates_the_buffers_in_place(tmp_path, ort_session):
     form, present bound to past's buffer) against the ORT CUDA op, a first prompt then decode steps."""
     trt = _trt_or_skip()
     torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("TensorRT engine test needs a GPU")
     from turboquant.ort import run
 
     b, hq, hkv, d, cap = 2, 8, 2, 128, 48
@@ -271,7 +275,8 @@ def test_gqa_engine_updates_the_buffers_in_place(tmp_path, ort_session):
     proto = node_models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format="mse4", value_format="uint4",
                              dtype=TensorProto.FLOAT16, packed_qkv=True, rotary_dim=d)
     path = tmp_path / "gqa.trt.onnx"
-    ir.save(_gqa_trt_model(dtype=TensorProto.FLOAT16, packed_qkv=True, rotary_dim=d), path)
+    ir.save(_gqa_trt_model(q_heads=hq, kv_heads=hkv, head_dim=d, dtype=TensorProto.FLOAT16, packed_qkv=True, rotary_dim=d),
+            path)
     hidden = (hq + 2 * hkv) * d
     prof = tq_trt.Profile({"query": ((1, 1, hidden), (b, 1, hidden), (b, 16, hidden)), "seqlens_k": ((1,), (b,), (b,)),
                            "past_key": ((1, hkv, cap, w), (b, hkv, cap, w), (b, hkv, cap, w)),

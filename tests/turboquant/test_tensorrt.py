@@ -109,12 +109,25 @@ def test_engine_needs_a_gpu_to_deserialize_here(engines, capsys):
         tq_trt.inspect_engine(plan.read_bytes(), runtime="tensorrt-rtx")
 
 
+def test_gpu_refusal_says_why_in_tensorrts_words(rtx):
+    """gpu_refusal: None where a one-layer engine runs, else TensorRT's own reason (here, no GPU)."""
+    torch = pytest.importorskip("torch")
+    why = tq_trt.gpu_refusal("tensorrt-rtx")
+    if torch.cuda.is_available():
+        assert why is None or "compute capability" in why
+    else:
+        assert why and "Error Code" in why and "\n" not in why
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["torchscript", "genai"])
 def test_engine_inspector_finds_the_plugins(engines, kind, capsys):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("deserializing a TensorRT-RTX engine needs a GPU")
+    why = tq_trt.gpu_refusal("tensorrt-rtx")
+    if why:
+        pytest.skip(f"TensorRT-RTX runs no engine on this GPU: {why}")
     r, plan, code, _ = engines(kind, PRESETS[0], capsys)
     assert code == 0
     info = tq_trt.inspect_engine(plan.read_bytes(), runtime="tensorrt-rtx")

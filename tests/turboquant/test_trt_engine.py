@@ -27,6 +27,9 @@ def gpu():
         turboquant.trt_plugin_path()
     except (tq_trt.TensorRTMissing, FileNotFoundError) as e:
         pytest.skip(str(e))
+    why = tq_trt.gpu_refusal("tensorrt-rtx")
+    if why:
+        pytest.skip(f"TensorRT-RTX runs no engine on this GPU: {why}")
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
