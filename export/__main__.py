@@ -11,7 +11,8 @@ from turboquant.config import TQ_PRESETS
 
 from .calibrate import DEFAULT_WINDOW, LLOYD_MAX_WINDOW
 from .errors import RewriteError
-from .rewrite import export
+from .options import RewriteOptions
+from .rewrite import export_with
 from .rotary import MAX_POSITIONS
 
 
@@ -36,6 +37,15 @@ def _positions(text: str) -> int:
     if n > MAX_POSITIONS:
         raise argparse.ArgumentTypeError(f"at most {MAX_POSITIONS} (2**24) positions, not {text}")
     return n
+
+
+def _options(args: argparse.Namespace) -> RewriteOptions:
+    return RewriteOptions(args.preset, boundary=args.boundary, skip_layers=args.skip_layers, keep_layers=args.keep_layers,
+                          dry_run=args.dry_run, progress=False if args.no_progress else None, calibrate=args.calibrate,
+                          tokenizer=args.tokenizer, offsets=not args.no_offsets, value_offsets=args.value_offsets,
+                          key_scales=not args.no_key_scales, value_scales=args.value_scales, target=args.target,
+                          unsupported=args.unsupported, cache=args.cache, rotary_positions=args.rotary_positions,
+                          calibration_window=args.calibration_window, genai_cuda_graph=args.genai_cuda_graph)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,13 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     try:
-        result = export(args.model, args.preset, args.output, boundary=args.boundary, skip_layers=args.skip_layers,
-                        keep_layers=args.keep_layers, dry_run=args.dry_run, progress=False if args.no_progress else None,
-                        calibrate=args.calibrate, tokenizer=args.tokenizer, offsets=not args.no_offsets,
-                        value_offsets=args.value_offsets,
-                        key_scales=not args.no_key_scales, value_scales=args.value_scales, target=args.target,
-                        unsupported=args.unsupported, cache=args.cache, rotary_positions=args.rotary_positions,
-                        calibration_window=args.calibration_window, genai_cuda_graph=args.genai_cuda_graph)
+        result = export_with(args.model, args.output, _options(args))
     except (RewriteError, LibraryNotBuiltError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

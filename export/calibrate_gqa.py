@@ -26,7 +26,6 @@ import onnx_ir as ir
 from .calibrate import DEFAULT_WINDOW, Calibration, add_cache_sums, fp8_key_scale, key_peaks, window_count, windows
 from .gqa import _attr, plan_gqa_layers
 from .key_scale import AttentionMoments
-from .surgery import _initializer
 
 
 def rotary_tables(node: ir.Node, head_dim: int) -> tuple[np.ndarray, np.ndarray] | str:
@@ -110,20 +109,3 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
                               {p.index: (sums["v"][p.index] / count).astype(np.float32) for p in layers}, count,
                               source, scales, {i: heads[i][0] for i in scales}, window=window)
     return calibration, notes
-
-
-def calibrated_inputs(model: ir.Model, index: int, calibration: Calibration, *, value_offsets: bool,
-                      key_scales: bool) -> list[ir.Value | None]:
-    """The initializers to append to the layer's TQGroupQueryAttention inputs (after its twelve of
-    GroupQueryAttention): key_offset, value_offset (value_offsets) and key_scale, empty where absent;
-    the offset in the scaled keys' units."""
-    koff = calibration.keys.get(index)
-    voff = calibration.values.get(index) if value_offsets else None
-    s = calibration.key_scales.get(index) if key_scales else None
-    if s is not None and koff is not None:
-        koff = koff / s
-    named = (("key_offset", koff), ("value_offset", voff), ("key_scale", s))
-    extra = [None if x is None else _initializer(model, f"tq_{name}_{index}", x.astype(np.float32)) for name, x in named]
-    while extra and extra[-1] is None:
-        extra.pop()
-    return extra

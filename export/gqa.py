@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnx_ir as ir
 
 import turboquant
@@ -29,7 +30,7 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS, packed_size
 from .cache_io import CacheLayer
 from .errors import RewriteError
 from .plan import LayerPlan, RewriteResult, _ranges, plan_layers
-from .surgery import _replace_graph_output
+from .surgery import _initializer, _replace_graph_output
 
 BOUNDARY_FORMAT = "raw16"
 _NUM_INPUTS = 12  # GroupQueryAttention's inputs, up to head_sink; key_offset, value_offset, key_scale follow
@@ -170,6 +171,24 @@ def _replace(graph: ir.Graph, old: ir.Node, key_format: str, value_format: str, 
     return new
 
 
+def calibrated_inputs(model: ir.Model, index: int, calibration, *, value_offsets: bool,
+                      key_scales: bool) -> list[ir.Value | None]:
+    """The initializers to append to the layer's TQGroupQueryAttention inputs (after its twelve of
+    GroupQueryAttention): key_offset, value_offset (value_offsets) and key_scale, empty where absent;
+    the offset in the scaled keys' units. calibration: export.calibrate.Calibration, measured by
+    export/calibrate_gqa.py."""
+    koff = calibration.keys.get(index)
+    voff = calibration.values.get(index) if value_offsets else None
+    s = calibration.key_scales.get(index) if key_scales else None
+    if s is not None and koff is not None:
+        koff = koff / s
+    named = (("key_offset", koff), ("value_offset", voff), ("key_scale", s))
+    extra = [None if x is None else _initializer(model, f"tq_{name}_{index}", x.astype(np.float32)) for name, x in named]
+    while extra and extra[-1] is None:
+        extra.pop()
+    return extra
+
+
 def plan_gqa_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers=None, keep_layers=None
                     ) -> tuple[list[LayerPlan], dict[int, CacheLayer], dict[int, ir.Node]]:
     """plan_layers for a GroupQueryAttention model, and each layer's GroupQueryAttention node."""
@@ -200,10 +219,11 @@ def _refused(plan: LayerPlan, node: ir.Node, found: list[str]) -> RewriteError:
 
 
 def check_supported(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
-                    unsupported: str = "refuse") -> None:
+                    unsupported: str = "refuse", plan: tuple | None = None) -> None:
     """The refusals of rewrite_gqa_model, made before anything slower (calibration runs the original
-    model first): a model it would refuse is refused at once."""
-    plans, _, nodes = plan_gqa_layers(model, preset, boundary, skip_layers, keep_layers)
+    model first): a model it would refuse is refused at once. plan: plan_gqa_layers of `model` with these
+    options, where the caller has it (None: planned here)."""
+    plans, _, nodes = plan or plan_gqa_layers(model, preset, boundary, skip_layers, keep_layers)
     for plan in plans:
         found = unsupported_features(nodes[plan.index])
         if found and unsupported == "refuse":
@@ -212,7 +232,7 @@ def check_supported(model: ir.Model, preset: str, *, boundary: int = 2, skip_lay
 
 def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
                       unsupported: str = "refuse", per_layer: bool | None = None, calibration=None,
-                      value_offsets: bool = False, key_scales: bool = True) -> RewriteResult:
+                      value_offsets: bool = False, key_scales: bool = True, plan: tuple | None = None) -> RewriteResult:
     """Rewrites a GroupQueryAttention model in place (module docstring); returns what was done.
 
     calibration (export.calibrate.Calibration, from export/calibrate_gqa.py): per compressed layer
@@ -220,10 +240,11 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
     value_offsets), and the per-channel key scales as its key_scale (unless key_scales is False).
 
     per_layer: give each layer its own row width (True) or every layer the widest (False); None
-    decides by the installed onnxruntime-genai (export/genai.py reads_per_layer_shapes)."""
+    decides by the installed onnxruntime-genai (export/genai.py reads_per_layer_shapes).
+    plan: plan_gqa_layers of `model` with these options, where the caller has it (None: planned here)."""
     if unsupported not in ("refuse", "leave"):
         raise RewriteError(f"unsupported must be 'refuse' or 'leave', got {unsupported!r}")
-    plans, layers, nodes = plan_gqa_layers(model, preset, boundary, skip_layers, keep_layers)
+    plans, layers, nodes = plan or plan_gqa_layers(model, preset, boundary, skip_layers, keep_layers)
     cfg = TQ_PRESETS[preset]
     left, notes = [], []
     for plan in plans:
@@ -258,8 +279,6 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
         plan.kv_heads = plan.kv_heads or heads or None  # the op's attribute where the cache inputs leave it symbolic
         extra = None
         if calibration is not None and plan.compressed and plan.index in calibration.keys:
-            from .calibrate_gqa import calibrated_inputs
-
             extra = calibrated_inputs(model, plan.index, calibration, value_offsets=value_offsets, key_scales=key_scales)
         node = _replace(graph, node, plan.key_format, plan.value_format, cfg["norm_correction"], extra)
         layer = layers[plan.index]

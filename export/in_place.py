@@ -321,16 +321,18 @@ def reroute_shapes(old: ir.Value, buffer: ir.Value, rows_1d: ir.Value, head_dim:
 def rewrite_in_place(model: ir.Model, preset: str, q_heads: dict[int, int], *, boundary: int = 2, skip_layers=None,
                      keep_layers=None, calibration=None, value_offsets: bool = False, key_scales: bool = True,
                      kept_raw16: bool = False, rotary_positions: int | None = None,
-                     flat_outputs: dict[int, tuple[str, int | None]] | None = None) -> RewriteResult:
+                     flat_outputs: dict[int, tuple[str, int | None]] | None = None,
+                     plan: tuple | None = None) -> RewriteResult:
     """Rewrites an exported decoder into the in-place form (module docstring); returns what was done.
     q_heads: each layer's query heads where the graph does not say them (probe_query_heads).
-    calibration as in export.rewrite.rewrite_model. kept_raw16: the kept layers as raw16
+    calibration as in export.concat.rewrite_model. kept_raw16: the kept layers as raw16
     TQGroupQueryAttention too (TensorRT, which has no GroupQueryAttention; exact for 16-bit models).
     rotary_positions: the exporter's rotary moved into the ops with tables of that many positions
     where it is verified to be theirs (export/rotary.py); None keeps it outside. flat_outputs: per
     layer, the name of the value after its attention that the probe found to hold the output as
-    [B, S, heads * D] (export/mask_probe.py): the op's output takes its place."""
-    plans, layers = plan_layers(model, preset, boundary, skip_layers, keep_layers)
+    [B, S, heads * D] (export/mask_probe.py): the op's output takes its place. plan: plan_layers of
+    `model` with these options, where the caller has it (None: planned here)."""
+    plans, layers = plan or plan_layers(model, preset, boundary, skip_layers, keep_layers)
     cfg = TQ_PRESETS[preset]
     sites = {p.index: locate(layers[p.index]) for p in plans}
     nested = [i for i, s in sites.items() if s.anchor.graph is not model.graph]

@@ -35,11 +35,13 @@ class TurboQuantRewrite(ir.passes.InPlacePass):
                  calibration=None, value_offsets: bool = False, key_scales: bool = True, q_heads: dict | None = None,
                  kept_raw16: bool = False, rotary_positions: int | None = None, flat_outputs: dict | None = None,
                  unsupported: str = "refuse",
-                 per_layer: bool | None = None, progress: bool | None = None):
-        """cache: "concat" (export.rewrite.rewrite_model) or "in-place" (export.in_place; q_heads for
+                 per_layer: bool | None = None, progress: bool | None = None, plan: tuple | None = None):
+        """cache: "concat" (export.concat.rewrite_model) or "in-place" (export.in_place; q_heads for
         graphs that do not say their query heads, kept_raw16 for TensorRT, rotary_positions for the
         rotary inside the ops, flat_outputs from export.mask_probe); onnxruntime-genai models
-        take export.gqa whatever it says (unsupported, per_layer are its options)."""
+        take export.gqa whatever it says (unsupported, per_layer are its options). plan: the layer plan
+        of the model the pass will be called on, as plan_layers (plan_gqa_layers for onnxruntime-genai
+        models) returns it, when the caller has made it already; None: planned in the call."""
         super().__init__()
         self.preset, self.cache = preset, cache
         self.plan_args = dict(boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers)
@@ -47,6 +49,7 @@ class TurboQuantRewrite(ir.passes.InPlacePass):
         self.q_heads, self.kept_raw16, self.rotary_positions = q_heads or {}, kept_raw16, rotary_positions
         self.flat_outputs = flat_outputs or {}
         self.unsupported, self.per_layer, self.progress = unsupported, per_layer, progress
+        self.plan = plan
         self.result = None  # the RewriteResult of the last call
 
     def requires(self, model: ir.Model) -> None:
@@ -65,7 +68,7 @@ class TurboQuantRewrite(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         opts = dict(calibration=self.calibration, value_offsets=self.value_offsets, key_scales=self.key_scales,
-                    **self.plan_args)
+                    plan=self.plan, **self.plan_args)
         if uses_gqa(model):
             self.result = rewrite_gqa_model(model, self.preset, unsupported=self.unsupported, per_layer=self.per_layer,
                                             **opts)
@@ -76,7 +79,7 @@ class TurboQuantRewrite(ir.passes.InPlacePass):
                                            rotary_positions=self.rotary_positions, flat_outputs=self.flat_outputs,
                                            **opts)
         else:
-            from .rewrite import rewrite_model
+            from .concat import rewrite_model
 
             self.result = rewrite_model(model, self.preset, progress=self.progress, **opts)
         return ir.passes.PassResult(model, modified=True)

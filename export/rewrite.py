@@ -1,17 +1,15 @@
-"""The rewrite: replace the attention of compressed layers by TQAttention over a packed uint8 cache."""
+"""export(): the rewrite of a model file, from its checks and calibration to the atomic save of its output
+(python -m turboquant.export); the rewrites themselves are export/concat.py, export/in_place.py and export/gqa.py,
+run through export/passes.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import sys
 
 import onnx_ir as ir
-import onnx_ir.passes.common as common_passes
 
-import turboquant
-from turboquant.config import FORMAT_VERSION, TQ_PRESETS
 from turboquant.saving import OutputExists, publish, staging
 
 from .errors import RewriteError
@@ -20,70 +18,9 @@ from .cache_io import _KV_NAMES
 from .calibrate import DATA_FREE, check_window, default_window
 from .gqa import refuse_fused_attention, uses_gqa
 from .passes import TurboQuantRewrite
+from .options import RewriteOptions
 from .plan import RewriteResult, check_boundary, plan_layers
 from .rotary import MAX_POSITIONS
-from .surgery import pack_other_branch, present_outputs, reroute_cache_shapes, shape_only_uses_are_safe, apply_site
-
-
-def rewrite_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
-                  progress: bool | None = None, calibration=None, value_offsets: bool = False,
-                  key_scales: bool = True) -> RewriteResult:
-    """Rewrites `model` in place; returns what was done. Raises RewriteError with the reason when it refuses.
-
-    calibration (export.calibrate.Calibration): per-layer mean keys (and values) to subtract before
-    packing (TQAttention's key_offset; value_offset too when value_offsets), and the per-channel key
-    scales (unless key_scales is False)."""
-    plans, layers = plan_layers(model, preset, boundary, skip_layers, keep_layers)
-    cfg = TQ_PRESETS[preset]
-    sites = {}
-    for plan in plans:  # locate everything before changing anything
-        if plan.compressed:
-            sites[plan.index] = locate(layers[plan.index])
-            plan.form = sites[plan.index].form
-    if not sites:
-        raise RewriteError("no layer left to compress: every cache layer is a boundary or kept layer")
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = None
-    show = progress if progress is not None else (len(sites) >= 8 and sys.stderr.isatty())
-    items = list(sites.items())
-    it = tqdm(items, desc="rewriting layers", unit="layer", disable=not show) if tqdm else items
-    for i, site in it:
-        plan = next(p for p in plans if p.index == i)
-        koff = calibration.keys.get(i) if calibration is not None else None
-        voff = calibration.values.get(i) if calibration is not None and value_offsets else None
-        kscale = calibration.key_scales.get(i) if calibration is not None and key_scales else None
-        cache_dtype = layers[i].past_key.dtype  # the float type, before apply_site retypes the cache to uint8
-        node = apply_site(model, site, layers[i], plan, cfg["norm_correction"], koff, voff, kscale,
-                          calibration.q_heads.get(i) if kscale is not None else None)
-        if node.graph is not model.graph:
-            pack_other_branch(model, node, plan, cfg["norm_correction"], koff, voff, kscale, cache_dtype)
-        common_passes.RemoveUnusedNodesPass()(model)
-        reroute_cache_shapes(site, node, plan.head_dim)
-    common_passes.RemoveUnusedNodesPass()(model)
-    for i in sites:  # what is left reading the packed cache must only take its batch/heads/length
-        for v in (layers[i].past_key, layers[i].past_value, *present_outputs(model, i)):
-            bad = shape_only_uses_are_safe(v)
-            if bad is not None:
-                raise RewriteError(f"layer {i}: {bad.name!r} takes the shape of the cache {v.name!r}, including its last axis, "
-                                   "whose size packing changes")
-    common_passes.TopologicalSortPass()(model)
-    model.opset_imports[turboquant.DOMAIN] = turboquant.OPSET_VERSION
-    model.metadata_props.update({
-        "turboquant.preset": preset,
-        "turboquant.format_version": str(FORMAT_VERSION),
-        "turboquant.version": turboquant.__version__,
-        "turboquant.layers": json.dumps([{"layer": p.index, "compressed": p.compressed,
-                                          "key_format": p.key_format if p.compressed else None,
-                                          "value_format": p.value_format if p.compressed else None,
-                                          "norm_correction": bool(cfg["norm_correction"]) if p.compressed else None,
-                                          "form": p.form} for p in plans]),
-    })
-    from .calibrate import calibration_metadata
-
-    model.metadata_props.update(calibration_metadata(calibration, value_offsets, key_scales))
-    return RewriteResult(preset, plans, None)
 
 
 def _load(path: pathlib.Path) -> ir.Model:
@@ -156,6 +93,23 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     unsupported ("refuse" or "leave") says what happens to nodes using features it lacks, and a
     source folder with genai_config.json gets a genai-ready output folder (export/genai.py), whose
     CUDA provider replays decode steps from CUDA graphs with genai_cuda_graph."""
+    options = RewriteOptions(preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers, dry_run=dry_run,
+                             progress=progress, calibrate=calibrate, tokenizer=tokenizer, offsets=offsets,
+                             value_offsets=value_offsets, key_scales=key_scales, value_scales=value_scales, target=target,
+                             unsupported=unsupported, cache=cache, rotary_positions=rotary_positions,
+                             calibration_window=calibration_window, genai_cuda_graph=genai_cuda_graph)
+    return export_with(model_path, output, options)
+
+
+def export_with(model_path: str | os.PathLike, output: str | os.PathLike | None, options: RewriteOptions) -> RewriteResult:
+    """export() with its options built (export/options.py): what python -m turboquant.export calls."""
+    o = options
+    preset, boundary, skip_layers, keep_layers, dry_run, progress = (o.preset, o.boundary, o.skip_layers, o.keep_layers,
+                                                                     o.dry_run, o.progress)
+    calibrate, tokenizer, offsets, value_offsets, key_scales, value_scales = (o.calibrate, o.tokenizer, o.offsets,
+                                                                              o.value_offsets, o.key_scales, o.value_scales)
+    target, cache, rotary_positions = o.target, o.cache, o.rotary_positions
+    calibration_window, genai_cuda_graph = o.calibration_window, o.genai_cuda_graph
     if target not in ("onnxruntime", "tensorrt"):
         raise RewriteError(f"target must be 'onnxruntime' or 'tensorrt', got {target!r}")
     if rotary_positions is not None and (not isinstance(rotary_positions, int) or rotary_positions < 0):
@@ -220,23 +174,23 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
         if cache == "concat":
             raise RewriteError("--cache concat does not apply to onnxruntime-genai models (GroupQueryAttention): their "
                                "caches are written in place, and stay so")
-        return _export_gqa(model, src, out, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
-                           dry_run=dry_run, calibrate=calibrate if calibrates else False, tokenizer=tokenizer,
-                           value_offsets=value_offsets, key_scales=key_scales, progress=shows, target=target,
-                           unsupported=unsupported, window=calibration_window, cuda_graph=genai_cuda_graph,
-                           library=library)
+        return _export_gqa(model, src, out, options, calibrate=calibrate if calibrates else False, progress=shows,
+                           window=calibration_window, library=library)
     if genai_cuda_graph:
         raise RewriteError(f"--genai-cuda-graph is for onnxruntime-genai models; {src} has no GroupQueryAttention nodes")
     auto = cache == "auto"
     cache, why_concat = _cache_form(model, cache, target)
     calibration, chosen = None, None
+    plan = None  # (plans, layers) of `model`, for the rewrite: planned once, here where the calibration plans
     if calibrates:
         from .calibrate import calibration_tokens, collect, runtime_failures
         from .layer_cost import measured_keep
 
         # auto: every layer calibrated, then the costliest kept
         planned = [] if auto_keep else keep_layers
-        plans, _ = plan_layers(model, preset, boundary, skip_layers, planned)
+        plans, layers = plan_layers(model, preset, boundary, skip_layers, planned)
+        if not auto_keep:  # auto plans again, with the layers it chose
+            plan = plans, layers
         with runtime_failures("calibration"):
             ids, source = calibration_tokens(calibrate, tokenizer, model, src, shows, calibration_window)
             if ids is not None:
@@ -252,19 +206,18 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
             raise RewriteError(f"--keep-layers auto measures the layers on calibration tokens, and there are none: {source}")
     if cache == "in-place":
         try:
-            result = _rewrite_in_place(model, src, preset, calibration, target, rotary_positions, boundary=boundary,
-                                       skip_layers=skip_layers,
-                                       keep_layers=keep_layers, value_offsets=value_offsets, key_scales=key_scales)
+            result = _rewrite_in_place(model, src, options, calibration, keep_layers, plan)
         except RewriteError as e:
             if not auto:
                 raise
             model, cache, why_concat = _load(src), "concat", f"the in-place form failed ({e})"
+            plan = None  # of the model that failed: the one loaded again plans in its rewrite
     if cache == "concat" and value_scales:
         raise RewriteError(f"--value-scales applies to the in-place cache form only; this model takes the concat form: {why_concat}")
     if cache == "concat":
         rewrite = TurboQuantRewrite(preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
                                     progress=progress, calibration=calibration, value_offsets=value_offsets,
-                                    key_scales=key_scales)
+                                    key_scales=key_scales, plan=plan)
         rewrite(model)
         result = rewrite.result
     if chosen:
@@ -282,15 +235,20 @@ def export(model_path: str | os.PathLike, preset: str, output: str | os.PathLike
     return result
 
 
-def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibration, target: str, rotary_positions: int | None,
-                      **plan_args) -> RewriteResult:
+def _rewrite_in_place(model: ir.Model, src: pathlib.Path, options: RewriteOptions, calibration, keep_layers,
+                      plan: tuple | None = None) -> RewriteResult:
     """The in-place rewrite, after export/mask_probe.py has read off the original what the graph may
-    not say: query heads, and that every mask is the one lengths replace (else a RewriteError)."""
+    not say: query heads, and that every mask is the one lengths replace (else a RewriteError).
+    keep_layers: the options' or those --keep-layers auto chose; plan: plan_layers of `model` with them
+    (None: planned here)."""
     from .in_place import query_heads
     from .mask_probe import probe, windows
 
-    value_offsets, key_scales = plan_args.pop("value_offsets"), plan_args.pop("key_scales")
-    plans, layers = plan_layers(model, preset, **plan_args)
+    preset, target, rotary_positions = options.preset, options.target, options.rotary_positions
+    value_offsets, key_scales = options.value_offsets, options.key_scales
+    plan_args = dict(boundary=options.boundary, skip_layers=options.skip_layers, keep_layers=keep_layers)
+    plan = plan or plan_layers(model, preset, **plan_args)
+    plans, layers = plan
     windowed = windows(src, len(layers))
     if windowed:
         from .plan import _ranges
@@ -315,7 +273,7 @@ def _rewrite_in_place(model: ir.Model, src: pathlib.Path, preset: str, calibrati
     positions = rotary_positions if target == "onnxruntime" and rotary_positions > 0 else None
     rewrite = TurboQuantRewrite(preset, cache="in-place", q_heads=heads, calibration=calibration, value_offsets=value_offsets,
                                 key_scales=key_scales, kept_raw16=target == "tensorrt", rotary_positions=positions,
-                                flat_outputs=flat, **plan_args)
+                                flat_outputs=flat, plan=plan, **plan_args)
     rewrite(model)
     return rewrite.result
 
@@ -399,12 +357,14 @@ def _save(model: ir.Model, out: pathlib.Path, stage_more=None) -> None:
         raise RewriteError(f"cannot write {out}: {e.strerror or e}") from None
 
 
-def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: str, *, boundary, skip_layers,
-                keep_layers, dry_run, calibrate, tokenizer, value_offsets, key_scales, progress, target,
-                unsupported, window, cuda_graph=False, library=None) -> RewriteResult:
+def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, options: RewriteOptions, *, calibrate, progress,
+                window, library=None) -> RewriteResult:
     """export() for onnxruntime-genai models (GroupQueryAttention). calibrate: a file, "random" or
     "self" (data-free), or False (no calibration), in windows of `window` tokens;
-    export/calibrate_gqa.py measures it."""
+    export/calibrate_gqa.py measures it. progress: whether calibration shows its bars."""
+    preset, boundary, skip_layers, keep_layers = options.preset, options.boundary, options.skip_layers, options.keep_layers
+    dry_run, tokenizer, target, unsupported = options.dry_run, options.tokenizer, options.target, options.unsupported
+    value_offsets, key_scales, cuda_graph = options.value_offsets, options.key_scales, options.genai_cuda_graph
     from . import genai
 
     genai_folder = target == "onnxruntime" and (src.parent / genai.CONFIG).is_file()  # genai runs ONNX Runtime only
@@ -414,6 +374,7 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
         if not dry_run:
             folder = genai.plan_folder(src, out, library or _ort_library(), cuda_graph)
     calibration, notes = None, []
+    plan = None  # plan_gqa_layers of `model` for the rewrite: planned once, where the calibration plans
     if calibrate is not False:
         from .calibrate import calibration_tokens, runtime_failures
         from .calibrate_gqa import collect_gqa
@@ -422,8 +383,9 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
 
         auto_keep = keep_layers == "auto"
         planned = [] if auto_keep else keep_layers  # auto: every layer calibrated, then the costliest kept
+        plan = plan_gqa_layers(model, preset, boundary, skip_layers, planned)
         check_supported(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=planned,
-                        unsupported=unsupported)
+                        unsupported=unsupported, plan=plan)
 
         with runtime_failures("calibration"):
             ids, source = calibration_tokens(calibrate, tokenizer, model, src, progress, window)
@@ -432,19 +394,21 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, preset: s
                                                  skip_layers=skip_layers, keep_layers=planned, key_scales=key_scales,
                                                  progress=progress, window=window)
                 if auto_keep:
-                    plans, _, _ = plan_gqa_layers(model, preset, boundary, skip_layers, planned)
+                    plans, _, _ = plan
                     keep_layers, chosen = measured_keep(src, ids, calibration, plans, preset, 2 * boundary,
                                                         value_offsets=value_offsets, key_scales=key_scales,
                                                         progress=progress)
                     notes.append(chosen)
         if ids is None and auto_keep:
             raise RewriteError(f"--keep-layers auto measures the layers on calibration tokens, and there are none: {source}")
+        if auto_keep:  # the rewrite plans with the layers it chose
+            plan = None
         if ids is None:
             notes.append(f"not calibrated: {source}")
     # TensorRT takes each cache's shape as declared: every layer gets its own row width
     rewrite = TurboQuantRewrite(preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
                                 unsupported=unsupported, per_layer=True if target == "tensorrt" else None,
-                                calibration=calibration, value_offsets=value_offsets, key_scales=key_scales)
+                                calibration=calibration, value_offsets=value_offsets, key_scales=key_scales, plan=plan)
     rewrite(model)
     result = rewrite.result
     result.notes += notes

@@ -44,7 +44,7 @@ def self_generated_tokens(model_path: str | os.PathLike, vocab: int | None, *, s
         return None, "none (the vocabulary size is not in the model)"
     from tqdm import tqdm
 
-    from turboquant.decoder import open_decoder
+    from turboquant.decode_loop import open_decoder
 
     rng = np.random.default_rng(seed)
     ids = np.zeros((sequences, window), np.int64)

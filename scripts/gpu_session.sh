@@ -181,7 +181,7 @@ if [ "$step" = bench ]; then  # the benchmarks (attention, TQPack, the report's 
     --out /tmp/report > "$OUT/report.log" 2>&1; echo "report rc=$?"
   # one file for the report's four (the device tool brings back at most 8 files a call)
   tar -C /tmp -cf "$OUT/report.tar" report
-  printf 'import numpy as np, onnxruntime as ort\nort.preload_dlls()\nfrom turboquant.bench import cuda as c\nprint(c.tq_gqa_step("turboquant_4bit_nc", 8, 32, 8, 128, 32768, 3, np.random.default_rng(0)))\n' > /tmp/one.py
+  printf 'import numpy as np, onnxruntime as ort\nort.preload_dlls()\nfrom turboquant.bench import cuda_steps as c\nprint(c.tq_gqa_step("turboquant_4bit_nc", 8, 32, 8, 128, 32768, 3, np.random.default_rng(0)))\n' > /tmp/one.py
   timeout 60 /usr/local/cuda/bin/ncu --clock-control none --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
     --kernel-name regex:"split|finish" --launch-skip 4 --launch-count 4 python3 /tmp/one.py 2>&1 | grep -E "kernel|gpu__time|dram__" > "$OUT/ncu.log"
   cat "$OUT/ncu.log"

@@ -6,7 +6,7 @@ spends outside the attention kernel. Run with PYTHONPATH holding onnxruntime-gpu
 import numpy as np, onnxruntime as ort, torch
 ort.preload_dlls()
 from torch.profiler import profile, ProfilerActivity
-from turboquant.bench import cuda as c
+from turboquant.bench import cuda_steps as c
 rng = np.random.default_rng(0)
 for name, fn in [("tqgqa", lambda: c.tq_gqa_step("turboquant_4bit_nc", 8, 32, 8, 128, 32768, 10, rng)),
                  ("gqa", lambda: c.gqa_step(8, 32, 8, 128, 32768, 10, rng))]:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "tests" / "plugins" / "tensorrt"))
 import conftest as trt_harness  # noqa: E402 - the harness lives beside the plugin tests
 
 import turboquant  # noqa: E402
-from turboquant.bench import cuda, gpu_time  # noqa: E402
+from turboquant.bench import cuda_steps as cuda, gpu_time  # noqa: E402
 from turboquant.config import packed_size  # noqa: E402
 from turboquant.reference import formats  # noqa: E402
 
@@ -52,7 +52,7 @@ def plugin_step_us(h, preset: str, b: int, s: int, iters: int, rng) -> float:
         raise RuntimeError(f"the plugin refused {preset}: {h.h.tqh_error().decode()}")
     width, unit = max(packed_size(kf, D), packed_size(vf, D)), min(s, 1024)
     caches = []
-    for fmt in (kf, vf):  # packed random vectors repeated to S + 1 rows, as bench.cuda makes them
+    for fmt in (kf, vf):  # packed random vectors repeated to S + 1 rows, as bench.cuda_steps makes them
         packed = formats.pack(rng.standard_normal((b, HKV, unit, D)).astype(np.float32), fmt, nc)
         buf = np.zeros((b, HKV, s + 1, width), np.uint8)
         reps = -(-(s + 1) // unit)

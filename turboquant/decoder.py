@@ -170,21 +170,3 @@ class DecoderSession:
             if progress is not None:
                 progress()
         return np.stack(steps, axis=1)
-
-
-def open_decoder(model: str | os.PathLike, max_length: int, **kwargs) -> DecoderSession:
-    """The loop a model's caches take: SharedBufferDecoder (buffers of max_length rows written in
-    place: onnxruntime-genai models, rewrites with --cache in-place) or DecoderSession (growing
-    caches). kwargs: providers, threads, options; static_shapes and cuda_graph (SharedBufferDecoder only)."""
-    import onnx
-
-    graph = onnx.load(os.fspath(model), load_external_data=False).graph
-    if any(n.op_type in ("GroupQueryAttention", "TQGroupQueryAttention") for n in graph.node):
-        from .shared_buffer import SharedBufferDecoder
-
-        return SharedBufferDecoder(model, max_length, **kwargs)
-    asked = [k for k in ("static_shapes", "cuda_graph") if kwargs.pop(k, False)]
-    if asked:
-        raise ValueError(f"{model}: {' and '.join(asked)} need caches written in place (SharedBufferDecoder); "
-                         "this model's grow each step (DecoderSession)")
-    return DecoderSession(model, **kwargs)

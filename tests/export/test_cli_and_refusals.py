@@ -99,7 +99,7 @@ def test_external_data_roundtrip(exported, tmp_path):
     out = tmp_path / "ext.tq.onnx"
     export(src, "turboquant_4bit_nc", out)
     assert (tmp_path / "ext.tq.onnx.data").is_file()
-    from turboquant.decoder import open_decoder
+    from turboquant.decode_loop import open_decoder
 
     logits = open_decoder(out, 8).teacher_forced(np.array([[1, 2, 3, 4, 5]]), 3)
     assert np.isfinite(logits).all()

@@ -5,7 +5,8 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from turboquant.decoder import DecoderSession, open_decoder
+from turboquant.decode_loop import open_decoder
+from turboquant.decoder import DecoderSession
 from turboquant.export import RewriteError, RewritePreconditionError, TurboQuantRewrite
 
 

@@ -186,7 +186,7 @@ def test_static_shapes_refuse_exports_without_position_ids(models, tmp_path):
 def test_cuda_graph_refusals_name_the_provider(models):
     """cuda_graph needs ORT's CUDA provider first: refused with the providers named on the CPU;
     open_decoder refuses it (and static shapes) for a model whose caches grow, naming the model."""
-    from turboquant.decoder import open_decoder
+    from turboquant.decode_loop import open_decoder
 
     path = models("genai")
     original = models("llama-torchscript").parent / "llama-torchscript.onnx"

@@ -1,5 +1,5 @@
 """The decode step's other forms on CUDA, timed in the same run and the same way as bench.cuda's
-presets: TQGroupQueryAttention on raw16 rows (the boundary layers of a rewritten genai model) against
+presets (cuda_steps.py): TQGroupQueryAttention on raw16 rows (the boundary layers of a rewritten genai model) against
 ORT's fp16 GroupQueryAttention on the same bytes; TQAttention with an additive mask (a rewrite that
 keeps the exporter's mask) against the same step without one; and one step of ORT's GroupQueryAttention
 and of TQGroupQueryAttention replayed from ORT's CUDA graphs (`enable_cuda_graph`), against the same
@@ -10,7 +10,7 @@ A form that fails (a CUDA graph capture refused, say) is recorded as NAME_error 
 
 from __future__ import annotations
 
-from . import cuda
+from . import cuda_steps as cuda
 from .cuda_record import GQA_FP16, INPLACE, ShapeRun
 
 MASKED, GRAPH = "_masked", "_graph"

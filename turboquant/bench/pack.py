@@ -70,7 +70,7 @@ def run(device: str, vectors: int, head_dim: int = 128, threads: int | None = No
     if device == "cuda":
         if hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
-        from .cuda import copy_bandwidth
+        from .cuda_steps import copy_bandwidth
 
         rate = copy_bandwidth()
         x_dev = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
@@ -82,7 +82,7 @@ def run(device: str, vectors: int, head_dim: int = 128, threads: int | None = No
         moved = x.nbytes + vectors * packed_size(fmt, head_dim)
         row = {"format": fmt, "vectors": vectors, "head_dim": head_dim, "bytes_moved": moved}
         if device == "cuda":
-            from .cuda import time_iobinding
+            from .cuda_steps import time_iobinding
 
             io = sess.io_binding()
             io.bind_ortvalue_input("x", x_dev)

@@ -60,7 +60,7 @@ class Evaluator:
                  shared_buffer: bool = False, cache_dir: str | os.PathLike | None = None):
         """shared_buffer: run every model as onnxruntime-genai does, one buffer of `context` rows per
         cache tensor bound as past and present (turboquant.shared_buffer), the original too; without
-        it each model takes the loop its caches need (turboquant.decoder.open_decoder).
+        it each model takes the loop its caches need (turboquant.decode_loop.open_decoder).
         cache_dir: where the original's log-probabilities are kept (turboquant.eval.cache) and looked
         up, so a later Evaluator on the same original, tokens and settings skips its run; None: no cache.
         `cached` says whether they came from there."""
@@ -111,7 +111,7 @@ class Evaluator:
         """Yields (window ids [B, context], log-probs [B, context - prefill, V]) per batch."""
         from tqdm import tqdm
 
-        from turboquant.decoder import open_decoder
+        from turboquant.decode_loop import open_decoder
 
         if self.shared_buffer:
             from turboquant.shared_buffer import SharedBufferDecoder

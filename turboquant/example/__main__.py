@@ -75,7 +75,8 @@ def _tokens(text: str) -> int:
 
 def run_random(args, out: pathlib.Path) -> int:
     from .. import random_decoders
-    from ..decoder import DecoderSession, open_decoder
+    from ..decode_loop import open_decoder
+    from ..decoder import DecoderSession
 
     cfg = random_decoders.TinyConfig(family="llama", layers=8, hidden=256, heads=8, kv_heads=2, head_dim=64, vocab=512)
     src = out / _random_files(args.preset)[0]

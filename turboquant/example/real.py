@@ -45,7 +45,8 @@ def paragraph() -> str:
 def run(folder: pathlib.Path, out: pathlib.Path, preset: str, tokens: int, prompt: str, exporter: str) -> int:
     from transformers import AutoTokenizer
 
-    from ..decoder import DecoderSession, open_decoder
+    from ..decode_loop import open_decoder
+    from ..decoder import DecoderSession
     from ..eval import Evaluator, Windows
 
     src = out / "smollm2" / "model.onnx"

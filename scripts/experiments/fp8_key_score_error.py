@@ -6,7 +6,7 @@ offsets and a Walsh-Hadamard rotation; and, for scale, when its values take uint
 The post-rotary queries and keys and the values come from the Hugging Face model in torch (float32),
 on two stretches of a text: the offsets and scales from the first, the errors on the second.
 
-    python scripts/fp8_key_score_error.py MODEL_DIR --gguf FILE.gguf --text topics.txt
+    python scripts/experiments/fp8_key_score_error.py MODEL_DIR --gguf FILE.gguf --text topics.txt
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ key) pair alike (s = (E[(k - m)^2] / E[q^2])^(1/4), the rule before export/key_s
 export/key_scale.py's attention-weighted scales. Offsets and scales come from one text, the errors
 from another.
 
-    python scripts/key_scale_error.py smollm2/model.onnx --tokenizer smollm2 --calibrate topics_far.txt --text topics.txt
+    python scripts/experiments/key_scale_error.py smollm2/model.onnx --tokenizer smollm2 --calibrate topics_far.txt --text topics.txt
 """
 
 from __future__ import annotations

