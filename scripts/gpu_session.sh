@@ -6,7 +6,8 @@
 # first-prompt kernels' probe (probe; prefill adds the op bench's prefill rows), continuation chunks
 # on both chunk kernels in the attention probe (chunk), the CUDA benchmarks, the report's table and plots and a kernel profile (bench), the issue's headline size
 # again in a process of its own (repeat), TQPack's developer variants against the default kernels in
-# the pack probe (pack-ab; pack-ab-build builds its probes alone, e.g. in the background). One step
+# the pack probe (pack-ab; pack-ab-build builds its probes alone, e.g. in the background), the wheel built
+# on the CPU machine installed without building and its CUDA and genai tests (wheel). One step
 # per call of the device tool.
 # pack-ab's PACK_VARIANTS: NAME:FLAGS ... as in scripts/build_probe.sh; PACK_BASELINE: a source tree
 # under the repo root whose pack probe joins the rounds (e.g. `git archive COMMIT ops scripts`
