@@ -6,7 +6,8 @@
 # first-prompt kernels' probe (probe; prefill adds the op bench's prefill rows), continuation chunks
 # on both chunk kernels in the attention probe (chunk), the CUDA benchmarks, the report's table and plots and a kernel profile (bench), the issue's headline size
 # again in a process of its own (repeat), TQPack's developer variants against the default kernels in
-# the pack probe (pack-ab; pack-ab-build builds its probes alone, e.g. in the background). One step
+# the pack probe (pack-ab; pack-ab-build builds its probes alone, e.g. in the background), the wheel built
+# on the CPU machine installed without building and its CUDA and genai tests (wheel). One step
 # per call of the device tool.
 # pack-ab's PACK_VARIANTS: NAME:FLAGS ... as in scripts/build_probe.sh; PACK_BASELINE: a source tree
 # under the repo root whose pack probe joins the rounds (e.g. `git archive COMMIT ops scripts`
@@ -258,4 +259,18 @@ if [ "$step" = trt-check ]; then  # after trt-rtx and `models` (MODELS=llama3b:t
   else
     echo "no $model: run \`MODELS=llama3b:torchscript bash scripts/gpu_session.sh models\` first" | tee "$OUT/trt_decode_check.log"
   fi
+fi
+if [ "$step" = wheel ]; then  # the wheel .ci/run builds on the CPU machine (dist/), in parts under /tmp/parts
+  # (scripts/carry_wheel.sh), after `ort`: installed into /tmp/tqsite without building, then the CUDA op tests and
+  # the genai whole-model tests against it
+  mkdir -p /tmp/wheel && WHEEL=/tmp/wheel/$(cat /tmp/parts/wheel-name) && cat /tmp/parts/wheelp* > "$WHEEL"
+  rm -rf /tmp/tqsite /tmp/tqsrc && cp -r "$root" /tmp/tqsrc
+  python3 -m pip install -q --no-index --no-deps --no-compile --only-binary=:all: --target /tmp/tqsite "$WHEEL" \
+    && echo "build exit 0 (the wheel $(basename "$WHEEL"), installed)" > /tmp/tq_build.log && touch /tmp/tq_build.done
+  cd /tmp
+  python3 -c "import onnxruntime as o, turboquant, turboquant.kernel_plan as k; o.preload_dlls()
+print(turboquant.__file__, turboquant.ort_library_path(), turboquant.trt_plugin_path())
+print('cpu kernels', k.cpu_instruction_set(), '| sm_90a code', bool(k._library().turboquant_sm90a_compiled()), '| device', k.cuda_device())" 2>&1 | tee "$OUT/wheel.log"
+  timeout 400 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/onnxruntime" -m gpu -rs 2>&1 | tee "$OUT/wheel_gpu_tests.log" | tail -8
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider "$root/tests/export/test_genai.py" -m gpu -rs 2>&1 | tee "$OUT/wheel_genai_tests.log" | tail -8
 fi

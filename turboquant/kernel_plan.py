@@ -9,7 +9,7 @@ names: "tc_bulk" (the tensor-core kernel of ops/cuda/attention_tc.cu), "tc_mma" 
 (no past or no query rows: no split kernel). `plan_prefill` and `last_prefill_kernel` do the same for the kernel
 that attends a call's new tokens when it has several query rows (a first prompt, a continuation
 chunk): "wgmma" (ops/cuda/prefill_sm90.cu, Hopper's warpgroup products), "mma" (prefill.cu) or "none"
-(the finish kernel attends each row).
+(the finish kernel attends each row). `cpu_instruction_set` names the copy of the CPU kernels in use.
 """
 
 from __future__ import annotations
@@ -70,7 +70,16 @@ def _library() -> ctypes.CDLL:
     lib.turboquant_last_prefill_kernel.argtypes = []
     lib.turboquant_sm90a_compiled.restype = ctypes.c_int
     lib.turboquant_sm90a_compiled.argtypes = []
+    lib.turboquant_cpu_instruction_set.restype = ctypes.c_char_p
+    lib.turboquant_cpu_instruction_set.argtypes = []
     return lib
+
+
+def cpu_instruction_set() -> str:
+    """The copy of the CPU kernels the library chose when it was loaded: "x86-64-v3" (AVX2, FMA, F16C),
+    "x86-64" (a CPU without them, or TURBOQUANT_CPU_BASELINE=1 in the environment) or "generic"
+    (a build for another architecture)."""
+    return _library().turboquant_cpu_instruction_set().decode()
 
 
 def plan_split(*, batch: int, q_heads: int, kv_heads: int, past_len: int, head_dim: int, key_format: str,

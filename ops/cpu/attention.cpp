@@ -138,7 +138,12 @@ struct CentroidFloats {
     for (int i = 0; i < 16; ++i) c4[i] = static_cast<float>(codebook::kCentroids4[i]);
   }
 };
-const CentroidFloats kCentroidFloats;
+// Tables built on first use, not at library load: this file is also compiled for x86-64-v3
+// (CMakeLists.txt), and that copy's load-time initialisers would run on every CPU.
+const CentroidFloats& centroid_floats() {
+  static const CentroidFloats table;
+  return table;
+}
 
 struct Fp8Table {
   float t[256];
@@ -146,13 +151,17 @@ struct Fp8Table {
     for (int b = 0; b < 256; ++b) t[b] = fp8_to_f32(static_cast<uint8_t>(b));
   }
 };
-const Fp8Table kFp8Table;
+const Fp8Table& fp8_table() {
+  static const Fp8Table table;
+  return table;
+}
 
 // A raw16 or fp8 row as floats: raw16 by the F16C conversion, eight at a time, where the target has it
 // (exact, as the codec's), fp8 through a table; other formats by the codec.
 void plain_row_as_floats(Format fmt, int d, const uint8_t* in, float* out) {
   if (fmt == Format::kFp8) {
-    for (int i = 0; i < d; ++i) out[i] = kFp8Table.t[in[i]];
+    const float* table = fp8_table().t;
+    for (int i = 0; i < d; ++i) out[i] = table[in[i]];
     return;
   }
 #if defined(__F16C__)
@@ -441,7 +450,7 @@ class Runner {
     }
     const int bits = format_bits(p_.key_format);
     const float s = load_f16_le(kb + dq * bits / 8);
-    const float* c = bits == 3 ? kCentroidFloats.c3 : kCentroidFloats.c4;
+    const float* c = bits == 3 ? centroid_floats().c3 : centroid_floats().c4;
 #if defined(__AVX2__)
     {  // eight codes at a time (per-lane shifts), looked up by in-register permutes of the codebook
       const int stride = bits;  // bytes per eight codes

@@ -1,11 +1,12 @@
 // C functions beside RegisterCustomOps, for tests and diagnostics (turboquant/kernel_plan.py calls
 // them through ctypes): the CUDA planners for given shapes and device properties (host code, in every
-// build), and the kernels the process's latest CUDA attention calls ran.
+// build), the kernels the process's latest CUDA attention calls ran, and the CPU kernels' instruction set.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #include "cuda_dispatch.h"
+#include "turboquant/cpu_kernels.h"
 #include "turboquant/split_plan.h"
 
 namespace {
@@ -100,4 +101,9 @@ extern "C" __attribute__((visibility("default"))) const char* turboquant_last_pr
 // 1 where the library holds sm_90a kernels.
 extern "C" __attribute__((visibility("default"))) int turboquant_sm90a_compiled() {
   return turboquant::ort::cuda_sm90a_compiled() ? 1 : 0;
+}
+
+// "x86-64-v3", "x86-64" or "generic": the copy of the CPU kernels chosen at load (ops/cpu/dispatch.cpp).
+extern "C" __attribute__((visibility("default"))) const char* turboquant_cpu_instruction_set() {
+  return turboquant::cpu::instruction_set();
 }

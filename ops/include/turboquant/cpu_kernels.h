@@ -20,6 +20,10 @@ using turboquant::Offset;
 
 // Runs fn(i) for every i in [0, n), possibly concurrently. Adapters map it onto their runtime's
 // thread pool (ORT: the session's intra-op pool); serial_for is the single-threaded fallback.
+// The instruction set the kernels below run with, chosen at library load (ops/cpu/dispatch.cpp):
+// "x86-64-v3" (AVX2, FMA, F16C), "x86-64" (any x86-64 CPU, or TURBOQUANT_CPU_BASELINE=1) or "generic".
+const char* instruction_set();
+
 using ParallelFor = std::function<void(size_t n, const std::function<void(size_t)>& fn)>;
 void serial_for(size_t n, const std::function<void(size_t)>& fn);
 

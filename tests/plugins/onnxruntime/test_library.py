@@ -11,15 +11,17 @@ import turboquant
 
 def test_ort_library_exists_and_exports_only_the_entry_point_and_the_plan_hooks():
     """RegisterCustomOps for ORT, and the C functions turboquant.kernel_plan calls (the split-KV and
-    prefill planners, the kernels the latest CUDA calls ran, whether the library holds sm_90a code);
+    prefill planners, the kernels the latest CUDA calls ran, whether the library holds sm_90a code, the CPU
+    kernels' instruction set);
     nothing else."""
     path = turboquant.ort_library_path()
     if shutil.which("nm") is None:
         pytest.skip("nm (binutils) is not installed: cannot list the dynamic symbols")
     out = subprocess.run(["nm", "-D", "--defined-only", path], check=True, capture_output=True, text=True).stdout
     names = sorted(line.split()[-1] for line in out.splitlines() if line.strip())
-    assert names == ["RegisterCustomOps", "turboquant_last_prefill_kernel", "turboquant_last_split_kernel",
-                     "turboquant_prefill_plan", "turboquant_sm90a_compiled", "turboquant_split_plan"]
+    assert names == ["RegisterCustomOps", "turboquant_cpu_instruction_set", "turboquant_last_prefill_kernel",
+                     "turboquant_last_split_kernel", "turboquant_prefill_plan", "turboquant_sm90a_compiled",
+                     "turboquant_split_plan"]
 
 
 def test_found_from_a_source_checkout(repo_root):
