@@ -15,6 +15,7 @@ from ..config import packed_size
 from ..decoder import _PAST, _layer_kind
 
 _DTYPES = {1: np.float32, 10: np.float16, 2: np.uint8}
+_REPLACED_WEIGHTS = ("tq_qkv_weight_", "tq_o_proj_weight_")  # the rewrite's forms of the exporter's weights
 _SHARED_OPS = {"GroupQueryAttention", "TQGroupQueryAttention"}
 GENAI_CONFIG = "genai_config.json"
 MAX_ROTARY_POSITIONS = 1 << 24  # the rewrite's own bound (turboquant.export --rotary-positions)
@@ -158,12 +159,15 @@ def inspect(path: str | pathlib.Path) -> ModelInfo:
         dims = o.type.tensor_type.shape.dim
         if o.name == "logits" and len(dims) and dims[-1].HasField("dim_value") and dims[-1].dim_value > 0:
             vocab = dims[-1].dim_value
-    # (the in-place form's rotary tables are the rewrite's own; its packed Q, K and V weight holds the
-    # exporter's three side by side: other weights' shapes are compared, and all their elements)
-    large = [t for t in m.graph.initializer if len(t.dims) >= 2 and int(np.prod(t.dims)) >= 4096
-             and not t.name.startswith("tq_rotary_")]
-    shapes = Counter(tuple(t.dims) for t in large if not t.name.startswith("tq_qkv_weight_"))
-    shapes["elements"] = sum(int(np.prod(t.dims)) for t in large)
+    # The rewrite's own initializers (tq_*: rotary tables, offsets, scales) are left out, but for the
+    # weights it replaces: the packed Q, K and V weight holds the three side by side, so the elements
+    # are summed over every matrix, the small ones too (a small model's fused weight reaches the size
+    # its parts did not), and shapes are compared for the large ones.
+    weights = [t for t in m.graph.initializer if len(t.dims) >= 2
+               and (not t.name.startswith("tq_") or t.name.startswith(_REPLACED_WEIGHTS))]
+    shapes = Counter(tuple(t.dims) for t in weights if int(np.prod(t.dims)) >= 4096
+                     and not t.name.startswith("tq_qkv_weight_"))
+    shapes["elements"] = sum(int(np.prod(t.dims)) for t in weights)
     return ModelInfo(onnx_path, folder, caches, any(n.op_type in _SHARED_OPS for n in m.graph.node),
                      meta.get("turboquant.preset"), vocab or config.get("vocab_size"), shapes, config.get("context_length"),
                      _positions(meta, onnx_path))
