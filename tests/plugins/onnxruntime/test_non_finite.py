@@ -36,8 +36,11 @@ def _inputs(kf, vf, where, value, seed):
          "value_offset": rng.standard_normal((HKV, D)) * 0.1, "past_key": rng.standard_normal((B, HKV, SP, D)),
          "past_value": rng.standard_normal((B, HKV, SP, D))}
     f = {k: v.astype(np.float32) for k, v in f.items()}
-    flat = f[where].reshape(-1)
-    flat[rng.integers(0, flat.size)] = value  # one element of one tensor
+    if where == "V":  # the first new token, which every row sees (a hidden value is outside the contract)
+        f["V"][rng.integers(0, B), rng.integers(0, HKV), 0, rng.integers(0, D)] = value
+    else:
+        flat = f[where].reshape(-1)
+        flat[rng.integers(0, flat.size)] = value  # one element of one tensor
     f["past_key"] = formats.pack(f["past_key"], kf)
     f["past_value"] = formats.pack(f["past_value"], vf)
     return f
@@ -95,8 +98,11 @@ def test_group_query_attention_matches_reference(ort_session, device, kf, vf, wh
              "value": rng.standard_normal((B, s, HKV * d)).astype(np.float32),
              "key_offset": (rng.standard_normal((HKV, d)) * 0.1).astype(np.float32),
              "value_offset": (rng.standard_normal((HKV, d)) * 0.1).astype(np.float32)}
-    flat = feeds[where].reshape(-1)
-    flat[rng.integers(0, flat.size)] = value
+    if where == "value":  # the step's first token, which every row sees
+        feeds["value"][rng.integers(0, B), 0, rng.integers(0, HKV * d)] = value
+    else:
+        flat = feeds[where].reshape(-1)
+        flat[rng.integers(0, flat.size)] = value
     y, pk, pv = run(ort_session(m, device=device), feeds)
     wy, wk, wv = group_query_attention(
         feeds["query"], feeds["key"], feeds["value"], feeds["past_key"], feeds["past_value"], feeds["seqlens_k"],
