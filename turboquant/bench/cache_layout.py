@@ -90,7 +90,7 @@ def genai_config(folder: pathlib.Path) -> dict:
                        *((f"decoder.{k}", model.get("decoder", {}).get(k))
                          for k in ("head_size", "hidden_size", "num_attention_heads"))]:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_CONTEXT):
-            raise LayoutError("MODEL", f"{config}: model.{key} is {str(value)[:40]}, not a whole number from 1 to 2**40")
+            raise LayoutError("MODEL", f"{config}: model.{key} is {repr(value)[:40]}, not a whole number from 1 to 2**40")
     if not isinstance(model.get("decoder", {}).get("filename", ""), str):
         raise LayoutError("MODEL", f"{config}: model.decoder.filename is not a file name")
     return model
