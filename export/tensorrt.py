@@ -13,6 +13,11 @@ value_offset that a later float input follows (the plugin counts them by positio
 the length carrier: TensorRT keeps an int32 tensor on the device, where the plugin cannot read it
 before its launch, but gives every tensor's shape on the host; ConstantOfShape([0, total]) is an
 empty int32 tensor whose second dimension is the total (no memory, no kernel), one per graph.
+
+Packed tensors are int8 there (packed_dtype = 3 on every node), the same bytes as ONNX Runtime's
+uint8: TensorRT refuses UINT8 for tensors between layers and for network outputs that no Identity or
+Cast layer makes, so every packed value (caches in and out, TQPack's outputs, whatever passes them
+on) is retyped, while the ONNX Runtime target keeps uint8.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import turboquant
 from .errors import RewriteError
 
 PLUGIN_VERSION = "1"
+PACKED_DTYPE = ir.DataType.INT8  # the packed_dtype field's 3
 _GQA_TOTAL, _GQA_COS, _GQA_SIN, _GQA_POSITIONS, _GQA_KEY_OFFSET, _GQA_KEY_SCALE = 6, 7, 8, 9, 12, 14
 
 
@@ -44,6 +50,7 @@ def for_tensorrt(model: ir.Model) -> int:
             inputs = _gqa_inputs(node, inputs, carriers)
         node.attributes["plugin_namespace"] = ir.AttrString("plugin_namespace", turboquant.DOMAIN)
         node.attributes["plugin_version"] = ir.AttrString("plugin_version", PLUGIN_VERSION)
+        node.attributes["packed_dtype"] = ir.AttrInt64("packed_dtype", int(PACKED_DTYPE))
         kept = [v for v in inputs if v is not None]
         if kept != list(node.inputs):
             node.resize_inputs(0)
@@ -51,8 +58,32 @@ def for_tensorrt(model: ir.Model) -> int:
             for i, v in enumerate(kept):
                 node.replace_input_with(i, v)
         count += 1
+    _packed_as_int8(model)
     model.metadata_props["turboquant.target"] = "tensorrt"
     return count
+
+
+def _packed_as_int8(model: ir.Model) -> None:
+    """Retypes every uint8 value that a turboquant node reads or writes to int8, and the uint8 values
+    joined to those through other nodes (an Identity, a graph output): packed bytes move as int8."""
+    todo = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain == turboquant.DOMAIN:
+            todo += [v for v in (*node.inputs, *node.outputs) if v is not None and v.dtype == ir.DataType.UINT8]
+    seen: set[int] = set()
+    while todo:
+        v = todo.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        v.dtype = PACKED_DTYPE
+        if v.const_value is not None:  # an initializer of packed bytes: the same bytes as int8
+            v.const_value = ir.tensor(v.const_value.numpy().view(np.int8), name=v.name)
+        joined = [u for u in v.producer().outputs if u is not None] if v.producer() is not None else []
+        for use, _ in v.uses():
+            joined += [u for u in use.outputs if u is not None]
+            joined += [u for u in use.inputs if u is not None]
+        todo += [u for u in joined if u.dtype == ir.DataType.UINT8 and id(u) not in seen]
 
 
 def _gqa_inputs(node: ir.Node, inputs: list, carriers: dict) -> list:

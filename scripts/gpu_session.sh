@@ -230,3 +230,32 @@ if [ "$step" = pack-ab ]; then  # TQPack's developer variants (PACK_VARIANTS; PA
     done
   } 2>&1 | tee "$OUT/pack_ab.log"
 fi
+if [ "$step" = trt-rtx ]; then  # TensorRT-RTX from /tmp/trtparts (scripts/carry_trt_rtx.sh), after `build` (or `site`) and `ort`:
+  # installs it, then the engine tests (marked gpu: engines TensorRT-RTX builds from --target tensorrt rewrites,
+  # inspected, and run against the ORT CUDA ops and rewrites); `trt-check` next
+  mkdir -p /tmp/site
+  if [ ! -d /tmp/site/tensorrt_rtx_libs ]; then
+    libs=/tmp/trtparts/$(cat /tmp/trtparts/libs-wheel-name)
+    cat /tmp/trtparts/trtp* > "$libs"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$libs" /tmp/trtparts/tensorrt_rtx_cu13_bindings-*.whl
+  fi
+  cd /tmp
+  python3 -c "from turboquant import tensorrt as t; m = t.trt_module('tensorrt-rtx'); print(m.__name__, m.__version__)" 2>&1 | tee "$OUT/trt_rtx.log"
+  nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv 2>&1 | tee -a "$OUT/trt_rtx.log"
+  timeout "${TRT_TEST_LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider "$root/tests/turboquant/test_tensorrt.py" \
+    "$root/tests/turboquant/test_trt_engine.py" "$root/tests/export/test_target_tensorrt.py" -rs ${TRT_TEST_ARGS:-} 2>&1 \
+    | tee "$OUT/trt_engine_tests.log" | tail -25
+fi
+if [ "$step" = trt-check ]; then  # after trt-rtx and `models` (MODELS=llama3b:torchscript): TRT_MODEL (default that export)
+  # rewritten both ways, its engine built by TensorRT-RTX, decode steps and a greedy loop through it against
+  # ONNX Runtime's rewrite (scripts/trt_decode_check.py; the rewrites and engine in /tmp/trt-check are reused
+  # by a second call where the first ran out of time)
+  cd /tmp
+  model=${TRT_MODEL:-/tmp/bench-models/llama3b/torchscript/model/model.onnx}
+  if [ -f "$model" ]; then
+    timeout "${TRT_CHECK_LIMIT:-540}" python3 "$root/scripts/trt_decode_check.py" "$model" --work /tmp/trt-check \
+      ${TRT_CHECK_ARGS:-} 2>&1 | tee -a "$OUT/trt_decode_check.log" | tail -30
+  else
+    echo "no $model: run \`MODELS=llama3b:torchscript bash scripts/gpu_session.sh models\` first" | tee "$OUT/trt_decode_check.log"
+  fi
+fi

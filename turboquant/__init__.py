@@ -10,6 +10,7 @@
 - turboquant.eval: perplexity, KL and top-1 of a rewrite against its original (python -m turboquant.eval)
 - turboquant.bench: decode-attention benchmarks and the report (python -m turboquant.bench)
 - turboquant.tensorrt: the TensorRT plugin library loaded into a builder or runtime, engine building
+  with TensorRT or TensorRT-RTX (python -m turboquant.build_engine); turboquant.trt_engine runs an engine
 - turboquant.serving.triton: Triton Inference Server model repositories
 - turboquant.hf_export: a local Hugging Face causal LM to ONNX with its KV cache (python -m turboquant.hf_export)
 - turboquant.example: the whole job on SmolLM2-135M or a small random model (python -m turboquant.example)

@@ -32,6 +32,9 @@ COMMANDS = {
         "turboquant.bench.__main__", "time decode attention and packing against ONNX Runtime's own",
         ("turboquant bench attention --device cpu --context 8192",
          "turboquant bench pack --device cuda --vectors 2097152")),
+    "build-engine": Command(
+        "turboquant.build_engine", "build a TensorRT engine from a --target tensorrt rewrite, with the plugins",
+        ("turboquant build-engine model.trt.onnx -o model.plan --batch 1 1 4 --past 0 256 4096",)),
     "serve-triton": Command(
         "turboquant.serving.triton", "write a Triton Inference Server model repository",
         ("turboquant serve-triton model.4bit.onnx --out model_repository --gpus 0",)),

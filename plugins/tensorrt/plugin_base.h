@@ -23,6 +23,11 @@ inline bool is_float(nvinfer1::DataType t) {
 inline DType to_dtype(nvinfer1::DataType t) {
   return t == nvinfer1::DataType::kHALF ? DType::kFloat16 : t == nvinfer1::DataType::kBF16 ? DType::kBFloat16 : DType::kFloat32;
 }
+// The packed tensors' type, from the packed_dtype field (an ONNX element type): uint8 (2, ONNX Runtime's
+// form) or int8 (3, the same bytes: TensorRT refuses UINT8 for tensors between layers and for network
+// outputs that no Identity or Cast layer makes, so --target tensorrt declares them int8).
+inline bool is_packed_type(nvinfer1::DataType t) { return t == nvinfer1::DataType::kUINT8 || t == nvinfer1::DataType::kINT8; }
+nvinfer1::DataType field_packed_type(const char* op, const Fields& f);
 inline int64_t volume_but_last(const nvinfer1::Dims& d) {
   int64_t n = 1;
   for (int i = 0; i + 1 < d.nbDims; ++i) n *= d.d[i];
@@ -104,6 +109,7 @@ class PluginBaseOf : public nvinfer1::IPluginV3,
  protected:
   Fields fields_;
   int32_t num_inputs_ = 0;
+  nvinfer1::DataType packed_type_ = nvinfer1::DataType::kUINT8;  // set by each plugin from its packed_dtype field
 };
 using PluginBase = PluginBaseOf<nvinfer1::IPluginV3OneBuild>;
 

@@ -35,7 +35,8 @@ Fields AttentionPlugin::declare() {
       .add_int("q_num_heads", 0)
       .add_int("kv_num_heads", 0)
       .add_float("scale", 0.f)
-      .add_int("has_mask", -1);
+      .add_int("has_mask", -1)
+      .add_int("packed_dtype", 2);
   return f;
 }
 
@@ -51,13 +52,14 @@ AttentionPlugin::AttentionPlugin(Fields f) : Plugin(std::move(f)) {
   attrs_.validate();
   has_mask_ = fields_.get_int("has_mask");
   if (has_mask_ < -1 || has_mask_ > 1) throw InvalidArgument("TQAttention: field 'has_mask' must be -1 (infer), 0 or 1");
+  packed_type_ = field_packed_type(kName, fields_);
 }
 
 AttentionPlugin::Roles AttentionPlugin::roles_from_types(const DataType* types, int32_t n) {
   Roles r;
   int i = 3;
-  if (i < n && types[i] != DataType::kUINT8) r.mask = i++;
-  if (i < n && types[i] == DataType::kUINT8) {
+  if (i < n && !is_packed_type(types[i])) r.mask = i++;
+  if (i < n && is_packed_type(types[i])) {
     r.past_key = i++;
     r.past_value = i < n ? i++ : -1;
   }
@@ -83,7 +85,7 @@ AttentionSetup AttentionPlugin::setup(const nvinfer1::Dims* dims, const DataType
 
 int32_t AttentionPlugin::getOutputDataTypes(DataType* out, int32_t, const DataType* in, int32_t) const noexcept {
   out[0] = in[0];
-  out[1] = out[2] = DataType::kUINT8;
+  out[1] = out[2] = packed_type_;
   return 0;
 }
 
@@ -144,14 +146,14 @@ bool AttentionPlugin::supportsFormatCombination(int32_t pos, const nvinfer1::Dyn
   if (t.format != nvinfer1::TensorFormat::kLINEAR) return false;
   if (pos == 0) return is_float(t.type);
   if (pos < 3) return t.type == io[0].desc.type;  // K, V
-  if (pos >= nbInputs) return pos == nbInputs ? t.type == io[0].desc.type : t.type == DataType::kUINT8;
-  // Optional inputs: input 3 is the mask (bool or float) or past_key (uint8); the rest follow.
+  if (pos >= nbInputs) return pos == nbInputs ? t.type == io[0].desc.type : t.type == packed_type_;
+  // Optional inputs: input 3 is the mask (bool or float) or past_key (packed); the rest follow.
   std::vector<DataType> types(pos + 1);
   for (int i = 0; i <= pos; ++i) types[i] = io[i].desc.type;
   const Roles r = roles_from_types(types.data(), pos + 1);
   if (pos == r.mask) return has_mask_ != 0 && mask_type_of(t.type) != MaskType::kNone;
-  if (pos == r.past_key) return has_mask_ != 1 || r.mask >= 0;
-  if (pos == r.past_value) return t.type == DataType::kUINT8;
+  if (pos == r.past_key) return t.type == packed_type_ && (has_mask_ != 1 || r.mask >= 0);
+  if (pos == r.past_value) return t.type == packed_type_;
   return t.type == DataType::kFLOAT;  // offsets
 }
 

@@ -5,6 +5,7 @@
 // inputs are simply left out; the mask is told apart from the past by its type (and, while shapes
 // are built, by the has_mask field, or else by whether input 3 has the packed cache's last
 // dimension). Outputs: Y (Q's type), present_key, present_value (uint8 [B, Hkv, S_past + S_new, bytes]).
+// Packed tensors are int8 instead where the packed_dtype field is 3 (--target tensorrt: plugin_base.h).
 #pragma once
 
 #include "plugin_base.h"

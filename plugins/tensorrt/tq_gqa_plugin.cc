@@ -23,6 +23,7 @@ const char* type_name(DataType t) {
     case DataType::kINT32: return "int32";
     case DataType::kINT64: return "int64";
     case DataType::kUINT8: return "uint8";
+    case DataType::kINT8: return "int8";
     case DataType::kBOOL: return "bool";
     default: return "another type";
   }
@@ -48,7 +49,8 @@ Fields GqaPlugin::declare() {
       .add_float("softcap", 0.f)
       .add_int("smooth_softmax", 0)
       .add_int("qk_output", 0)
-      .add_int("packed_qkv", -1);
+      .add_int("packed_qkv", -1)
+      .add_int("packed_dtype", 2);
   return f;
 }
 
@@ -77,6 +79,7 @@ GqaPlugin::GqaPlugin(Fields f) : Plugin(std::move(f)) {
                        "query), got ", packed_qkv_);
   }
   packed_known_ = packed_qkv_;
+  packed_type_ = field_packed_type(kOp, fields_);
 }
 
 GqaPlugin::Roles GqaPlugin::roles(bool packed, const DataType* types, int32_t n) const {
@@ -97,7 +100,7 @@ GqaPlugin::Roles GqaPlugin::roles(bool packed, const DataType* types, int32_t n)
 }
 
 GqaPlugin::Roles GqaPlugin::checked_roles(const nvinfer1::Dims* dims, const DataType* types, int32_t n) const {
-  const bool packed = n > 1 && types[1] == DataType::kUINT8;
+  const bool packed = n > 1 && is_packed_type(types[1]);
   if (packed_qkv_ >= 0 && packed != (packed_qkv_ == 1)) {
     throw_invalid(kOp, "field packed_qkv = ", packed_qkv_, " but input 1 is ", type_name(n > 1 ? types[1] : DataType::kFLOAT),
                   " [", n > 1 ? dims_str(to_dims(dims[1])) : "", "] (", packed ? "past_key: QKV packed" : "key", ")");
@@ -117,8 +120,8 @@ GqaPlugin::Roles GqaPlugin::checked_roles(const nvinfer1::Dims* dims, const Data
   if (!is_float(t)) throw_invalid(kOp, "input 0 (query) is ", type_name(t), "; expected float32, float16 or bfloat16");
   expect(r.key, t, "key");
   expect(r.value, t, "value");
-  expect(r.past_key, DataType::kUINT8, "past_key");
-  expect(r.past_value, DataType::kUINT8, "past_value");
+  expect(r.past_key, packed_type_, "past_key");
+  expect(r.past_value, packed_type_, "past_value");
   expect(r.seqlens_k, DataType::kINT32, "seqlens_k");
   expect(r.total, DataType::kINT32, "the length carrier of total_sequence_length");
   expect(r.cos, t, "cos_cache");
@@ -154,7 +157,7 @@ GqaSetup GqaPlugin::setup(const nvinfer1::Dims* dims, const DataType* types, int
 
 int32_t GqaPlugin::getOutputDataTypes(DataType* out, int32_t, const DataType* in, int32_t) const noexcept {
   out[0] = in[0];
-  out[1] = out[2] = DataType::kUINT8;
+  out[1] = out[2] = packed_type_;
   return 0;
 }
 
@@ -188,14 +191,14 @@ bool GqaPlugin::supportsFormatCombination(int32_t pos, const nvinfer1::DynamicPl
   if (t.format != nvinfer1::TensorFormat::kLINEAR) return false;
   const DataType q = io[0].desc.type;
   if (pos == 0) return is_float(t.type);
-  if (pos >= nbInputs) return t.type == (pos == nbInputs ? q : DataType::kUINT8);
-  const bool packed = packed_qkv_ >= 0 ? packed_qkv_ == 1 : io[1].desc.type == DataType::kUINT8;
+  if (pos >= nbInputs) return t.type == (pos == nbInputs ? q : packed_type_);
+  const bool packed = packed_qkv_ >= 0 ? packed_qkv_ == 1 : is_packed_type(io[1].desc.type);
   std::vector<DataType> types(pos + 1);
   for (int i = 0; i <= pos; ++i) types[i] = io[i].desc.type;
   const Roles r = roles(packed, types.data(), pos + 1);
   if (pos >= r.count) return false;
   if (pos == r.key || pos == r.value || pos == r.cos || pos == r.sin) return t.type == q;
-  if (pos == r.past_key || pos == r.past_value) return t.type == DataType::kUINT8;
+  if (pos == r.past_key || pos == r.past_value) return t.type == packed_type_;
   if (pos == r.seqlens_k || pos == r.total) return t.type == DataType::kINT32;
   if (pos == r.position_ids) return true;  // int64, by which it was recognised
   return t.type == DataType::kFLOAT;       // the offsets and key_scale
@@ -203,7 +206,7 @@ bool GqaPlugin::supportsFormatCombination(int32_t pos, const nvinfer1::DynamicPl
 
 int32_t GqaPlugin::configurePlugin(const nvinfer1::DynamicPluginTensorDesc* in, int32_t nbInputs,
                                    const nvinfer1::DynamicPluginTensorDesc* out, int32_t nbOutputs) noexcept {
-  if (packed_qkv_ < 0 && nbInputs > 1) packed_known_ = in[1].desc.type == DataType::kUINT8 ? 1 : 0;
+  if (packed_qkv_ < 0 && nbInputs > 1) packed_known_ = is_packed_type(in[1].desc.type) ? 1 : 0;
   return Plugin::configurePlugin(in, nbInputs, out, nbOutputs);
 }
 

@@ -8,6 +8,7 @@
 // data is never read), cos_cache and sin_cache (T) exactly when do_rotary, position_ids (int64
 // [B, S]), key_offset, value_offset and key_scale (float32 [Hkv, D]; each needs the ones before it).
 // Outputs: output (T [B, S, Hq*D]), present_key and present_value (past's shapes, aliased).
+// Packed tensors are int8 instead where the packed_dtype field is 3 (--target tensorrt: plugin_base.h).
 #pragma once
 
 #include "plugin_base.h"

@@ -18,6 +18,16 @@ Format field_format(const char* op, const Fields& f, const char* name) {
   return fmt;
 }
 
+DataType field_packed_type(const char* op, const Fields& f) {
+  switch (f.get_int("packed_dtype")) {  // ONNX TensorProto element types
+    case 2: return DataType::kUINT8;
+    case 3: return DataType::kINT8;
+    default:
+      throw InvalidArgument(std::string(op) + ": field 'packed_dtype' is " + std::to_string(f.get_int("packed_dtype")) +
+                            "; expected 2 (uint8) or 3 (int8, the same bytes)");
+  }
+}
+
 namespace {
 
 void check_head_dim(const char* op, int64_t d, bool allow_zero) {
@@ -47,7 +57,7 @@ Offset offset_of(const nvinfer1::PluginTensorDesc* desc, const void* const* inpu
 
 Fields PackPlugin::declare() {
   Fields f;
-  f.add_string("format", "").add_int("head_dim", 0).add_int("norm_correction", 1);
+  f.add_string("format", "").add_int("head_dim", 0).add_int("norm_correction", 1).add_int("packed_dtype", 2);
   return f;
 }
 
@@ -56,10 +66,11 @@ PackPlugin::PackPlugin(Fields f) : Plugin(std::move(f)) {
   head_dim_ = fields_.get_int("head_dim");
   check_head_dim(kName, head_dim_, /*allow_zero=*/true);
   norm_correction_ = fields_.get_int("norm_correction") != 0;
+  packed_type_ = field_packed_type(kName, fields_);
 }
 
 int32_t PackPlugin::getOutputDataTypes(DataType* out, int32_t, const DataType*, int32_t) const noexcept {
-  out[0] = DataType::kUINT8;
+  out[0] = packed_type_;
   return 0;
 }
 
@@ -86,7 +97,7 @@ bool PackPlugin::supportsFormatCombination(int32_t pos, const nvinfer1::DynamicP
   if (t.format != nvinfer1::TensorFormat::kLINEAR) return false;
   if (pos == 0) return is_float(t.type);
   if (pos < nbInputs) return t.type == DataType::kFLOAT;  // offset
-  return t.type == DataType::kUINT8;
+  return t.type == packed_type_;
 }
 
 int32_t PackPlugin::enqueue(const nvinfer1::PluginTensorDesc* in, const nvinfer1::PluginTensorDesc* out,
@@ -106,7 +117,7 @@ int32_t PackPlugin::enqueue(const nvinfer1::PluginTensorDesc* in, const nvinfer1
 
 Fields UnpackPlugin::declare() {
   Fields f;
-  f.add_string("format", "").add_int("head_dim", 0).add_int("dtype", 1);
+  f.add_string("format", "").add_int("head_dim", 0).add_int("dtype", 1).add_int("packed_dtype", 2);
   return f;
 }
 
@@ -114,6 +125,7 @@ UnpackPlugin::UnpackPlugin(Fields f) : Plugin(std::move(f)) {
   format_ = field_format(kName, fields_, "format");
   head_dim_ = fields_.get_int("head_dim");
   check_head_dim(kName, head_dim_, /*allow_zero=*/false);
+  packed_type_ = field_packed_type(kName, fields_);
   switch (fields_.get_int("dtype")) {  // ONNX TensorProto element types, as the ONNX op's attribute
     case 1: out_type_ = DataType::kFLOAT; break;
     case 10: out_type_ = DataType::kHALF; break;
@@ -141,7 +153,7 @@ bool UnpackPlugin::supportsFormatCombination(int32_t pos, const nvinfer1::Dynami
                                              int32_t nbInputs, int32_t) noexcept {
   const auto& t = io[pos].desc;
   if (t.format != nvinfer1::TensorFormat::kLINEAR) return false;
-  if (pos == 0) return t.type == DataType::kUINT8;
+  if (pos == 0) return t.type == packed_type_;
   if (pos < nbInputs) return t.type == DataType::kFLOAT;  // offset
   return t.type == out_type_;
 }

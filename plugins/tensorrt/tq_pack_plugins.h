@@ -1,6 +1,7 @@
 // TQPack and TQUnpack as TensorRT IPluginV3 plugins over the ops/cuda launchers.
 // TQPack: x (float32/float16/bfloat16 [..., D]) [, offset float32 [D] or [H, D]] -> uint8 [..., bytes].
 // TQUnpack: packed uint8 [..., bytes] [, offset] -> [..., head_dim] of the type the dtype field names.
+// Packed tensors are int8 instead where the packed_dtype field is 3 (--target tensorrt: plugin_base.h).
 #pragma once
 
 #include "plugin_base.h"

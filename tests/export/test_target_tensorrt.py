@@ -20,7 +20,7 @@ from turboquant.export.__main__ import main
 from turboquant.export.tensorrt import for_tensorrt
 
 
-def test_nodes_carry_the_plugin_namespace_and_no_empty_inputs(exported, tmp_path):
+def test_nodes_carry_the_plugin_namespace_and_no_empty_inputs(exported, rewritten, tmp_path):
     src = exported("llama-gqa-torchscript")
     r = export(src, "turboquant_4bit_nc", tmp_path / "trt.onnx", calibrate=None, target="tensorrt")
     m = onnx.load(str(r.output))
@@ -32,7 +32,15 @@ def test_nodes_carry_the_plugin_namespace_and_no_empty_inputs(exported, tmp_path
         assert attrs["has_mask"] in (0, 1) and "" not in n.input
         offsets = sum(1 for name in n.input if "_offset_" in name)  # calibrated by default (data-free)
         assert len(n.input) == 5 + attrs["has_mask"] + offsets and offsets == 1
+        assert attrs["packed_dtype"] == TensorProto.INT8
     assert {p.key: p.value for p in m.metadata_props}["turboquant.target"] == "tensorrt"
+    # the packed caches in and out as int8 (TensorRT takes no uint8 network output from a plugin), the same bytes
+    types = {v.name: v.type.tensor_type.elem_type for v in (*m.graph.input, *m.graph.output, *m.graph.value_info)}
+    packed = [name for name, t in types.items() if t == TensorProto.INT8]
+    assert len(packed) == 4 * len(r.compressed) and TensorProto.UINT8 not in types.values()
+    assert all(name.startswith(("past_key_values.", "present.")) for name in packed)
+    ort_form = onnx.load(str(rewritten("llama-gqa-torchscript", "turboquant_4bit_nc").output))  # uint8 there
+    assert sum(v.type.tensor_type.elem_type == TensorProto.UINT8 for v in ort_form.graph.input) == 2 * len(r.compressed)
 
 
 def test_half_precision_export_takes_the_in_place_plugin_form(exported, tmp_path):
@@ -59,8 +67,16 @@ def test_cli_target_option(exported, tmp_path, capsys):
         main([str(src), "--preset", "turboquant_k8v4", "--target", "tflite"])
 
 
+def _trt_or_skip():
+    try:
+        return tq_trt.trt_module()
+    except tq_trt.TensorRTMissing as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.gpu
 def test_engine_matches_onnxruntime(exported, tmp_path):
-    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed here (pip's tensorrt needs NVIDIA's index)")
+    trt = _trt_or_skip()
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("TensorRT engine test needs a GPU")
@@ -71,7 +87,7 @@ def test_engine_matches_onnxruntime(exported, tmp_path):
     r = export(src, "turboquant_4bit_nc", tmp_path / "trt.onnx", target="tensorrt")
     engine_bytes = tq_trt.build_engine(r.output, tq_trt.decoder_profile(r.output, past=(0, 16, 64)))
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-    handle = tq_trt.load_plugins(runtime.get_plugin_registry())  # noqa: F841 - kept alive while the engine runs
+    handle = tq_trt.load_plugins(runtime.get_plugin_registry(), trt=trt)  # noqa: F841 - kept alive while the engine runs
     engine = runtime.deserialize_cuda_engine(engine_bytes)
     ctx = engine.create_execution_context()
 
@@ -91,7 +107,7 @@ def test_engine_matches_onnxruntime(exported, tmp_path):
         name = engine.get_tensor_name(i)
         if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT:
             shape = tuple(ctx.get_tensor_shape(name))
-            dtype = {trt.float32: torch.float32, trt.float16: torch.float16, trt.uint8: torch.uint8}[engine.get_tensor_dtype(name)]
+            dtype = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int8: torch.int8}[engine.get_tensor_dtype(name)]
             outs[name] = torch.empty(shape, dtype=dtype, device="cuda")
             ctx.set_tensor_address(name, outs[name].data_ptr())
     stream = torch.cuda.current_stream()
@@ -144,6 +160,9 @@ def test_genai_nodes_take_the_plugins_form(genai_trt):
         assert n.input[5:7] == ["cos_cache", "sin_cache"]
         assert n.input[7:] == [f"tq_key_offset_{layer}", f"{n.name}_tq_zero_value_offset", f"tq_key_scale_{layer}"][:3 * calibrated]
         assert shapes[n.input[1]][3] == widths[str(layer)]  # boundary layers raw16, the others packed
+        assert a["packed_dtype"] == TensorProto.INT8
+    caches = [v for v in (*m.graph.input, *m.graph.output) if v.name.startswith(("past_key_values.", "present."))]
+    assert len(caches) == 4 * GENAI.layers and {v.type.tensor_type.elem_type for v in caches} == {TensorProto.INT8}
     assert sorted(set(widths.values())) == [max(packed_size("mse4", 64), packed_size("uint4", 64)), 2 * 64]
     assert {p.key: p.value for p in m.metadata_props}["turboquant.target"] == "tensorrt"
 
@@ -237,10 +256,11 @@ def test_absent_offsets_before_a_later_float_input_become_zeros():
     assert [v.producer().op_type for v in node.inputs[-3:-1]] == ["Constant", "Constant"]
 
 
+@pytest.mark.gpu
 def test_gqa_engine_updates_the_buffers_in_place(tmp_path, ort_session):
     """Where TensorRT is installed: an engine of one TQGroupQueryAttention node (--target tensorrt's
     form, present bound to past's buffer) against the ORT CUDA op, a first prompt then decode steps."""
-    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed here (pip's tensorrt needs NVIDIA's index)")
+    trt = _trt_or_skip()
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("TensorRT engine test needs a GPU")
@@ -259,7 +279,7 @@ def test_gqa_engine_updates_the_buffers_in_place(tmp_path, ort_session):
                            "cos_cache": ((cap, d // 2),) * 3, "sin_cache": ((cap, d // 2),) * 3},
                           values={"total_sequence_length": ((1,), (16,), (cap,))})
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-    handle = tq_trt.load_plugins(runtime.get_plugin_registry())  # noqa: F841 - kept alive while the engine runs
+    handle = tq_trt.load_plugins(runtime.get_plugin_registry(), trt=trt)  # noqa: F841 - kept alive while the engine runs
     engine = runtime.deserialize_cuda_engine(tq_trt.build_engine(path, prof))
     ctx = engine.create_execution_context()
     sess = ort_session(proto, device="cuda")
@@ -267,7 +287,7 @@ def test_gqa_engine_updates_the_buffers_in_place(tmp_path, ort_session):
     angles = rng.uniform(0, 6.3, (cap, d // 2))
     cos, sin = np.cos(angles).astype(np.float16), np.sin(angles).astype(np.float16)
     past = {n: np.zeros((b, hkv, cap, w), np.uint8) for n in ("past_key", "past_value")}
-    bufs = {n: torch.zeros(past[n].shape, dtype=torch.uint8, device="cuda") for n in past}
+    bufs = {n: torch.zeros(past[n].shape, dtype=torch.int8, device="cuda") for n in past}  # the engine's packed type
     lengths, s = [7, 5], 7
     for step in range(4):
         if step:
@@ -290,8 +310,8 @@ def test_gqa_engine_updates_the_buffers_in_place(tmp_path, ort_session):
         stream = torch.cuda.current_stream()
         assert ctx.execute_async_v3(stream.cuda_stream)
         stream.synchronize()
-        np.testing.assert_array_equal(bufs["past_key"].cpu().numpy(), present_k)
-        np.testing.assert_array_equal(bufs["past_value"].cpu().numpy(), present_v)
+        np.testing.assert_array_equal(bufs["past_key"].cpu().numpy().view(np.uint8), present_k)
+        np.testing.assert_array_equal(bufs["past_value"].cpu().numpy().view(np.uint8), present_v)
         for i, n in enumerate(lengths):
             rows = n if step == 0 else s
             np.testing.assert_array_equal(out.cpu().numpy()[i, :rows], y[i, :rows])

@@ -157,8 +157,8 @@ def _check_options(backend, engine, library, instances, gpus) -> None:
     if backend not in ("onnxruntime", "tensorrt"):
         raise ValueError(f"backend must be 'onnxruntime' or 'tensorrt', got {backend!r}")
     if backend == "tensorrt" and (engine is None or not pathlib.Path(engine).is_file()):
-        raise ValueError("the TensorRT backend serves an engine: give --engine PLAN (built with trtexec or "
-                         "turboquant.tensorrt.build_engine)")
+        raise ValueError("the TensorRT backend serves an engine: give --engine PLAN (built by turboquant build-engine, "
+                         "trtexec or turboquant.tensorrt.build_engine)")
     if backend == "onnxruntime" and engine is not None:
         raise ValueError("--engine is served by --backend tensorrt; the onnxruntime backend serves the model itself")
     if backend == "tensorrt" and library is not None:

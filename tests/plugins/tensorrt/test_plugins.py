@@ -27,14 +27,15 @@ def test_creators_name_the_onnx_ops(trt):
     for name, (_, namespace, version, *fields) in creators.items():
         assert (namespace, version) == ("turboquant", "1")
     fields = {f.split(":")[0] for f in creators["TQAttention"][3:]}
-    assert fields == set(ATTN)  # the ONNX op's attributes, plus has_mask
-    assert {f.split(":")[0] for f in creators["TQPack"][3:]} == {"format", "head_dim", "norm_correction"}
-    assert {f.split(":")[0] for f in creators["TQUnpack"][3:]} == {"format", "head_dim", "dtype"}
-    assert {f.split(":")[0] for f in creators["TQGroupQueryAttention"][3:]} == set(GQA)  # the op's attributes, plus packed_qkv
+    # the ONNX op's attributes, plus has_mask / packed_qkv, and packed_dtype (int8 for --target tensorrt)
+    assert fields == set(ATTN) | {"packed_dtype"}
+    assert {f.split(":")[0] for f in creators["TQPack"][3:]} == {"format", "head_dim", "norm_correction", "packed_dtype"}
+    assert {f.split(":")[0] for f in creators["TQUnpack"][3:]} == {"format", "head_dim", "dtype", "packed_dtype"}
+    assert {f.split(":")[0] for f in creators["TQGroupQueryAttention"][3:]} == set(GQA) | {"packed_dtype"}
 
 
 @pytest.mark.parametrize("name, fields", [
-    ("TQPack", dict(format="mse3", head_dim=96, norm_correction=0)),
+    ("TQPack", dict(format="mse3", head_dim=96, norm_correction=0, packed_dtype=3)),
     ("TQUnpack", dict(format="fp8", head_dim=64, dtype=10)),
     ("TQAttention", dict(ATTN, key_format="mse3", value_format="uint3", is_causal=1, q_num_heads=32, kv_num_heads=8, scale=0.125, has_mask=1)),
     ("TQGroupQueryAttention", dict(GQA, key_format="fp8", norm_correction=0, num_heads=32, kv_num_heads=8, scale=0.0625,
@@ -43,7 +44,7 @@ def test_creators_name_the_onnx_ops(trt):
 def test_fields_survive_serialisation(trt, name, fields):
     p = trt.create(name, **fields)
     assert p is not None and p.identity() == f"{name} turboquant 1"
-    want = {k: (f"{v:g}" if isinstance(v, float) else str(v)) for k, v in fields.items()}
+    want = {k: (f"{v:g}" if isinstance(v, float) else str(v)) for k, v in {"packed_dtype": 2, **fields}.items()}
     assert p.fields() == want
     again = p.roundtrip()
     assert again.identity() == p.identity() and again.fields() == want
@@ -100,6 +101,35 @@ def test_format_combinations(trt):
     assert pack.supports(0, ["bfloat16"], ["uint8"]) and pack.supports(1, ["float16"], ["uint8"])
     assert not pack.supports(0, ["uint8"], ["uint8"])
 
+
+
+def test_packed_dtype_int8_is_the_same_bytes_under_the_type_tensorrt_takes(trt, capfd):
+    """packed_dtype 3 (--target tensorrt): every packed input and output int8, uint8 refused there;
+    the roles (mask or past, packed QKV or not) read the same from int8 as from uint8."""
+    i8 = dict(packed_dtype=3)
+    assert trt.create("TQPack", format="mse4", **i8).output_types(["float16"]) == ["int8"]
+    pack = trt.create("TQPack", format="mse4", **i8)
+    assert pack.supports(1, ["float16"], ["int8"]) and not pack.supports(1, ["float16"], ["uint8"])
+    unpack = trt.create("TQUnpack", format="mse4", head_dim=64, dtype=10, **i8)
+    assert unpack.supports(0, ["int8"], ["float16"]) and not unpack.supports(0, ["uint8"], ["float16"])
+    a = trt.create("TQAttention", **ATTN, **i8)
+    ins, outs = ["float16"] * 3 + ["int8", "int8", "float32", "float32"], ["float16", "int8", "int8"]
+    assert a.output_types(ins) == outs
+    assert all(a.supports(i, ins, outs) for i in range(len(ins) + len(outs)))
+    assert not a.supports(3, ["float16"] * 3 + ["uint8", "uint8"], outs)
+    with_mask = ["bfloat16"] * 3 + ["bool", "int8", "int8"]
+    assert all(a.supports(i, with_mask, ["bfloat16", "int8", "int8"]) for i in range(9))
+    g = trt.create("TQGroupQueryAttention", **dict(GQA, do_rotary=1), **i8)
+    gi = ["int8" if t == "uint8" else t for t, _ in gqa_inputs(rotary=True, position_ids=True, offsets=3)]
+    assert g.output_types(gi) == ["float16", "int8", "int8"]
+    assert all(g.supports(i, gi, ["float16", "int8", "int8"]) for i in range(len(gi) + 3))
+    assert not g.supports(12, gi, ["float16", "uint8", "uint8"])  # present_key
+    inferred = trt.create("TQGroupQueryAttention", **GQA, **i8)
+    separate = [("int8" if t == "uint8" else t, d) for t, d in gqa_inputs(packed=False)]
+    assert inferred.configure(separate, [("int8" if t == "uint8" else t, d) for t, d in gqa_outputs()]) == 0
+    assert inferred.aliased_input(1) == 3  # past_key found by its int8 type
+    assert trt.create("TQPack", format="mse4", packed_dtype=1) is None
+    assert "field 'packed_dtype' is 1; expected 2 (uint8) or 3 (int8" in capfd.readouterr().err
 
 def test_workspace_bound_for_a_long_decode(trt):
     a = trt.create("TQAttention", **ATTN)
@@ -302,7 +332,7 @@ def test_exported_genai_nodes_are_accepted_by_the_plugin(trt, tmp_path):
     src = random_decoders.export_genai(cfg, tmp_path / "genai")
     out = export(src, "turboquant_k8v4", tmp_path / "trt" / "model.onnx", boundary=0, progress=False, target="tensorrt").output
     model = ir.load(out)
-    names = {ir.DataType.FLOAT: "float32", ir.DataType.UINT8: "uint8", ir.DataType.INT32: "int32"}
+    names = {ir.DataType.FLOAT: "float32", ir.DataType.INT8: "int8", ir.DataType.INT32: "int32"}  # packed: int8
     nodes = [n for n in model.graph if n.op_type == "TQGroupQueryAttention"]
     assert len(nodes) == cfg.layers
     for n in nodes:
@@ -310,7 +340,7 @@ def test_exported_genai_nodes_are_accepted_by_the_plugin(trt, tmp_path):
         plugin = trt.create("TQGroupQueryAttention", **fields)
         assert plugin is not None
         types = [names[v.dtype] for v in n.inputs]
-        outs = ["float32", "uint8", "uint8"]
+        outs = ["float32", "int8", "int8"]
         assert all(plugin.supports(i, types, outs) for i in range(len(types) + 3))
         cache = ",".join(str(x) if isinstance(x, int) else "P" for x in n.inputs[1].shape)
         shapes = plugin.output_shapes("B,S,512", cache, cache, "B", "0,T", "M,32", "M,32")
