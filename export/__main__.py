@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from turboquant._libs import LibraryNotBuiltError
-from turboquant.arguments import non_negative
+from turboquant.arguments import non_negative, positive
 from turboquant.config import TQ_PRESETS
 
 from .calibrate import DEFAULT_WINDOW, LLOYD_MAX_WINDOW
@@ -14,6 +14,7 @@ from .errors import RewriteError
 from .options import RewriteOptions
 from .rewrite import export_with
 from .rotary import MAX_POSITIONS
+from turboquant.boundary import Parser, boundary
 
 
 def _layer_list(text: str) -> list[int]:
@@ -48,8 +49,9 @@ def _options(args: argparse.Namespace) -> RewriteOptions:
                           calibration_window=args.calibration_window, genai_cuda_graph=args.genai_cuda_graph)
 
 
+@boundary("python -m turboquant.export")
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m turboquant.export",
         description="Rewrite an exported ONNX decoder so that its KV cache is stored packed with TurboQuant "
         "and attention reads the packed bytes (turboquant.TQAttention). The first and last attention layers "
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                    "per-layer key offsets and scales: token ids (.npy/.ids) or text (with --tokenizer), or data-free: "
                    "'random' (random token ids) or 'self' (text the model writes itself, sampled with a fixed seed from "
                    "random-token prompts); a file named so is ./random or ./self (default: self)")
-    p.add_argument("--calibration-window", type=int, metavar="TOKENS",
+    p.add_argument("--calibration-window", type=positive, metavar="TOKENS",
                    help=f"tokens in each window the calibration prefills from an empty cache (default {LLOYD_MAX_WINDOW} for "
                    f"the Lloyd-Max-key presets, {DEFAULT_WINDOW} for turboquant_k8v4; 4096 "
                    "tokens in all, e.g. 4 windows of 1024; --calibrate self's 16 sequences of 256 tokens back to back): "

@@ -38,6 +38,27 @@ def default_output(path: pathlib.Path, preset: str) -> pathlib.Path:
     return path.with_name(f"{path.stem}.{preset}.onnx")
 
 
+def _longest_sequence(src: pathlib.Path) -> int | None:
+    """The most tokens the model takes, as its folder says: genai_config.json's context_length (the
+    buffers onnxruntime-genai allocates, which the calibration's windows must fit), else config.json's
+    max_position_embeddings; None where neither does."""
+    from .rotary import configured_positions
+
+    return _genai_context(src) or configured_positions(src)
+
+
+def _genai_context(src: pathlib.Path) -> int | None:
+    """genai_config.json's context_length beside the model, where it is a positive whole number (the
+    rewrite's read_config names what else is wrong with the file)."""
+    from .genai import CONFIG
+
+    try:
+        n = json.loads((src.parent / CONFIG).read_text())["model"]["context_length"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def _output_path(src: pathlib.Path, preset: str, output) -> pathlib.Path:
     if output is None:
         return default_output(src, preset)
@@ -126,10 +147,12 @@ def export_with(model_path: str | os.PathLike, output: str | os.PathLike | None,
         raise RewriteError("--calibrate and --no-offsets contradict each other: calibration only computes offsets and scales")
     if calibration_window is not None and not offsets:
         raise RewriteError("--calibration-window and --no-offsets contradict each other: the windows are the calibration's")
-    if calibration_window is None:  # no longer than the positions config.json beside the model gives
-        from .rotary import positions_for
-
-        calibration_window = max(16, min(default_window(preset), positions_for(src)))
+    longest = _longest_sequence(src)
+    if calibration_window is None:  # no longer than the sequences the model takes (config.json, genai_config.json)
+        calibration_window = max(16, min(default_window(preset), longest or default_window(preset)))
+    elif offsets and _genai_context(src) is not None and calibration_window > _genai_context(src):
+        raise RewriteError(f"--calibration-window {calibration_window} is longer than the {_genai_context(src)} tokens "
+                           f"of the model's buffers (genai_config.json's context_length); give at most {_genai_context(src)}")
     if value_scales and not offsets:
         raise RewriteError("--value-scales and --no-offsets contradict each other: the scales come from the calibration")
     if value_scales and (cache == "concat" or target == "tensorrt"):

@@ -180,17 +180,34 @@ class Fused:
     sin_cache: ir.Value
 
 
-def positions_for(src) -> int:
-    """The tables' positions: the source folder's config.json max_position_embeddings, else DEFAULT_POSITIONS."""
+def configured_positions(src) -> int | None:
+    """The source folder's config.json max_position_embeddings, or None where it does not say (no
+    file, no such key, not a positive whole number)."""
     import json
     import pathlib
 
     cfg = pathlib.Path(src).parent / "config.json"
     try:
         n = json.loads(cfg.read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return DEFAULT_POSITIONS
-    return int(n) if isinstance(n, int) and n > 0 else DEFAULT_POSITIONS
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def positions_for(src) -> int:
+    """The tables' positions: the source folder's config.json max_position_embeddings, else
+    DEFAULT_POSITIONS; RewriteError where config.json asks for more than MAX_POSITIONS (tables of
+    2**62 positions are no model's: the file is damaged, or --rotary-positions must choose)."""
+    import pathlib
+
+    n = configured_positions(src)
+    if n is not None and n > MAX_POSITIONS:
+        from .errors import RewriteError
+
+        raise RewriteError(f"{pathlib.Path(src).parent / 'config.json'}: max_position_embeddings {n} is more than the "
+                           f"{MAX_POSITIONS} (2**24) positions rotary tables take; give --rotary-positions N "
+                           "(0 keeps the exporter's rotary nodes)")
+    return n or DEFAULT_POSITIONS
 
 
 def plan(model: ir.Model, rotated: dict[int, tuple[ir.Value, ir.Value]], head_dim: dict[int, int], dtype: ir.DataType,

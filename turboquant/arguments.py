@@ -11,7 +11,19 @@ import tempfile
 from .saving import refuse_existing
 
 
+LARGEST = 2**31 - 1  # counts ONNX Runtime and the kernels take as C ints; beyond it a count is a typo
+
+
+def max_threads() -> int:
+    """The most intra-op threads an option takes: 4 per core of this machine (at least 16); ONNX
+    Runtime starts every one, and 100000 spinning threads never finish."""
+    return max(16, 4 * (os.cpu_count() or 1))
+
+
 def _integer(text: str, what: str) -> int:
+    text = str(text).strip()
+    if len(text.lstrip("+-")) > 30:  # int() of a huge literal takes a while, and no count is that long
+        raise argparse.ArgumentTypeError(f"{text[:20]}... is too large (at most {LARGEST})")
     try:
         return int(text)
     except ValueError:
@@ -19,19 +31,43 @@ def _integer(text: str, what: str) -> int:
 
 
 def positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
+    """argparse type: an integer from 1 to 2**31 - 1."""
     n = _integer(text, "a positive integer")
     if n <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive count, not {text}")
+    if n > LARGEST:
+        raise argparse.ArgumentTypeError(f"{text} is too large (at most {LARGEST})")
     return n
 
 
 def non_negative(text: str) -> int:
-    """argparse type: an integer >= 0."""
+    """argparse type: an integer from 0 to 2**31 - 1."""
     n = _integer(text, "a non-negative integer")
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be zero or more, not {text}")
+    if n > LARGEST:
+        raise argparse.ArgumentTypeError(f"{text} is too large (at most {LARGEST})")
     return n
+
+
+def threads(text: str) -> int:
+    """argparse type: an intra-op thread count, 1 to max_threads()."""
+    n = positive(text)
+    if n > max_threads():
+        raise argparse.ArgumentTypeError(f"{text} threads is more than {max_threads()} (4 per core of this machine)")
+    return n
+
+
+def at_most(limit: int, kind=positive):
+    """argparse type: `kind` (positive, non_negative) and at most `limit`."""
+    def check(text: str) -> int:
+        n = kind(text)
+        if n > limit:
+            raise argparse.ArgumentTypeError(f"{text} is more than {limit}")
+        return n
+
+    check.__name__ = f"{kind.__name__}_at_most_{limit}"
+    return check
 
 
 def non_negative_list(text: str) -> list[int]:

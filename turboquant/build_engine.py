@@ -11,14 +11,15 @@ of --capacity rows (default: the longest past plus the most new tokens).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from .arguments import check_output_file, non_negative, positive, read_onnx
+from .boundary import Parser, boundary
 
 
+@boundary("python -m turboquant.build_engine")
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m turboquant.build_engine", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m turboquant.build_engine", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="the rewritten decoder (.onnx), written by `turboquant export ... --target tensorrt`")
     p.add_argument("-o", "--output", required=True, help="the serialized engine to write (.plan); never overwritten")
     p.add_argument("--batch", nargs=3, type=positive, default=(1, 1, 4), metavar=("MIN", "OPT", "MAX"),

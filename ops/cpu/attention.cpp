@@ -326,7 +326,8 @@ class Runner {
     const float* voff = p_.value_offset ? p_.value_offset + t.hkv * dv : nullptr;
     for (int r = 0; r < rows; ++r) {
       const int64_t base = t.b * p_.y.b + st.hq[r] * p_.y.h + st.pos[r] * p_.y.s;
-      const float inv = st.l[r] > 0.0f ? 1.0f / st.l[r] : 0.0f;  // 0: no key visible, the output is 0
+      // 0: no key visible, the output is 0; NaN: a NaN or +inf score (fold)
+      const float inv = st.l[r] > 0.0f ? 1.0f / st.l[r] : (st.l[r] == st.l[r] ? 0.0f : st.l[r]);
       const float* a = &w.acc[static_cast<size_t>(r) * dv];
       for (int i = 0; i < dv; ++i) {
         float o = a[i] + st.zsum[r];
@@ -530,13 +531,18 @@ class Runner {
     for (int r = 0; r < rb; ++r) {
       float* s = sc + r * ld;
       V8 mx8 = V8{} + kNegInf;
+      tiles::I8 odd{};  // a NaN or +inf score: the row's output is NaN (docs/ops.md, Non-finite input)
       for (int j = 0; j < n8; j += 8) {
         const V8 x = tiles::load8(s + j);
         mx8 = x > mx8 ? x : mx8;
+        odd |= (x != x) | (x == -kNegInf);
       }
       const float mx = hmax(mx8);
       const int R = r0 + r;
-      if (mx == kNegInf) {  // nothing visible in this block
+      bool poisoned = false;
+      for (int i = 0; i < 8; ++i) poisoned = poisoned || odd[i];
+      if (poisoned) st.l[R] = std::numeric_limits<float>::quiet_NaN();  // stays NaN: scaled and added to
+      if (poisoned || mx == kNegInf) {  // nothing (more) to weigh in this block
         std::memset(s, 0, sizeof(float) * n8);
         continue;
       }

@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, split_min_blocks(kRows)) split_kerne
       const float m_new = fmaxf(row_max[r], m);
       float sum = 0.0f;
       for (int u = lane; u < kTile; u += 32) {
-        const float e = m_new == -INFINITY ? 0.0f : __expf(scores[r][u] - m_new);
+        const float e = scores[r][u] == -INFINITY ? 0.0f : __expf(scores[r][u] - m_new);  // a NaN score stays NaN
         scores[r][u] = e;
         sum += e;
       }

@@ -165,7 +165,11 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
         float mx = m;
 #pragma unroll
         for (int u = 0; u < kChunk; ++u) mx = fmaxf(mx, ms[u]);
-        if (mx == -INFINITY) continue;  // every part so far is empty
+        if (mx == -INFINITY) {  // every part so far is empty, or saw only NaN scores (its sum NaN)
+#pragma unroll
+          for (int u = 0; u < kChunk; ++u) sum = ss[u] != ss[u] ? ss[u] : sum;
+          continue;
+        }
         const float rescale = m == -INFINITY ? 0.0f : __expf(m - mx);
         sum *= rescale;
 #pragma unroll
@@ -186,7 +190,7 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
       merge_splits(std::integral_constant<int, 8>{});
     }
   }
-  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const float inv = sum > 0.0f ? 1.0f / sum : (sum == sum ? 0.0f : sum);  // NaN: a NaN or +inf score
   const int64_t ybase = b * p.y.b + hq * p.y.h + pos * p.y.s;
   for (int c = 0; c < kMaxCols; ++c) {
     const int col = tid + c * kThreads;

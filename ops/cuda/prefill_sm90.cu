@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                     o, m[h], sum, h, lane);
       continue;
     }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row that sees no key: zeros
+    const float inv = sum > 0.0f ? 1.0f / sum : (sum == sum ? 0.0f : sum);  // no key: zeros; a NaN sum (NaN or +inf score): NaN
     T* yr = y + b * p.y.b + hq * p.y.h + r * p.y.s;
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {

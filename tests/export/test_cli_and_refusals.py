@@ -379,7 +379,9 @@ def test_too_large_boundary_names_the_layer_count(exported, tmp_path, capsys):
     """A boundary that keeps every layer (which was capped in silence) is refused with the model's
     layer count, before the calibration runs; --keep-layers auto's 2 x boundary too."""
     src = exported("gpt2-mha-torchscript")
-    for boundary in ("99999999999999999999", "3"):
+    rc, err = run_main(capsys, src, "--preset", "turboquant_4bit_nc", "-o", tmp_path / "o.onnx", "--boundary", "9" * 20)
+    assert_refused(rc, err, f"argument --boundary: {'9' * 20} is too large (at most 2147483647)")  # a count's bound
+    for boundary in ("2147483647", "3"):
         rc, err = run_main(capsys, src, "--preset", "turboquant_4bit_nc", "-o", tmp_path / "o.onnx", "--boundary", boundary)
         assert_refused(rc, err, f"--boundary {boundary} keeps the first and last {boundary} of the model's 6 cache "
                                 "layers, which leaves none to compress (--boundary 2 at most)")

@@ -16,14 +16,19 @@ import sys
 
 from ..arguments import cuda_missing
 from ..arguments import head_dim as _head_dim
+from ..arguments import at_most, threads
 from ..arguments import positive as _positive
 from ..config import TQ_PRESETS
 from ..saving import OutputExists, write_new_text
 from . import attention, checks, decode_cli, prefill
+from ..boundary import Parser, boundary
+
+_repeat = at_most(10**6)  # timed calls per candidate
 
 
+@boundary("python -m turboquant.bench")
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m turboquant.bench", description=__doc__.split("\n\n")[1])
+    p = Parser(prog="python -m turboquant.bench", description=__doc__.split("\n\n")[1])
     sub = p.add_subparsers(dest="what", required=True)
     a = sub.add_parser("attention", help="decode attention per step")
     a.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -32,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--kv-heads", type=_positive, default=8)
     a.add_argument("--head-dim", type=_head_dim, default=128)
     a.add_argument("--context", type=_positive, nargs="+", default=[8192], help="tokens in the cache (several: a sweep)")
-    a.add_argument("--threads", type=_positive, default=os.cpu_count(), help="intra-op threads, the same for every candidate")
-    a.add_argument("--repeat", type=_positive, default=20)
+    a.add_argument("--threads", type=threads, default=os.cpu_count(), help="intra-op threads, the same for every candidate")
+    a.add_argument("--repeat", type=_repeat, default=20)
     a.add_argument("--presets", nargs="+", default=list(TQ_PRESETS), choices=list(TQ_PRESETS))
     a.add_argument("--json", help="write the results here as JSON")
     a.add_argument("--plot", help="write a PNG of time against context length here")
@@ -44,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--q-heads", type=_positive, default=32)
     r.add_argument("--kv-heads", type=_positive, default=8)
     r.add_argument("--head-dim", type=_head_dim, default=128)
-    r.add_argument("--threads", type=_positive, default=os.cpu_count())
-    r.add_argument("--repeat", type=_positive, default=20)
+    r.add_argument("--threads", type=threads, default=os.cpu_count())
+    r.add_argument("--repeat", type=_repeat, default=20)
     r.add_argument("--presets", nargs="+", default=list(TQ_PRESETS), choices=list(TQ_PRESETS))
     r.add_argument("--out", default="bench-report", help="folder for the table, JSON and plots (default ./bench-report)")
     k = sub.add_parser("pack", help="TQPack throughput per format, against a copy in the same run")
@@ -53,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--vectors", type=_positive, nargs="+", default=[1 << 21],
                    help="fp16 vectors per call (default 2097152: 512 MiB; several: a sweep)")
     k.add_argument("--head-dim", type=_head_dim, default=128)
-    k.add_argument("--threads", type=_positive, default=os.cpu_count())
-    k.add_argument("--repeat", type=_positive, default=20)
+    k.add_argument("--threads", type=threads, default=os.cpu_count())
+    k.add_argument("--repeat", type=_repeat, default=20)
     k.add_argument("--json", help="write the results here as JSON")
     k.add_argument("--plot", help="write a PNG of each format's fraction of the copy rate against the vectors per call here")
     decode_cli.add_parsers(sub)

@@ -15,8 +15,11 @@ from ..config import packed_size
 from ..decoder import _PAST, _layer_kind
 
 _DTYPES = {1: np.float32, 10: np.float16, 2: np.uint8}
+_REPLACED_WEIGHTS = ("tq_qkv_weight_", "tq_o_proj_weight_")  # the rewrite's forms of the exporter's weights
 _SHARED_OPS = {"GroupQueryAttention", "TQGroupQueryAttention"}
 GENAI_CONFIG = "genai_config.json"
+MAX_ROTARY_POSITIONS = 1 << 24  # the rewrite's own bound (turboquant.export --rotary-positions)
+MAX_CONTEXT = 1 << 40  # a context_length beyond any buffer a machine holds: a damaged config
 
 
 class LayoutError(ValueError):
@@ -86,8 +89,8 @@ def genai_config(folder: pathlib.Path) -> dict:
     for key, value in [("context_length", model.get("context_length")), ("vocab_size", model.get("vocab_size")),
                        *((f"decoder.{k}", model.get("decoder", {}).get(k))
                          for k in ("head_size", "hidden_size", "num_attention_heads"))]:
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise LayoutError("MODEL", f"{config}: model.{key} is {value!r}, not a positive whole number")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_CONTEXT):
+            raise LayoutError("MODEL", f"{config}: model.{key} is {repr(value)[:40]}, not a whole number from 1 to 2**40")
     if not isinstance(model.get("decoder", {}).get("filename", ""), str):
         raise LayoutError("MODEL", f"{config}: model.decoder.filename is not a file name")
     return model
@@ -120,7 +123,7 @@ def inspect(path: str | pathlib.Path) -> ModelInfo:
     config = genai_config(folder) if folder else {}
     decoder = config.get("decoder", {})
     meta = {p.key: p.value for p in m.metadata_props}
-    formats = {d["layer"]: d for d in json.loads(meta.get("turboquant.layers", "[]"))}
+    formats = _layer_formats(meta, onnx_path)
     head_dim = None
     if decoder.get("hidden_size") and decoder.get("num_attention_heads"):
         head_dim = decoder["hidden_size"] // decoder["num_attention_heads"]
@@ -152,18 +155,48 @@ def inspect(path: str | pathlib.Path) -> ModelInfo:
         if c.dtype is np.uint8 and c.key_format is None:
             raise LayoutError("MODEL", f"{onnx_path}: uint8 cache {c.name} without turboquant.layers metadata naming its format")
     vocab = None
-    for o in m.graph.output:
-        if o.name == "logits" and o.type.tensor_type.shape.dim[-1].HasField("dim_value"):
-            vocab = o.type.tensor_type.shape.dim[-1].dim_value
-    # (the in-place form's rotary tables are the rewrite's own; its packed Q, K and V weight holds the
-    # exporter's three side by side: other weights' shapes are compared, and all their elements)
-    large = [t for t in m.graph.initializer if len(t.dims) >= 2 and int(np.prod(t.dims)) >= 4096
-             and not t.name.startswith("tq_rotary_")]
-    shapes = Counter(tuple(t.dims) for t in large if not t.name.startswith("tq_qkv_weight_"))
-    shapes["elements"] = sum(int(np.prod(t.dims)) for t in large)
+    for o in m.graph.output:  # a logits output without a declared shape leaves the vocabulary unknown
+        dims = o.type.tensor_type.shape.dim
+        if o.name == "logits" and len(dims) and dims[-1].HasField("dim_value") and dims[-1].dim_value > 0:
+            vocab = dims[-1].dim_value
+    # The rewrite's own initializers (tq_*: rotary tables, offsets, scales) are left out, but for the
+    # weights it replaces: the packed Q, K and V weight holds the three side by side, so the elements
+    # are summed over every matrix, the small ones too (a small model's fused weight reaches the size
+    # its parts did not), and shapes are compared for the large ones.
+    weights = [t for t in m.graph.initializer if len(t.dims) >= 2
+               and (not t.name.startswith("tq_") or t.name.startswith(_REPLACED_WEIGHTS))]
+    shapes = Counter(tuple(t.dims) for t in weights if int(np.prod(t.dims)) >= 4096
+                     and not t.name.startswith("tq_qkv_weight_"))
+    shapes["elements"] = sum(int(np.prod(t.dims)) for t in weights)
     return ModelInfo(onnx_path, folder, caches, any(n.op_type in _SHARED_OPS for n in m.graph.node),
                      meta.get("turboquant.preset"), vocab or config.get("vocab_size"), shapes, config.get("context_length"),
                      _positions(meta, onnx_path))
+
+
+def _layer_formats(meta: dict, onnx_path: pathlib.Path) -> dict[int, dict]:
+    """turboquant.layers of a rewrite by layer: a JSON list of objects with an integer "layer" and
+    known formats; LayoutError naming the metadata where it is anything else."""
+    from ..config import ALL_FORMATS
+
+    text = meta.get("turboquant.layers", "[]")
+    where = f"{onnx_path}: metadata turboquant.layers"
+    try:
+        entries = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise LayoutError("MODEL", f"{where} is not JSON ({getattr(e, 'msg', type(e).__name__)})") from None
+    if not isinstance(entries, list) or not all(isinstance(d, dict) for d in entries):
+        raise LayoutError("MODEL", f"{where} is not a list of objects")
+    formats = {}
+    for d in entries:
+        layer = d.get("layer")
+        if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+            raise LayoutError("MODEL", f"{where}: layer {layer!r} is not a layer number")
+        for kind in ("key_format", "value_format"):
+            if d.get(kind) is not None and d[kind] not in ALL_FORMATS:
+                raise LayoutError("MODEL", f"{where}: layer {layer}'s {kind} {str(d[kind])[:40]!r} is not one of "
+                                  f"{', '.join(ALL_FORMATS)}")
+        formats[layer] = d
+    return formats
 
 
 def _positions(meta: dict, onnx_path: pathlib.Path) -> int | None:
@@ -172,9 +205,12 @@ def _positions(meta: dict, onnx_path: pathlib.Path) -> int | None:
     if text is None:
         return None
     try:
-        return int(text)
+        n = int(text)
     except ValueError:
-        raise LayoutError("MODEL", f"{onnx_path}: metadata turboquant.rotary_positions is {text!r}, not a number") from None
+        raise LayoutError("MODEL", f"{onnx_path}: metadata turboquant.rotary_positions is {text[:40]!r}, not a number") from None
+    if not 0 < n <= MAX_ROTARY_POSITIONS:
+        raise LayoutError("MODEL", f"{onnx_path}: metadata turboquant.rotary_positions is {n}, not 1 to {MAX_ROTARY_POSITIONS}")
+    return n
 
 
 def _data_files(model, folder: pathlib.Path) -> set[pathlib.Path]:

@@ -30,7 +30,19 @@ def _count(text: str) -> int:
     return int(d)
 
 
+def _at_most(limit: int):
+    """argparse type: _count, at most `limit` (a count of timed runs: more would never finish)."""
+    def check(text: str) -> int:
+        n = _count(text)
+        if n > limit:
+            raise argparse.ArgumentTypeError(f"{text} is more than {limit}")
+        return n
+
+    return check
+
+
 def add_parsers(sub) -> None:
+    from ..arguments import non_negative, threads
     from .checks import non_negative_float
     from .decode_models import BUILDERS, SHAPES
 
@@ -44,7 +56,7 @@ def add_parsers(sub) -> None:
                    help="sequences decoded together (B); several: paired with --context's values in order")
     d.add_argument("--context", type=_count, nargs="+", default=[1024],
                    help="tokens in the cache when the timed steps start (S); several: one point each, one session per model")
-    d.add_argument("--steps", type=_count, default=16, help="timed decode steps (median reported; 2 more warm up)")
+    d.add_argument("--steps", type=_at_most(10**6), default=16, help="timed decode steps (median reported; 2 more warm up)")
     d.add_argument("--prefill-chunk", type=_count, help="tokens per prefill call (default: the whole prompt at once; "
                    "onnxruntime-genai's runtime always takes it at once)")
     d.add_argument("--runtime", choices=["ort", "genai"], default="ort",
@@ -68,8 +80,8 @@ def add_parsers(sub) -> None:
                    "taken in one call cannot be stopped by --ttft-budget)")
     d.add_argument("--capacity", type=_count, metavar="BYTES",
                    help="report the largest batch at S and the longest context at B whose KV cache fits in BYTES (e.g. 80e9)")
-    d.add_argument("--threads", type=_count, help="intra-op threads (default: ONNX Runtime's)")
-    d.add_argument("--rounds", type=_count, default=1,
+    d.add_argument("--threads", type=threads, help="intra-op threads (default: ONNX Runtime's)")
+    d.add_argument("--rounds", type=_at_most(10**4), default=1,
                    help="time every model this many times, one model at a time, the models' order reversed every "
                    "other round; the table gives the medians and their spread, the JSON each round's ms/step")
     d.add_argument("--isolate", action="store_true",
@@ -95,7 +107,7 @@ def add_parsers(sub) -> None:
                    help="also write the turboquant rewrite to DIR/tq (default preset turboquant_4bit_nc)")
     m.add_argument("--no-calibration", action="store_true",
                    help="rewrite without key offsets or scales (no data-free calibration run of the original on the CPU)")
-    m.add_argument("--boundary", type=int, help="the rewrite's boundary layers (default 2; 1 for models under 6 layers)")
+    m.add_argument("--boundary", type=non_negative, help="the rewrite's boundary layers (default 2; 1 for models under 6 layers)")
     m.add_argument("--cache", choices=["auto", "in-place", "concat"],
                    help="torchscript: the rewrite's cache form (turboquant.export --cache; default auto, which is in-place "
                    "for these models); genai models are in place already")

@@ -23,6 +23,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from .. import node_models
+from ..arguments import at_most, threads
 from ..arguments import head_dim as _head_dim, positive as _positive
 from ..config import TQ_PRESETS, TurboQuantConfig
 from ..node_models import IR_VERSION
@@ -69,8 +70,8 @@ def add_parser(sub) -> None:
     f.add_argument("--kv-heads", type=_positive, default=8)
     f.add_argument("--head-dim", type=_head_dim, default=128)
     f.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default: fp32 on cpu, fp16 on cuda")
-    f.add_argument("--threads", type=_positive, default=os.cpu_count(), help="intra-op threads, the same for all")
-    f.add_argument("--repeat", type=_positive, default=3)
+    f.add_argument("--threads", type=threads, default=os.cpu_count(), help="intra-op threads, the same for all")
+    f.add_argument("--repeat", type=at_most(10**6), default=3)
     f.add_argument("--presets", nargs="+", default=["turboquant_4bit_nc"], choices=list(TQ_PRESETS))
     f.add_argument("--baselines", nargs="+", default=list(BASELINES), choices=list(BASELINES),
                    help="ORT's attention to time against (default: all)")

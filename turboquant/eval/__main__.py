@@ -9,9 +9,10 @@ import sys
 
 import numpy as np
 
-from turboquant.arguments import check_output_file, check_output_folder, cuda_missing, non_negative, positive, read_onnx
+from turboquant.arguments import check_output_file, check_output_folder, cuda_missing, non_negative, positive, read_onnx, threads
 from turboquant.saving import write_new_text
 from turboquant.config import TQ_PRESETS
+from turboquant.boundary import Parser, boundary
 
 
 def _layers(text: str) -> list[int]:
@@ -22,7 +23,7 @@ def _layers(text: str) -> list[int]:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m turboquant.eval",
         description="Teacher-forced comparison of rewritten decoders with their original through the KV-cache path: "
         "each window is prefilled, then decoded one token at a time; perplexity, its relative increase, mean KL "
@@ -31,17 +32,17 @@ def parse(argv):
     p.add_argument("rewritten", nargs="*", help="rewritten models to compare with it")
     p.add_argument("--text", required=True, help="text file (with --tokenizer), or token ids as .npy / .ids (whitespace-separated)")
     p.add_argument("--tokenizer", metavar="DIR", help="local Hugging Face tokenizer folder for a text file")
-    p.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--prefill", type=int, default=256, help="tokens prefilled at the start of each window; the rest are "
+    p.add_argument("--context", type=positive, default=512, help="tokens per window (default 512)")
+    p.add_argument("--prefill", type=positive, default=256, help="tokens prefilled at the start of each window; the rest are "
                    "decoded one at a time and scored (default 256)")
-    p.add_argument("--stride", type=int, help="tokens between window starts (default context - prefill: scored spans tile the text)")
-    p.add_argument("--max-tokens", type=int, default=2048, help="score about this many tokens, rounded up to whole windows "
+    p.add_argument("--stride", type=positive, help="tokens between window starts (default context - prefill: scored spans tile the text)")
+    p.add_argument("--max-tokens", type=non_negative, default=2048, help="score about this many tokens, rounded up to whole windows "
                    "(default 2048; 0 for the whole text)")
-    p.add_argument("--batch", type=int, default=8, help="windows decoded together (default 8)")
+    p.add_argument("--batch", type=positive, default=8, help="windows decoded together (default 8)")
     p.add_argument("--shared-buffer", action="store_true", help="run each model the way onnxruntime-genai does (one "
                    "preallocated buffer per cache tensor, bound as past and present): for genai-built models")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--threads", type=positive, help="intra-op threads (CPU)")
+    p.add_argument("--threads", type=threads, help="intra-op threads (CPU)")
     p.add_argument("--sensitivity", metavar="PRESET", choices=list(TQ_PRESETS),
                    help="per-layer mode: rewrite the original with PRESET one layer at a time and report each")
     p.add_argument("--sensitivity-mode", choices=["only", "all-but-one"], default="only",
@@ -76,6 +77,7 @@ def parse(argv):
     return args
 
 
+@boundary("python -m turboquant.eval")
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from turboquant.export import RewriteError

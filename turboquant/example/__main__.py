@@ -26,12 +26,14 @@ from ..config import TQ_PRESETS
 from ..eval.metrics import mean_kl
 from ..saving import write_new
 from .workspace import rewrite, workspace
+from ..boundary import Parser, boundary
 
 PROMPT = "The three primary colours are"
 
 
+@boundary("python -m turboquant.example")
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m turboquant.example", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m turboquant.example", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="turboquant_4bit_nc", choices=list(TQ_PRESETS))
     p.add_argument("--out", default="turboquant-example", help="folder for the models (default ./turboquant-example)")
     p.add_argument("--tokens", type=_tokens, default=24, help=f"tokens to generate (at most {MAX_TOKENS})")

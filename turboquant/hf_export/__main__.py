@@ -21,13 +21,15 @@ import sys
 
 from ..arguments import check_output_file
 from ..saving import publish, staging
+from ..boundary import Parser, boundary
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16"}
 
 
+@boundary("python -m turboquant.hf_export")
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m turboquant.hf_export", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m turboquant.hf_export", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="local folder of a Hugging Face causal LM (or holding the --gguf file)")
     p.add_argument("-o", "--output", required=True, help="the .onnx file to write (its folder gets the tokenizer)")
     p.add_argument("--gguf", help="a GGUF file name inside the folder; transformers dequantizes it to float32")

@@ -4,7 +4,8 @@ Semantics: ONNX Attention (opset 23) over a cache whose past entries are packed.
 K/V are attended exactly (in float64 here) and packed into present; past tokens are attended from
 their packed form. With key_offset, every key is scored as k - key_offset (softmax cancels the
 shift); with value_offset, past values read back as unpack(v) + value_offset.
-A query row whose keys are all masked out gives zeros.
+A query row whose keys are all masked out gives zeros; one with a NaN or +inf score among its
+visible keys gives NaN (docs/ops.md, Non-finite input).
 """
 
 from __future__ import annotations
@@ -73,13 +74,18 @@ def attention(
     if is_causal:
         qi = np.arange(sq)[:, None] + (s_total - sq)
         allowed &= np.arange(s_total)[None, :] <= qi
-    scores = np.where(allowed, scores, -np.inf)
-    row_max = scores.max(-1, keepdims=True)
-    live = np.isfinite(row_max)
-    p = np.exp(scores - np.where(live, row_max, 0.0))
-    denom = p.sum(-1, keepdims=True)
-    p = np.where(live, p / np.where(live, denom, 1.0), 0.0)
-    y = np.einsum("bhqk,bhkd->bhqd", p, v_all)
+    # Non-finite scores (docs/ops.md, Non-finite input): a visible NaN or +inf score makes its row NaN
+    # (softmax's inf - inf); a -inf score weighs 0, as a masked key does.
+    poisoned = (allowed & (np.isnan(scores) | (scores == np.inf))).any(-1, keepdims=True)
+    scores = np.where(allowed & ~np.isnan(scores), scores, -np.inf)
+    with np.errstate(invalid="ignore", over="ignore"):
+        row_max = scores.max(-1, keepdims=True)
+        live = np.isfinite(row_max) & ~poisoned
+        p = np.exp(scores - np.where(live, row_max, 0.0))
+        denom = p.sum(-1, keepdims=True)
+        p = np.where(live, p / np.where(live, denom, 1.0), 0.0)
+        y = np.einsum("bhqk,bhkd->bhqd", p, v_all)
+    y = np.where(poisoned, np.nan, y)
     if three_d:
         y = y.transpose(0, 2, 1, 3).reshape(b, sq, hq * dv)
     return y.astype(np.float32).astype(q_dtype), present_key, present_value

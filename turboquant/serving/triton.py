@@ -22,6 +22,7 @@ import sys
 
 from ..arguments import check_output_folder, external_data_files, non_negative_list, positive, read_onnx
 from ..saving import publish_folder, refuse_existing, staging
+from ..boundary import Parser, boundary
 
 _TRITON_TYPES = {1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 6: "TYPE_INT32", 7: "TYPE_INT64", 9: "TYPE_BOOL",
                  10: "TYPE_FP16", 11: "TYPE_FP64", 16: "TYPE_BF16"}
@@ -58,8 +59,26 @@ def _io(model_path: pathlib.Path):
     return rows(m.graph.input), rows(m.graph.output), m
 
 
+_ESCAPES = {ord("\\"): "\\\\", ord('"'): '\\"', ord("'"): "\\'", ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"}
+
+
+def quoted(text: str) -> str:
+    """text as a protobuf text-format string literal: quotes, backslashes and control bytes escaped
+    (octal for the rest), so a tensor name (any string in ONNX) cannot end the string and add
+    configuration; UTF-8 beyond ASCII is kept as it is, which the format reads."""
+    out = []
+    for c in text:
+        if ord(c) in _ESCAPES:
+            out.append(_ESCAPES[ord(c)])
+        elif ord(c) < 0x20 or ord(c) == 0x7F:
+            out.append(f"\\{ord(c):03o}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
 def _tensor(kind: str, name: str, dtype: str, dims: list[int]) -> str:
-    return f'{kind} {{\n  name: "{name}"\n  data_type: {dtype}\n  dims: [ {", ".join(map(str, dims))} ]\n}}\n'
+    return f'{kind} {{\n  name: {quoted(name)}\n  data_type: {dtype}\n  dims: [ {", ".join(map(str, dims))} ]\n}}\n'
 
 
 def config_text(name: str, inputs, outputs, *, backend: str, library: str, gpus: list[int], instances: int,
@@ -84,7 +103,7 @@ def config_text(name: str, inputs, outputs, *, backend: str, library: str, gpus:
             out_name = n.replace("past_key_values.", "present.", 1).replace("past_", "present_", 1)
             init_dims = [d[1], 0, d[3]]
             states.append(
-                f'    {{\n      input_name: "{n}"\n      output_name: "{out_name}"\n      data_type: {t}\n'
+                f'    {{\n      input_name: {quoted(n)}\n      output_name: {quoted(out_name)}\n      data_type: {t}\n'
                 f'      dims: [ {", ".join(map(str, d[1:]))} ]\n'
                 f'      initial_state: {{\n        data_type: {t}\n        dims: [ {", ".join(map(str, init_dims))} ]\n'
                 f'        zero_data: true\n        name: "empty cache"\n      }}\n    }}')
@@ -185,8 +204,9 @@ def _files(model: pathlib.Path, proto, backend: str, engine) -> list[tuple[pathl
     return [(model, "model.onnx")] + [(f, str(f.relative_to(model.parent))) for f in data]
 
 
+@boundary("python -m turboquant.serving.triton")
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m turboquant.serving.triton", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m turboquant.serving.triton", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="the rewritten decoder (.onnx); for --backend tensorrt, the --target tensorrt one")
     p.add_argument("--out", required=True, help="the model repository folder")
     p.add_argument("--name", help="model name in the repository (default: the file name up to its first dot)")

@@ -56,3 +56,27 @@ def test_a_rewrite_says_how_many_positions_its_rotary_tables_hold(tmp_path):
     tq = export(orig, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", boundary=1, progress=False).output
     assert cache_layout.inspect(orig).rotary_positions is None
     assert cache_layout.inspect(tq).rotary_positions == 131072
+
+
+def test_a_small_models_own_rewrite_is_a_form_of_it(tmp_path):
+    """Head size 16 at hidden 64: the exporter's K and V weights (64 x 32) are below the size that makes
+    a weight's shape compared, the rewrite's packed Q, K and V weight (64 x 128) above it; their
+    elements are counted all the same, so eval and bench decode take the pair (they refused it)."""
+    from turboquant.export import export
+
+    cfg = random_decoders.TinyConfig(family="llama", layers=6, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=4)
+    src = random_decoders.export(cfg, tmp_path / "small.onnx")
+    dst = export(src, "turboquant_4bit_nc", None, progress=False, offsets=False).output  # default form: in place, QKV packed
+    assert any(t.name.startswith("tq_qkv_weight_") for t in onnx.load(dst, load_external_data=False).graph.initializer)
+    cache_layout.check_same_model(cache_layout.inspect(src), cache_layout.inspect(dst), "MODEL 2")
+
+
+def test_malformed_layer_metadata_and_logits_without_a_shape(exported, tmp_path):
+    m = onnx.load(exported)
+    next(o for o in m.graph.output if o.name == "logits").type.tensor_type.ClearField("shape")
+    onnx.save(m, tmp_path / "noshape.onnx")
+    assert cache_layout.inspect(tmp_path / "noshape.onnx").vocab is None  # an IndexError before
+    m.metadata_props.add(key="turboquant.layers", value='[{"layer": 0, "key_format": 4}]')
+    onnx.save(m, tmp_path / "bad.onnx")
+    with pytest.raises(cache_layout.LayoutError, match="metadata turboquant.layers: layer 0's key_format '4' is not one of"):
+        cache_layout.inspect(tmp_path / "bad.onnx")

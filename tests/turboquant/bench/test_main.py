@@ -25,11 +25,14 @@ def bench(*args):
     (["--head-dim", "12"], "argument --head-dim: unsupported head_dim 12"),
     (["--batch", "two"], "argument --batch: expected a positive integer, got 'two'"),
     (["--q-heads", "6", "--kv-heads", "4"], "argument --q-heads: 6 is not a multiple of --kv-heads 4"),
+    (["--threads", str(2**40)], "argument --threads: 1099511627776 is too large"),
+    (["--threads", "100000"], "argument --threads: 100000 threads is more than"),
+    (["--repeat", str(10**7)], "argument --repeat: 10000000 is more than 1000000"),
 ])
 def test_bad_arguments(what, bad, message, tmp_path):
     r = bench(what, *SMALL, *bad, *(["--out", str(tmp_path / "r")] if what == "report" else []))
     lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and lines[0].startswith("usage:") and message in lines[-1], r.stderr
+    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr  # one line, no usage block
     assert "Traceback" not in r.stderr and not (tmp_path / "r").exists()
 
 
@@ -101,9 +104,9 @@ def test_outputs_made_in_a_new_folder(what, args, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["attention", *SMALL, "--context", "1000000000000"], "--context 1000000000000 at batch 1 needs about"),
-    (["report", *SMALL, "--context", "1000000000000"], "--context 1000000000000 at batch 1 needs about"),
-    (["pack", "--vectors", "99999999999"], "--vectors 99999999999 needs about"),
+    (["attention", *SMALL, "--context", "2000000000"], "--context 2000000000 at batch 1 needs about"),
+    (["report", *SMALL, "--context", "2000000000"], "--context 2000000000 at batch 1 needs about"),
+    (["pack", "--vectors", "2000000000"], "--vectors 2000000000 needs about"),
 ])
 def test_arrays_larger_than_the_machine_refused_before_allocating(argv, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # report's default folder

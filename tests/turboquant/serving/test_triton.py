@@ -1,6 +1,8 @@
 """Triton model repositories: configs that parse as Triton's ModelConfig and match the model's I/O."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turboquant.export import export
 from turboquant.serving.triton import main, write_repository
@@ -168,3 +170,31 @@ def test_a_failed_copy_leaves_no_folder_behind(rewritten, tmp_path, capsys, monk
     assert main([str(rewritten), "--out", str(tmp_path / "a" / "b" / "repo")]) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # a/b/repo made for it, and removed again
+
+
+def test_tensor_names_are_quoted_not_injected(rewritten, tmp_path):
+    """A tensor name holding a quote, a newline and a brace (legal in ONNX and ONNX Runtime) stays one
+    name in config.pbtxt: it parses back as itself, and adds no input or setting."""
+    import onnx
+
+    m = onnx.load(rewritten)
+    evil = 'attention_mask"\n}\ninput {\n  name: "injected'
+    for node in m.graph.node:
+        node.input[:] = [evil if n == "attention_mask" else n for n in node.input]
+    next(i for i in m.graph.input if i.name == "attention_mask").name = evil
+    path = tmp_path / "evil.onnx"
+    onnx.save(m, path)
+    folder = write_repository(path, tmp_path / "repo")
+    config = parse(folder)
+    names = [i.name for i in config.input]
+    assert evil in names and "injected" not in names and len(names) == len([i for i in m.graph.input if i.name not in
+                                                                            {t.name for t in m.graph.initializer}])
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.text())
+def test_quoted_round_trips_any_text(name):
+    from turboquant.serving.triton import quoted
+
+    config = text_format.Parse(f"name: {quoted(name)}\n", model_config.ModelConfig())
+    assert config.name == name
