@@ -26,6 +26,7 @@ import onnx_ir as ir
 from .calibrate import DEFAULT_WINDOW, Calibration, add_cache_sums, fp8_key_scale, key_peaks, window_count, windows
 from .gqa import _attr, plan_gqa_layers
 from .key_scale import AttentionMoments
+from .qk_norm import fused_norm_problem, has_fused_qk_norm, unfuse_qk_norm
 from .surgery import _initializer
 
 
@@ -59,6 +60,9 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
     ids, window, starts = windows(ids, window, max_windows or window_count(window))
     probe = ir.load(model_path)
     plans, _, nodes = plan_gqa_layers(probe, preset, boundary, skip_layers, keep_layers)
+    for node in nodes.values():  # ONNX Runtime's CPU kernel rejects the fused Q/K norm of genai's CUDA builds
+        if has_fused_qk_norm(node) and fused_norm_problem(node) is None:
+            unfuse_qk_norm(node)
     layers = [p for p in plans if p.compressed]
     tables, queries, notes = {}, {}, []
     fp8 = set()  # layers whose scales need no queries
