@@ -143,8 +143,15 @@ def genai_runs_provider(config: dict) -> tuple[bool, str]:
 
 
 def staged_view(pairs: list[tuple[pathlib.Path, pathlib.Path]], where: pathlib.Path) -> pathlib.Path:
-    """A folder of links to the staged files under their final names: the folder as it will be published."""
+    """A folder of hard links to the staged files under their final names: the folder as it will be
+    published (hard, not symbolic: genai refuses a custom-op library that resolves outside the folder)."""
+    import os
+    import shutil
+
     where.mkdir()
     for staged, final in pairs:
-        (where / final.name).symlink_to(staged.resolve())
+        try:
+            os.link(staged, where / final.name)
+        except OSError:  # a file system without hard links
+            shutil.copy2(staged, where / final.name)
     return where

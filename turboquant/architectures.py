@@ -22,6 +22,7 @@ class Architecture:
     kwargs: dict = dataclasses.field(default_factory=dict)  # over COMMON
     window: bool = False  # some layers attend through a sliding window
     torch_export: bool = True  # exported by torch.onnx too (the coverage's TorchScript and dynamo rows)
+    boundary: int = 1  # the rewrite's --boundary (0 where the model has only two attention layers)
 
     def config_kwargs(self) -> dict:
         kw = {**COMMON, **self.kwargs}
@@ -45,7 +46,7 @@ ARCHITECTURES = [
                  dict(sliding_window=2047, max_position_embeddings=4096, original_max_position_embeddings=4096,
                       head_dim=None), window=True),
     Architecture("Phi-4-mini (LongRoPE, partial rotary)", "phi3", "Phi3ForCausalLM",
-                 dict(max_position_embeddings=4096, original_max_position_embeddings=256, partial_rotary_factor=0.75,
+                 dict(max_position_embeddings=4096, original_max_position_embeddings=1024, partial_rotary_factor=0.75,
                       rope_parameters=None, rope_scaling=None, head_dim=None, _longrope=True)),
     Architecture("Phi-2", "phi", "PhiForCausalLM", dict(partial_rotary_factor=0.5, head_dim=None)),
     Architecture("Gemma", "gemma", "GemmaForCausalLM"),
@@ -54,18 +55,22 @@ ARCHITECTURES = [
     Architecture("Gemma 3 (5 of 6 layers windowed)", "gemma3_text", "Gemma3ForCausalLM",
                  dict(num_hidden_layers=6, sliding_window=16, sliding_window_pattern=6, rope_local_base_freq=10000.0),
                  window=True),
-    Architecture("Granite", "granite", "GraniteForCausalLM"),
+    # granite-3.x's multipliers (the config's defaults of 1.0 attend at scale 1, not the model's 1/64)
+    Architecture("Granite", "granite", "GraniteForCausalLM",
+                 dict(attention_multiplier=0.015625, embedding_multiplier=12.0, residual_multiplier=0.22,
+                      logits_scaling=8.0)),
     Architecture("Olmo", "olmo", "OlmoForCausalLM"),
     Architecture("Nemotron", "nemotron", "NemotronForCausalLM", dict(partial_rotary_factor=0.5)),
     Architecture("Ernie 4.5", "ernie4_5", "Ernie4_5ForCausalLM"),
     Architecture("HunYuan dense", "hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
-    Architecture("SmolLM3", "smollm3", "SmolLM3ForCausalLM"),
+    # not here: SmolLM3 (genai 0.18's builder stops on transformers 5's config: KeyError 'position_ids'),
+    # ChatGLM and InternLM2 (remote code), Qwen3.5 and the vision-language and MoE-hybrid classes
     Architecture("gpt-oss (window, sinks, MoE)", "gpt_oss", "GptOssForCausalLM",
                  dict(sliding_window=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=256),
                  window=True, torch_export=False),
     Architecture("LFM2 (conv + attention)", "lfm2", "Lfm2ForCausalLM",
                  dict(num_hidden_layers=6, full_attn_idxs=[2, 5], block_dim=256, block_ff_dim=512, conv_L_cache=3,
-                      head_dim=None), torch_export=False),
+                      head_dim=None), torch_export=False, boundary=0),
 ]
 
 

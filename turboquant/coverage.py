@@ -38,6 +38,7 @@ class Row:
     cuda: str = ""  # the CUDA build's dry run
     torch_forms: dict = dataclasses.field(default_factory=dict)  # exporter -> cache form
     error: str = ""
+    notes: list = dataclasses.field(default_factory=list)  # the rewrite's summary notes
 
     def cells(self) -> list[str]:
         comp = _ranges(self.compressed) or "none"
@@ -63,6 +64,9 @@ def hf_model(arch: Architecture, seed: int = 0, head_scale: float = 6.0):
     kw = arch.config_kwargs()
     longrope = kw.pop("_longrope", False)
     cfg = transformers.AutoConfig.for_model(arch.model_type, **kw)
+    for k, v in kw.items():  # what this transformers' config class no longer keeps, genai's builder may read
+        if not hasattr(cfg, k):
+            setattr(cfg, k, v)
     if longrope:
         head = cfg.hidden_size // cfg.num_attention_heads
         factor = kw.get("partial_rotary_factor", 1.0)
@@ -145,12 +149,14 @@ def teacher_forced_top1(original: pathlib.Path, rewritten: pathlib.Path, vocab: 
     return float(np.mean(hits))
 
 
-def cover(arch: Architecture, work: pathlib.Path, cuda: bool = True) -> Row:
+def cover(arch: Architecture, work: pathlib.Path, cuda: bool = True, torch_exporters=()) -> Row:
     """One architecture's row: built, rewritten, run."""
     from turboquant.export import RewriteError, export
 
     row = Row(arch.name)
-    folder = work / arch.model_type / str(abs(hash(arch.name)) % 10_000)
+    folder = work / "".join(c if c.isalnum() else "_" for c in arch.name)
+    if torch_exporters and arch.torch_export:
+        row.torch_forms = torch_forms(arch, folder, torch_exporters)
     try:
         src = build(arch, folder)
     except RuntimeError as e:
@@ -158,16 +164,43 @@ def cover(arch: Architecture, work: pathlib.Path, cuda: bool = True) -> Row:
         return row
     row.builder = _builder_class(src)
     try:
-        result = export(src, PRESET, folder / "tq" / "model.onnx", boundary=1, calibrate="random", progress=False,
-                        unsupported="leave")
+        result = export(src, PRESET, folder / "tq" / "model.onnx", boundary=arch.boundary, calibrate="random",
+                        progress=False, unsupported="leave")
     except RewriteError as e:
         row.error = f"refused: {e}"
         return row
     row.compressed, row.kept, row.left = result.compressed, [i for i in result.kept if i not in result.left], result.left
+    row.notes = list(result.notes)
     row.top1 = teacher_forced_top1(src.parent, result.output.parent, arch.config_kwargs()["vocab_size"])
     if cuda:
         row.cuda = cuda_dry_run(arch, folder)
     return row
+
+
+def torch_forms(arch: Architecture, folder: pathlib.Path, exporters=("torchscript", "dynamo")) -> dict[str, str]:
+    """The cache form the default rewrite gives each torch.onnx export of the architecture: "in-place",
+    or "concat (why)", or why there is no export."""
+    from turboquant.export import RewriteError, export
+
+    from . import random_decoders
+
+    forms = {}
+    for exporter in exporters:
+        path = folder / f"{exporter}.onnx"
+        try:
+            random_decoders.export_model(hf_model(arch), path, exporter)
+        except Exception as e:  # noqa: BLE001 - torch.onnx's own failures are the cell's answer
+            forms[exporter] = f"no export ({type(e).__name__})"
+            continue
+        try:
+            r = export(path, PRESET, folder / f"{exporter}.tq.onnx", boundary=1, calibrate="random", progress=False,
+                       dry_run=True)
+        except RewriteError as e:
+            forms[exporter] = f"refused: {str(e)[:160]}"
+            continue
+        why = next((n for n in r.notes if n.startswith("cache form concat")), None)
+        forms[exporter] = "in-place" if why is None else why.replace("cache form ", "")[:200]
+    return forms
 
 
 def cuda_dry_run(arch: Architecture, folder: pathlib.Path) -> str:
@@ -178,7 +211,7 @@ def cuda_dry_run(arch: Architecture, folder: pathlib.Path) -> str:
     except RuntimeError as e:
         return f"no build: {str(e).strip().splitlines()[-1][:120]}"
     try:
-        r = export(src, PRESET, folder / "tq-cuda" / "model.onnx", boundary=1, calibrate="random", progress=False,
+        r = export(src, PRESET, folder / "tq-cuda" / "model.onnx", boundary=arch.boundary, calibrate="random", progress=False,
                    unsupported="leave", dry_run=True)
     except RewriteError as e:
         return f"refused: {e}"
@@ -204,13 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", help="architectures whose name contains one of these")
     p.add_argument("--out", help="work folder (default: a temporary one)")
     p.add_argument("--no-cuda", action="store_true", help="skip the CUDA builds' dry runs")
+    p.add_argument("--torch", action="store_true", help="also export each with torch.onnx (TorchScript and dynamo) and "
+                   "give the default rewrite's cache form")
     args = p.parse_args(argv)
     archs = [a for a in ARCHITECTURES if not args.only or any(s.lower() in a.name.lower() for s in args.only)]
     with tempfile.TemporaryDirectory(prefix="turboquant-coverage-") as tmp:
         work = pathlib.Path(args.out or tmp)
         rows = []
         for a in archs:
-            rows.append(cover(a, work, cuda=not args.no_cuda))
+            rows.append(cover(a, work, cuda=not args.no_cuda,
+                              torch_exporters=("torchscript", "dynamo") if args.torch else ()))
             print(rows[-1].cells(), file=sys.stderr, flush=True)
     print(table(rows))
     return 0

@@ -4,6 +4,7 @@ says: the Mistral-7B-v0.1-style build (a 4096-token window in genai_config.json)
 not run after the rewrite."""
 
 import json
+import shutil
 from unittest import mock
 
 import numpy as np
@@ -95,9 +96,9 @@ def test_left_layers_in_a_genai_folder_are_refused(windowed, tmp_path):
     kept = [a for a in node.attribute if a.name != "softcap"]
     del node.attribute[:]
     node.attribute.extend([*kept, onnx.helper.make_attribute("softcap", 30.0)])
-    for folder in ("src", "plain"):
-        (tmp_path / folder).mkdir()
-        onnx.save(m, tmp_path / folder / "model.onnx", save_as_external_data=True, location="model.onnx.data")
+    (tmp_path / "src").mkdir()
+    onnx.save(m, tmp_path / "src" / "model.onnx", save_as_external_data=True, location="model.onnx.data")
+    shutil.copytree(tmp_path / "src", tmp_path / "plain")  # the same model file, without genai_config.json
     (tmp_path / "src" / "genai_config.json").write_text((windowed.parent / "genai_config.json").read_text())
     with pytest.raises(RewriteError, match=r"layers 2 use softcap=30.0, .*one dtype, so the folder could not run"):
         _rewrite(tmp_path / "src" / "model.onnx", tmp_path / "out" / "model.onnx", unsupported="leave")

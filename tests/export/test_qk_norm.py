@@ -73,3 +73,20 @@ def test_refusals_name_the_real_input(qwen3):
     found = unsupported_features(node)
     assert found == ["input query_seqlens (right-padded query chunks)"]
     assert not any("quantized-cache inputs" in f for f in found)
+
+
+@pytest.mark.gpu
+def test_cuda_build_runs_in_genai_on_cuda(cuda_ready, qwen3, tmp_path):
+    """On the GPU (onnxruntime-genai-cuda): the rewrite's own check runs genai on the CUDA folder, and
+    the rewrite, fed the original's greedy tokens, picks the same top token on >= 85% of the steps
+    (original: ORT's GroupQueryAttention with the fused norm; rewrite: the unfused nodes)."""
+    import onnxruntime_genai as og
+
+    if not og.is_cuda_available():
+        pytest.skip("CUDA test skipped: the installed onnxruntime-genai has no CUDA (install onnxruntime-genai-cuda)")
+    _, cuda = qwen3
+    result = export(cuda, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", boundary=1, progress=False)
+    assert "checked: onnxruntime-genai loaded the folder and generated 4 tokens" in result.summary()
+    top1 = coverage.teacher_forced_top1(cuda.parent, result.output.parent, 640)
+    print(f"Qwen3 CUDA build, fused Q/K norm unfused: teacher-forced top-1 {top1:.1%}")
+    assert top1 >= coverage.MIN_TOP1, top1
