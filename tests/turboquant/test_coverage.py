@@ -13,7 +13,7 @@ pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not instal
 pytest.importorskip("transformers")
 
 from turboquant import coverage  # noqa: E402
-from turboquant.architectures import ARCHITECTURES  # noqa: E402
+from turboquant.architectures import ARCHITECTURES, by_name  # noqa: E402
 
 # the architectures whose genai build has layers TQGroupQueryAttention does not take yet
 REFUSED = {
@@ -57,16 +57,15 @@ def test_architecture(arch, rows, tmp_path):
 
 
 # the torch.onnx rows: architectures whose attention torch.onnx writes differently (q/k biases, q/k
-# norms, partial rotary, scaled embeddings), a subset to keep CI's time; python -m turboquant.coverage
-# --torch runs every one
-TORCH = [a for a in ARCHITECTURES if a.name in ("Qwen2", "Qwen3", "Phi-2", "Gemma")]
+# norms, partial rotary, scaled embeddings), TorchScript for each and dynamo for Qwen2 (dynamo's
+# exports take minutes on 2 cores); python -m turboquant.coverage --torch runs both for every one
+TORCH = [(name, "torchscript") for name in ("Qwen2", "Qwen3", "Phi-2", "Gemma")] + [("Qwen2", "dynamo")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-@pytest.mark.parametrize("arch", TORCH, ids=[a.name for a in TORCH])
-def test_torch_exports_take_the_in_place_form(arch, exporter, tmp_path):
+@pytest.mark.parametrize("name, exporter", TORCH, ids=[f"{n}-{e}" for n, e in TORCH])
+def test_torch_exports_take_the_in_place_form(name, exporter, tmp_path):
     """The same architectures exported by torch.onnx: the default rewrite gives them the in-place
     cache form (no window: nothing in them needs the exporter's masks)."""
-    forms = coverage.torch_forms(arch, tmp_path, (exporter,))
+    forms = coverage.torch_forms(by_name(name), tmp_path, (exporter,))
     assert forms == {exporter: "in-place"}, forms
