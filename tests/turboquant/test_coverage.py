@@ -22,7 +22,7 @@ REFUSED = {
     "gpt-oss (window, sinks, MoE)": "input head_sink",
 }
 # the CUDA build differs from the CPU one (the Q/K norm fused into the op): its rewrite is dry-run too
-CUDA = {"Llama", "Qwen3", "LFM2 (conv + attention)"}
+CUDA = {"Qwen3", "LFM2 (conv + attention)"}
 
 
 @pytest.fixture(scope="module")
