@@ -12,6 +12,7 @@ Needs torch, transformers and onnxruntime-genai (the `test` extra).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -106,13 +107,31 @@ def build_in_process(hf: pathlib.Path, out: pathlib.Path, precision: str, provid
 
     args = (None, str(hf), str(out), precision, provider, str(cache))
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), _gemma3_local_base_freq():
             builder.create_model(*args, **builder.parse_extra_options(*args, []))
     except Exception as e:  # noqa: BLE001 - the builder's own refusals are the row's answer
         raise RuntimeError(f"{type(e).__name__}: {e}") from None
     if not (out / "model.onnx").is_file():
         raise RuntimeError("the builder wrote no model.onnx")
     return out / "model.onnx"
+
+
+@contextlib.contextmanager
+def _gemma3_local_base_freq():
+    """genai 0.18's Gemma 3 builder reads config.rope_local_base_freq, which transformers 5 folds into
+    rope_parameters["sliding_attention"]: given back, while the builder runs, as a property reading it."""
+    import transformers
+
+    klass = getattr(transformers, "Gemma3TextConfig", None)
+    if klass is None or hasattr(klass, "rope_local_base_freq"):
+        yield
+        return
+    klass.rope_local_base_freq = property(
+        lambda self: ((self.rope_parameters or {}).get("sliding_attention") or {}).get("rope_theta", 10000.0))
+    try:
+        yield
+    finally:
+        del klass.rope_local_base_freq
 
 
 def greedy_and_logits(folder: pathlib.Path, ids: np.ndarray, prompt: int, follow: np.ndarray | None = None):
