@@ -37,8 +37,8 @@ def rows(tmp_path_factory):
 def test_architecture(arch, rows, tmp_path):
     row = coverage.cover(arch, tmp_path, cuda=arch.name in CUDA)
     rows.append(row)
-    if row.builder == "none":  # the installed builder and transformers do not both take it (Gemma 3: genai 0.18
-        pytest.skip(row.error)  # reads rope_local_base_freq, which transformers 5 folds into rope_parameters)
+    if row.builder == "none":  # the installed builder and transformers do not both take it
+        pytest.skip(row.error)
     if arch.name in REFUSED:
         assert row.error.startswith("refused: layers") and REFUSED[arch.name] in row.error, row.error
         assert "onnxruntime-genai allocates every layer's cache in one dtype" in row.error
