@@ -8,7 +8,9 @@ model (head_size is the widest layer's row, num_key_value_heads each layer's hea
 sliding_window section beside per-layer widths, which genai 0.18 binds with the wrong shapes),
 and ONNX Runtime runs the model over shared buffers of the shapes genai would allocate
 (turboquant.shared_buffer, max_length rows) for the same prompt and tokens. A folder that fails
-either is not published: the rewrite ends with the reason, exit status 2.
+either is not published: the rewrite ends with the reason, exit status 2. Models no generator runs
+alone (genai's exclude_embeds and exclude_lm_head parts) and bfloat16 builds where neither genai
+nor ONNX Runtime's CPU provider runs them get the config check only, and the summary says so.
 """
 
 from __future__ import annotations
@@ -113,7 +115,13 @@ def check_folder(folder: pathlib.Path, model_name: str) -> str:
     if problems:
         raise RewriteError("the rewritten onnxruntime-genai folder would not run, so it is not written: "
                            + "; ".join(problems))
+    not_run = cannot_generate(model_path)
+    if not_run:
+        return f"checked: genai_config.json agrees with the model; not run, as the model {not_run}"
     runs_here, where = genai_runs_provider(config)
+    if not runs_here and _is_bf16(model_path):
+        return (f"checked: genai_config.json agrees with the model; not run ({where}, and ONNX Runtime's CPU provider "
+                "has no bfloat16 kernels for it)")
     if runs_here:
         why = run_with_genai(folder)
         if why is not None:
@@ -124,6 +132,27 @@ def check_folder(folder: pathlib.Path, model_name: str) -> str:
         raise RewriteError(f"ONNX Runtime could not run the rewritten model over genai's buffers, so it is not written: {why}")
     return (f"checked without onnxruntime-genai ({where}): genai_config.json agrees with the model, and ONNX "
             f"Runtime's CPU provider generated {CHECK_TOKENS} tokens over buffers of the shapes genai allocates")
+
+
+def cannot_generate(model_path: pathlib.Path) -> str | None:
+    """Why no generator runs the model alone (a part of genai's pipelines), or None."""
+    import onnx
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    if "input_ids" not in {i.name for i in m.graph.input}:
+        return "takes no input_ids (genai's exclude_embeds: the embeddings run in another model)"
+    if "logits" not in {o.name for o in m.graph.output}:
+        return "has no logits output (genai's exclude_lm_head: the head runs in another model)"
+    return None
+
+
+def _is_bf16(model_path: pathlib.Path) -> bool:
+    import onnx
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    bf16 = onnx.TensorProto.BFLOAT16
+    return (any(t.data_type == bf16 for t in m.graph.initializer)
+            or any(i.type.tensor_type.elem_type == bf16 for i in [*m.graph.input, *m.graph.output]))
 
 
 def genai_runs_provider(config: dict) -> tuple[bool, str]:
