@@ -26,6 +26,25 @@ import onnx_ir as ir
 from .calibrate import DEFAULT_WINDOW, Calibration, add_cache_sums, fp8_key_scale, key_peaks, window_count, windows
 from .gqa import _attr, plan_gqa_layers
 from .key_scale import AttentionMoments
+from .qk_norm import fused_norm_problem, has_fused_qk_norm, unfuse_qk_norm
+
+
+# cos_cache and sin_cache computed in the graph (genai's LongRoPE builds pick the short or long factors by
+# the sequence's length): the calibration reads them off each window's run, the tables the op used there
+COMPUTED_TABLES = "cos_cache and sin_cache are computed in the graph"
+
+
+def _probe_output(probe: ir.Model, v: ir.Value, name: str) -> str:
+    """v as a float32 output of the calibration probe; returns its name."""
+    cast = ir.node("Cast", [v], {"to": ir.DataType.FLOAT}, name=name)
+    if v.producer() is not None and v.producer().graph is probe.graph:
+        probe.graph.insert_after(v.producer(), cast)
+    else:  # a graph input or initializer: before its first reader
+        probe.graph.insert_before(next(iter(v.consumers())), cast)
+    out = cast.outputs[0]
+    out.name, out.dtype = name, ir.DataType.FLOAT
+    probe.graph.outputs.append(out)
+    return name
 
 
 def rotary_tables(node: ir.Node, head_dim: int) -> tuple[np.ndarray, np.ndarray] | str:
@@ -35,9 +54,12 @@ def rotary_tables(node: ir.Node, head_dim: int) -> tuple[np.ndarray, np.ndarray]
         return "no rotary inside the op (the key scale input needs do_rotary)"
     if len(node.inputs) > 9 and node.inputs[9] is not None:
         return "the op takes position_ids"
-    tables = [node.inputs[i].const_value if len(node.inputs) > i and node.inputs[i] is not None else None for i in (7, 8)]
+    given = [node.inputs[i] if len(node.inputs) > i else None for i in (7, 8)]
+    if any(v is None for v in given):
+        return "no cos_cache or sin_cache input"
+    tables = [v.const_value for v in given]
     if any(t is None for t in tables):
-        return "cos_cache or sin_cache is not a constant"
+        return COMPUTED_TABLES
     cos, sin = (t.numpy().astype(np.float32) for t in tables)
     if cos.ndim != 2 or cos.shape != sin.shape or not 0 < 2 * cos.shape[1] <= head_dim:
         return f"cos_cache {cos.shape} does not fit head size {head_dim}"
@@ -58,12 +80,20 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
     ids, window, starts = windows(ids, window, max_windows or window_count(window))
     probe = ir.load(model_path)
     plans, _, nodes = plan_gqa_layers(probe, preset, boundary, skip_layers, keep_layers)
+    for node in nodes.values():  # ONNX Runtime's CPU kernel rejects the fused Q/K norm of genai's CUDA builds
+        if has_fused_qk_norm(node) and fused_norm_problem(node) is None:
+            unfuse_qk_norm(node)
     layers = [p for p in plans if p.compressed]
     tables, queries, notes = {}, {}, []
     fp8 = set()  # layers whose scales need no queries
+    computed = {}  # layer -> the probe outputs that hold its computed tables (LongRoPE, dynamic scaling)
     for plan in [p for p in layers if key_scales]:
         node = nodes[plan.index]
         found = rotary_tables(node, plan.head_dim)
+        if found == COMPUTED_TABLES and plan.key_format != "fp8":
+            computed[plan.index] = [_probe_output(probe, node.inputs[i], f"tq_calibration_{t}_{plan.index}")
+                                    for i, t in ((7, "cos"), (8, "sin"))]
+            found = (None, None)
         if isinstance(found, str):
             notes.append(f"layer {plan.index}: no key scales ({found})")
             continue
@@ -97,9 +127,12 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
                     hq = heads[i][0]
                     q = np.asarray(outs[queries[i]], np.float32)[..., :hq * plan.head_dim]
                     q = q.reshape(q.shape[0], q.shape[1], hq, plan.head_dim)
-                    rows = tables[i][0].shape[0]
+                    table = tables[i]
+                    if i in computed:  # the tables the graph computed for this window's length
+                        table = (*(np.asarray(outs[n], np.float32) for n in computed[i]), table[2])
+                    rows = table[0].shape[0]
                     pos = np.minimum(np.arange(q.shape[1]), rows - 1)[None, :]  # clamped to the table, as the op does
-                    q = rotary(q, pos, *tables[i]).transpose(0, 2, 1, 3)
+                    q = rotary(q, pos, *table).transpose(0, 2, 1, 3)
                     moments[i].add(q, k, outs[sess.cache_outputs[(i, "value")]], _attr(nodes[i], "scale", 0.0) or None)
             count += window
     mean_k = {p.index: sums["k"][p.index] / count for p in layers}

@@ -155,8 +155,28 @@ def stage_folder(folder: Folder, out: pathlib.Path, result: RewriteResult, tmp: 
     folder.decoder["filename"] = out.name
     # the uint8 caches' head_size is a row width in bytes: the widest layer's (module docstring)
     folder.decoder["head_size"] = result.row_bytes
+    dropped = drop_sliding_window_section(folder.decoder, result)
+    if dropped:
+        result.notes.append(dropped)
     folder.decoder.setdefault("session_options", {})["custom_ops_library"] = folder.library.name
     for f in (folder.library, *folder.copies):
         shutil.copy2(f, staged / f.name)
     (staged / CONFIG).write_text(json.dumps(folder.config, indent=4) + "\n")
     return [(staged / n, out.parent / n) for n in folder.names()]
+
+
+def drop_sliding_window_section(decoder: dict, result: RewriteResult) -> str | None:
+    """genai_config.json's sliding_window section, dropped where the layers' row widths differ:
+    onnxruntime-genai 0.18 then binds a zero-length present to the narrower layers (the model's own
+    shapes and that section disagree), and the folder cannot run. The section only tells genai how to
+    size and slide window-sized buffers; the ops keep their local_window_size, and the rewrite refuses
+    or leaves window-sized caches (sliding_window_cache), so full-length buffers lose nothing.
+    Returns the summary's line, or None where nothing was dropped."""
+    section = decoder.get("sliding_window")
+    widths = {p.row_bytes for p in result.layers if p.row_bytes}
+    if not section or len(widths) < 2:
+        return None
+    del decoder["sliding_window"]
+    size = section.get("window_size") if isinstance(section, dict) else None
+    return (f"{CONFIG}: its sliding_window section (window_size {size}) dropped: with per-layer cache widths "
+            "onnxruntime-genai binds the wrong present shapes; the attention ops keep their own windows")

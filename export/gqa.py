@@ -30,10 +30,13 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS, packed_size
 from .cache_io import CacheLayer
 from .errors import RewriteError
 from .plan import LayerPlan, RewriteResult, _ranges, plan_layers
+from .qk_norm import fused_norm_problem, has_fused_qk_norm, unfuse_qk_norm
 from .surgery import _initializer, _replace_graph_output
 
 BOUNDARY_FORMAT = "raw16"
 _NUM_INPUTS = 12  # GroupQueryAttention's inputs, up to head_sink; key_offset, value_offset, key_scale follow
+# (its later ones: 12, 13 k_scale, v_scale; 14, 15 q_norm_weight, k_norm_weight, unfused by export/qk_norm.py;
+# 16 query_seqlens)
 _PASS = {"Cast", "Identity"}
 
 
@@ -127,12 +130,21 @@ def unsupported_features(n: ir.Node) -> list[str]:
         found.append("smooth_softmax")
     if _attr(n, "qk_output", 0) or (len(n.outputs) > 3 and n.outputs[3].uses()):
         found.append("the QK output")
-    names = {10: "attention_bias", 11: "head_sink"}
+    names = {10: "attention_bias", 11: "head_sink", 12: "k_scale (a quantized cache)", 13: "v_scale (a quantized cache)",
+             16: "query_seqlens (right-padded query chunks)"}
     for i, name in names.items():
         if len(n.inputs) > i and n.inputs[i] is not None:
             found.append(f"input {name}")
-    if len(n.inputs) > _NUM_INPUTS:
-        found.append(f"{len(n.inputs)} inputs (quantized-cache inputs)")
+    if len(n.inputs) > 17:
+        found.append(f"{len(n.inputs)} inputs (the schema this rewrite knows has 17)")
+    if has_fused_qk_norm(n) and fused_norm_problem(n):
+        found.append(fused_norm_problem(n))
+    if _attr(n, "sliding_window_cache", 0):
+        found.append("sliding_window_cache (window-sized cache buffers)")
+    if _attr(n, "k_quant_type", "NONE") not in ("NONE", b"NONE") or _attr(n, "v_quant_type", "NONE") not in ("NONE", b"NONE"):
+        found.append("k_quant_type/v_quant_type (a quantized cache)")
+    if not _attr(n, "causal", 1):
+        found.append("causal=0 (bidirectional attention)")
     if n.inputs[3] is not None and n.inputs[3].dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
         found.append(f"a {n.inputs[3].dtype} cache")
     return found
@@ -230,6 +242,26 @@ def check_supported(model: ir.Model, preset: str, *, boundary: int = 2, skip_lay
             raise _refused(plan, nodes[plan.index], found)
 
 
+def unsupported_layers(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None
+                       ) -> dict[int, list[str]]:
+    """Each layer whose GroupQueryAttention uses features TQGroupQueryAttention lacks: what it uses."""
+    plans, _, nodes = plan_gqa_layers(model, preset, boundary, skip_layers, keep_layers)
+    found = {p.index: unsupported_features(nodes[p.index]) for p in plans}
+    return {i: f for i, f in found.items() if f}
+
+
+def refuse_mixed_genai_folder(left: dict[int, list[str]]) -> None:
+    """onnxruntime-genai (0.18 included) allocates every layer's cache in one dtype (its first past
+    input's), so a folder whose left layers keep float caches beside uint8 ones cannot run: refused."""
+    if not left:
+        return
+    uses = sorted({f for fs in left.values() for f in fs})
+    raise RewriteError(f"layers {_ranges(sorted(left))} use {', '.join(uses)}, which TQGroupQueryAttention does not support; "
+                       "left as they are they keep float caches beside the rewritten layers' uint8 ones, and "
+                       "onnxruntime-genai allocates every layer's cache in one dtype, so the folder could not run "
+                       "(rewrite the model file alone, without its genai_config.json beside it, for ONNX Runtime)")
+
+
 def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
                       unsupported: str = "refuse", per_layer: bool | None = None, calibration=None,
                       value_offsets: bool = False, key_scales: bool = True, plan: tuple | None = None) -> RewriteResult:
@@ -258,6 +290,8 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
             plan.form = f"GroupQueryAttention, left as it was ({', '.join(found)})"
             continue
         plan.form = "GroupQueryAttention"
+        if unfuse_qk_norm(node):  # genai's CUDA builds: the norm before the op, as its CPU builds have it
+            plan.form = "GroupQueryAttention, its fused Q/K norm unfused"
         if not plan.compressed:
             plan.key_format = plan.value_format = BOUNDARY_FORMAT
     rewritten = [p for p in plans if p.index not in left]

@@ -359,7 +359,7 @@ def _refuse_missing_data(src: pathlib.Path, model: ir.Model) -> None:
             raise RewriteError(f"{src}: its external data file {f} {why}")
 
 
-def _save(model: ir.Model, out: pathlib.Path, stage_more=None) -> None:
+def _save(model: ir.Model, out: pathlib.Path, stage_more=None, check=None) -> None:
     """Writes the model, its external data and stage_more(tmp)'s (staged, final) files under temporary
     names in the output folder, then publishes them together (turboquant.saving): nothing that exists
     is replaced, and a failure leaves none of them and no folder it made."""
@@ -373,6 +373,8 @@ def _save(model: ir.Model, out: pathlib.Path, stage_more=None) -> None:
             files.append((tmp / out.name, out))
             if stage_more is not None:
                 files += stage_more(tmp)
+            if check is not None:  # the files as they will be published, before any is
+                check(files, tmp)
             publish(files, "the output")
     except OutputExists as e:
         raise RewriteError(str(e)) from None
@@ -396,6 +398,11 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, options: 
         genai.read_config(src.parent / genai.CONFIG)
         if not dry_run:
             folder = genai.plan_folder(src, out, library or _ort_library(), cuda_graph)
+    if genai_folder and unsupported == "leave":  # before the calibration: a folder genai could not run is refused
+        from .gqa import refuse_mixed_genai_folder, unsupported_layers
+
+        refuse_mixed_genai_folder(unsupported_layers(model, preset, boundary=boundary, skip_layers=skip_layers,
+                                                     keep_layers=[] if keep_layers == "auto" else keep_layers))
     calibration, notes = None, []
     plan = None  # plan_gqa_layers of `model` for the rewrite: planned once, where the calibration plans
     if calibrate is not False:
@@ -446,8 +453,17 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, options: 
     if dry_run:
         return result
     writes_folder = folder is not None and not result.left
-    _save(model, out, (lambda tmp: genai.stage_folder(folder, out, result, tmp)) if writes_folder else None)
+    checked = []
+
+    def check(files, tmp):
+        from .genai_check import check_folder, staged_view
+
+        checked.append(check_folder(staged_view(files, tmp / "check"), out.name))
+
+    _save(model, out, (lambda tmp: genai.stage_folder(folder, out, result, tmp)) if writes_folder else None,
+          check if writes_folder else None)
     result.output = out
+    result.notes += checked
     if writes_folder:
         result.notes.append(f"onnxruntime-genai folder: {out.parent / genai.CONFIG}"
                             + (", decode steps replayed from CUDA graphs on the cuda provider (enable_cuda_graph)"

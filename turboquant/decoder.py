@@ -79,6 +79,22 @@ class DecoderSession:
         # On the GPU the cache stays there: IO binding, device-resident OrtValues fed back each step.
         self.on_cuda = self.session.get_providers()[0] == "CUDAExecutionProvider"
         self._masks = StepMasks()
+        known = {"input_ids", "attention_mask", "position_ids", "use_cache_branch"} | {a.name for a in self.cache_inputs.values()}
+        # hybrid models' other state inputs (LFM2's past.N.conv, Qwen3.5's recurrent states): fed their
+        # initial state, zeros, where the model starts from none (past_len 0)
+        self.state_inputs = {i.name: i for i in self.session.get_inputs() if i.name not in known and i.type in _NP}
+        positions = next((i for i in self.session.get_inputs() if i.name == "position_ids"), None)
+        self._mrope = positions is not None and len(positions.shape) == 3  # MRoPE's [3, batch, seq]
+
+    @staticmethod
+    def initial_state(arg: ort.NodeArg, batch: int, past_len: int) -> np.ndarray:
+        """Zeros of a state input's shape (batch first, its other dims static): the state before any
+        token. After a step the state is the model's to carry, which this loop does not."""
+        dims = list(arg.shape)[1:]
+        if past_len or not all(isinstance(d, int) for d in dims):
+            raise ValueError(f"state input {arg.name} {arg.shape}: DecoderSession feeds state inputs only their "
+                             "initial (zero) state, before the first token")
+        return np.zeros((batch, *dims), _NP[arg.type])
 
     def empty_cache(self, batch: int = 1) -> dict:
         """Zero-length caches of the dtype and shape each cache input wants (numpy arrays on the
@@ -109,8 +125,12 @@ class DecoderSession:
         feeds = {"input_ids": input_ids.astype(np.int64), **cache}
         if "attention_mask" in self.input_names:
             feeds["attention_mask"] = self._masks.ones(b, past_len + s)
-        if "position_ids" in self.input_names:
-            feeds["position_ids"] = np.broadcast_to(np.arange(past_len, past_len + s, dtype=np.int64), (b, s)).copy()
+        if "position_ids" in self.input_names:  # text only: MRoPE's three streams are the same positions
+            shape = (3, b, s) if self._mrope else (b, s)
+            feeds["position_ids"] = np.broadcast_to(np.arange(past_len, past_len + s, dtype=np.int64), shape).copy()
+        for name, arg in self.state_inputs.items():
+            if name not in feeds:
+                feeds[name] = self.initial_state(arg, b, past_len)
         if "use_cache_branch" in self.input_names:  # merged decoders (an If on whether a past exists)
             feeds["use_cache_branch"] = np.array([past_len > 0])
         return feeds

@@ -386,6 +386,8 @@ def test_builds_the_calibration_cannot_run_are_refused_by_reason(tmp_path, capsy
     assert not (tmp_path / "out").exists()
     result = export(src, "turboquant_4bit_nc", tmp_path / "out" / "model.onnx", progress=False, **works)
     assert result.compressed == [2, 3]
+    # no generator runs these parts alone, nor the CPU provider bf16: the folder's config is what is checked
+    assert "checked: genai_config.json agrees with the model; not run" in result.summary()
 
 
 @pytest.mark.gpu

@@ -1,0 +1,186 @@
+"""The check a rewritten onnxruntime-genai folder passes before the rewrite publishes it.
+
+With onnxruntime-genai installed, "checked" means genai itself loaded the folder (og.Model, which
+reads genai_config.json and the custom-op library) and generated CHECK_TOKENS greedy tokens after
+a short prompt, in a subprocess (a crash inside genai is a failed check, not a dead rewrite).
+Without it, "checked" means what can be known without genai: genai_config.json agrees with the
+model (head_size is the widest layer's row, num_key_value_heads each layer's heads; no
+sliding_window section beside per-layer widths, which genai 0.18 binds with the wrong shapes),
+and ONNX Runtime runs the model over shared buffers of the shapes genai would allocate
+(turboquant.shared_buffer, max_length rows) for the same prompt and tokens. A folder that fails
+either is not published: the rewrite ends with the reason, exit status 2. Models no generator runs
+alone (genai's exclude_embeds and exclude_lm_head parts) and bfloat16 builds where neither genai
+nor ONNX Runtime's CPU provider runs them get the config check only, and the summary says so.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+from .errors import RewriteError
+
+PROMPT_TOKENS, CHECK_TOKENS = 8, 4
+TIMEOUT_S = 600
+
+_GENAI_RUN = """
+import sys, numpy as np, onnxruntime_genai as og
+folder, prompt, steps, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+model = og.Model(folder)
+params = og.GeneratorParams(model)
+params.set_search_options(max_length=prompt + steps, do_sample=False)
+gen = og.Generator(model, params)
+gen.append_tokens((3 + np.arange(prompt, dtype=np.int32) % max(1, vocab - 3))[None])
+for _ in range(steps - 1):
+    gen.generate_next_token()
+print("generated", gen.get_sequence(0)[prompt:].tolist())
+"""
+
+
+def genai_installed() -> bool:
+    from .genai import installed_version
+
+    return installed_version() is not None
+
+
+def _vocab(config: dict) -> int:
+    return int(config.get("model", {}).get("vocab_size") or 32)
+
+
+def run_with_genai(folder: pathlib.Path) -> str | None:
+    """None where genai generated tokens from folder, else its error's last line."""
+    config = json.loads((folder / "genai_config.json").read_text())
+    cmd = [sys.executable, "-c", _GENAI_RUN, str(folder), str(PROMPT_TOKENS), str(CHECK_TOKENS), str(_vocab(config))]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"onnxruntime-genai did not finish {CHECK_TOKENS} tokens in {TIMEOUT_S} s"
+    if done.returncode == 0 and "generated" in done.stdout:
+        return None
+    lines = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()]
+    why = lines[-1] if lines else f"exit status {done.returncode}"
+    return why[:600]
+
+
+def config_problems(model_path: pathlib.Path, config: dict) -> list[str]:
+    """Where genai_config.json and the model's cache inputs disagree (module docstring)."""
+    import onnx
+
+    decoder = config["model"]["decoder"]
+    m = onnx.load(str(model_path), load_external_data=False)
+    widths, heads = {}, {}
+    for vi in m.graph.input:
+        if vi.name.startswith("past_key_values.") or ".past_key" in vi.name:
+            dims = vi.type.tensor_type.shape.dim
+            if len(dims) == 4:
+                widths[vi.name] = dims[3].dim_value or None
+                heads[vi.name] = dims[1].dim_value or None
+    problems = []
+    concrete = {w for w in widths.values() if w}
+    if concrete and decoder.get("head_size") != max(concrete):
+        problems.append(f"head_size {decoder.get('head_size')} is not the widest cache row, {max(concrete)} bytes")
+    kv = {h for h in heads.values() if h}
+    if kv and decoder.get("num_key_value_heads") not in kv:
+        problems.append(f"num_key_value_heads {decoder.get('num_key_value_heads')} is none of the caches' {sorted(kv)}")
+    if len(concrete) > 1 and decoder.get("sliding_window"):
+        problems.append("a sliding_window section beside per-layer cache widths (onnxruntime-genai 0.18 then binds "
+                        "a zero-length present for the narrower layers)")
+    return problems
+
+
+def run_with_onnxruntime(model_path: pathlib.Path, config: dict) -> str | None:
+    """None where ONNX Runtime ran the prompt and CHECK_TOKENS steps over genai-shaped buffers."""
+    import numpy as np
+
+    from turboquant.shared_buffer import SharedBufferDecoder
+
+    max_length = PROMPT_TOKENS + CHECK_TOKENS
+    try:
+        dec = SharedBufferDecoder(model_path, max_length)
+        prompt = 3 + np.arange(PROMPT_TOKENS)[None] % max(1, _vocab(config) - 3)
+        dec.generate(prompt, max_new_tokens=CHECK_TOKENS - 1)
+    except Exception as e:  # noqa: BLE001 - any failure to run is the check's answer
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:400] if str(e).strip() else ''}"
+    return None
+
+
+def check_folder(folder: pathlib.Path, model_name: str) -> str:
+    """Checks the staged folder (module docstring); returns the line the summary prints, or raises
+    RewriteError with the reason the folder is not published."""
+    config = json.loads((folder / "genai_config.json").read_text())
+    model_path = folder / model_name
+    problems = config_problems(model_path, config)
+    if problems:
+        raise RewriteError("the rewritten onnxruntime-genai folder would not run, so it is not written: "
+                           + "; ".join(problems))
+    not_run = cannot_generate(model_path)
+    if not_run:
+        return f"checked: genai_config.json agrees with the model; not run, as the model {not_run}"
+    runs_here, where = genai_runs_provider(config)
+    if not runs_here and _is_bf16(model_path):
+        return (f"checked: genai_config.json agrees with the model; not run ({where}, and ONNX Runtime's CPU provider "
+                "has no bfloat16 kernels for it)")
+    if runs_here:
+        why = run_with_genai(folder)
+        if why is not None:
+            raise RewriteError(f"onnxruntime-genai could not run the rewritten folder, so it is not written: {why}")
+        return f"checked: onnxruntime-genai loaded the folder and generated {CHECK_TOKENS} tokens"
+    why = run_with_onnxruntime(model_path, config)
+    if why is not None:
+        raise RewriteError(f"ONNX Runtime could not run the rewritten model over genai's buffers, so it is not written: {why}")
+    return (f"checked without onnxruntime-genai ({where}): genai_config.json agrees with the model, and ONNX "
+            f"Runtime's CPU provider generated {CHECK_TOKENS} tokens over buffers of the shapes genai allocates")
+
+
+def cannot_generate(model_path: pathlib.Path) -> str | None:
+    """Why no generator runs the model alone (a part of genai's pipelines), or None."""
+    import onnx
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    if "input_ids" not in {i.name for i in m.graph.input}:
+        return "takes no input_ids (genai's exclude_embeds: the embeddings run in another model)"
+    if "logits" not in {o.name for o in m.graph.output}:
+        return "has no logits output (genai's exclude_lm_head: the head runs in another model)"
+    return None
+
+
+def _is_bf16(model_path: pathlib.Path) -> bool:
+    import onnx
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    bf16 = onnx.TensorProto.BFLOAT16
+    return (any(t.data_type == bf16 for t in m.graph.initializer)
+            or any(i.type.tensor_type.elem_type == bf16 for i in [*m.graph.input, *m.graph.output]))
+
+
+def genai_runs_provider(config: dict) -> tuple[bool, str]:
+    """Whether the installed genai can run the folder's provider here, and if not, why."""
+    if not genai_installed():
+        return False, "not installed"
+    entries = config["model"]["decoder"].get("session_options", {}).get("provider_options", [])
+    providers = [k for e in entries if isinstance(e, dict) for k in e]
+    if not providers:
+        return True, ""
+    if providers[0] == "cuda":
+        import onnxruntime_genai as og
+
+        if og.is_cuda_available():
+            return True, ""
+    return False, f"the folder is for the {providers[0]} provider, which the installed onnxruntime-genai cannot run here"
+
+
+def staged_view(pairs: list[tuple[pathlib.Path, pathlib.Path]], where: pathlib.Path) -> pathlib.Path:
+    """A folder of hard links to the staged files under their final names: the folder as it will be
+    published (hard, not symbolic: genai refuses a custom-op library that resolves outside the folder)."""
+    import os
+    import shutil
+
+    where.mkdir()
+    for staged, final in pairs:
+        try:
+            os.link(staged, where / final.name)
+        except OSError:  # a file system without hard links
+            shutil.copy2(staged, where / final.name)
+    return where

@@ -1,0 +1,71 @@
+"""The architecture coverage run (turboquant/coverage.py): a tiny random model of every architecture
+that the installed onnxruntime-genai builder and transformers take, built for the CPU, rewritten
+with the default preset and run through og.Generator against its original (teacher-forced top-1
+>= 85%); the CUDA build's rewrite as a dry run where it differs (the fused Q/K norm). What each
+gets is asserted: architectures whose every layer TQGroupQueryAttention takes are compressed;
+those whose windowed, softcapped or sink layers it does not take yet are refused for their genai
+folder, naming the layers, since genai allocates every cache in one dtype. The table is printed
+(pytest -s; docs/usage.md holds a copy)."""
+
+import pytest
+
+pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes these models)")
+pytest.importorskip("transformers")
+
+from turboquant import coverage  # noqa: E402
+from turboquant.architectures import ARCHITECTURES, by_name  # noqa: E402
+
+# the architectures whose genai build has layers TQGroupQueryAttention does not take yet
+REFUSED = {
+    "Gemma 2 (softcap, alternating window)": "softcap=50.0",
+    "Gemma 3 (5 of 6 layers windowed)": "local_window_size=16 (sliding window)",
+    "gpt-oss (window, sinks, MoE)": "input head_sink",
+}
+# the CUDA build differs from the CPU one (the Q/K norm fused into the op): its rewrite is dry-run too
+CUDA = {"Qwen3", "LFM2 (conv + attention)"}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    made = []
+    yield made
+    print("\n" + coverage.table(made))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=[a.name for a in ARCHITECTURES])
+def test_architecture(arch, rows, tmp_path):
+    row = coverage.cover(arch, tmp_path, cuda=arch.name in CUDA)
+    rows.append(row)
+    if row.builder == "none":  # the installed builder and transformers do not both take it
+        pytest.skip(row.error)
+    if arch.name in REFUSED:
+        assert row.error.startswith("refused: layers") and REFUSED[arch.name] in row.error, row.error
+        assert "onnxruntime-genai allocates every layer's cache in one dtype" in row.error
+        return
+    assert not row.error, row.error
+    assert row.compressed and not row.left
+    assert row.top1 >= coverage.MIN_TOP1, row.top1
+    # key scales for every compressed layer whose op applies the rotary, LongRoPE's computed tables included
+    # (read off each window's run); HunYuan's builder rotates outside the op (its Q/K norm comes after)
+    unscaled = [n for n in row.notes if "no key scales" in n]
+    assert all("no rotary inside the op" in n for n in unscaled), unscaled
+    assert bool(unscaled) == (arch.name == "HunYuan dense"), unscaled
+    assert any(n.startswith("checked: onnxruntime-genai loaded the folder") for n in row.notes), row.notes
+    if arch.name in CUDA:
+        assert row.cuda.startswith("dry run: compressed ") and "none" not in row.cuda, row.cuda
+
+
+# the torch.onnx rows: architectures whose attention torch.onnx writes differently (q/k biases, q/k
+# norms, partial rotary, scaled embeddings), TorchScript for each and dynamo for Qwen2 (dynamo's
+# exports take minutes on 2 cores); python -m turboquant.coverage --torch runs both for every one
+TORCH = [(name, "torchscript") for name in ("Qwen2", "Qwen3", "Phi-2", "Gemma")] + [("Qwen2", "dynamo")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, exporter", TORCH, ids=[f"{n}-{e}" for n, e in TORCH])
+def test_torch_exports_take_the_in_place_form(name, exporter, tmp_path):
+    """The same architectures exported by torch.onnx: the default rewrite gives them the in-place
+    cache form (no window: nothing in them needs the exporter's masks)."""
+    forms = coverage.torch_forms(by_name(name), tmp_path, (exporter,))
+    assert forms == {exporter: "in-place"}, forms

@@ -1,0 +1,275 @@
+"""The architecture coverage run: every architecture of turboquant/architectures.py that the
+installed onnxruntime-genai builder and transformers both take, as a tiny random model (no
+download), built for the CPU (fp32) and rewritten with the default preset, then both folders run
+through onnxruntime-genai's Generator, teacher-forced on the original's greedy tokens; the CUDA
+build (fp16) rewritten with a dry run. Prints the coverage table (docs/usage.md holds a copy).
+
+    python -m turboquant.coverage [--only NAME ...] [--out DIR] [--torch]
+
+Needs torch, transformers and onnxruntime-genai (the `test` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import pathlib
+import sys
+import tempfile
+
+import numpy as np
+
+from .architectures import ARCHITECTURES, Architecture, _longrope
+
+PRESET = "turboquant_4bit_nc"
+PROMPT, STEPS, PROMPTS = 48, 32, 4  # the issue's run (a 48-token prompt, 32 teacher-forced steps), on 4 prompts
+MIN_TOP1 = 0.85
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    builder: str = ""  # genai's builder class, or why it has none
+    compressed: list = dataclasses.field(default_factory=list)
+    kept: list = dataclasses.field(default_factory=list)
+    left: list = dataclasses.field(default_factory=list)  # left as GroupQueryAttention (window, softcap, sink)
+    top1: float | None = None
+    cuda: str = ""  # the CUDA build's dry run
+    torch_forms: dict = dataclasses.field(default_factory=dict)  # exporter -> cache form
+    error: str = ""
+    notes: list = dataclasses.field(default_factory=list)  # the rewrite's summary notes
+
+    def cells(self) -> list[str]:
+        comp = _ranges(self.compressed) or "none"
+        kept = _ranges(self.kept) or "none"
+        left = _ranges(self.left)
+        what = f"compressed {comp}; raw16 {kept}" + (f"; left as they were {left}" if left else "")
+        top1 = "" if self.top1 is None else f"{self.top1:.0%}"
+        forms = ", ".join(f"{k}: {v}" for k, v in self.torch_forms.items())
+        return [self.name, self.builder, self.error or what, top1, self.cuda, forms]
+
+
+def _ranges(ix) -> str:
+    from turboquant.export.plan import _ranges as r
+
+    return r(sorted(ix)) if ix else ""
+
+
+def hf_model(arch: Architecture, seed: int = 0, head_scale: float = 6.0):
+    """The architecture's random Hugging Face model: peaked predictions (turboquant/random_decoders.py)."""
+    import torch
+    import transformers
+
+    kw = arch.config_kwargs()
+    longrope = kw.pop("_longrope", False)
+    cfg = transformers.AutoConfig.for_model(arch.model_type, **kw)
+    for k, v in kw.items():  # what this transformers' config class no longer keeps, genai's builder may read
+        if not hasattr(cfg, k):
+            setattr(cfg, k, v)
+    if longrope:
+        head = cfg.hidden_size // cfg.num_attention_heads
+        factor = kw.get("partial_rotary_factor", 1.0)
+        cfg.rope_parameters = {**_longrope(int(head * factor), kw["original_max_position_embeddings"]),
+                               "rope_theta": 10000.0, "partial_rotary_factor": factor}
+    rope = getattr(cfg, "rope_parameters", None)
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        # per-layer-type rotary (transformers 5's Gemma 3): genai 0.18's builder reads a top-level rope_type
+        cfg.rope_parameters = {**rope, "rope_type": "default", "rope_theta": rope.get("full_attention", {}).get("rope_theta")}
+    cfg.architectures = [arch.architecture]
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = 1, 2, 2
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(head_scale)
+    return model
+
+
+def build(arch: Architecture, folder: pathlib.Path, precision: str = "fp32", provider: str = "cpu") -> pathlib.Path:
+    from . import random_decoders
+
+    hf = folder / "hf"
+    if not (hf / "config.json").is_file():
+        hf_model(arch).save_pretrained(hf)
+        random_decoders.save_tokenizer(hf, arch.config_kwargs()["vocab_size"])
+    return build_in_process(hf, folder / f"{provider}-{precision}", precision, provider, folder / "cache")
+
+
+def build_in_process(hf: pathlib.Path, out: pathlib.Path, precision: str, provider: str, cache: pathlib.Path
+                     ) -> pathlib.Path:
+    """genai's builder called here rather than as `python -m` (random_decoders.build_genai): torch and
+    transformers are imported once for every architecture, not once per build."""
+    import contextlib
+    import io
+
+    from onnxruntime_genai.models import builder
+
+    args = (None, str(hf), str(out), precision, provider, str(cache))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), _gemma3_local_base_freq():
+            builder.create_model(*args, **builder.parse_extra_options(*args, []))
+    except Exception as e:  # noqa: BLE001 - the builder's own refusals are the row's answer
+        raise RuntimeError(f"{type(e).__name__}: {e}") from None
+    if not (out / "model.onnx").is_file():
+        raise RuntimeError("the builder wrote no model.onnx")
+    return out / "model.onnx"
+
+
+@contextlib.contextmanager
+def _gemma3_local_base_freq():
+    """genai 0.18's Gemma 3 builder reads config.rope_local_base_freq, which transformers 5 folds into
+    rope_parameters["sliding_attention"]: given back, while the builder runs, as a property reading it."""
+    import transformers
+
+    klass = getattr(transformers, "Gemma3TextConfig", None)
+    if klass is None or hasattr(klass, "rope_local_base_freq"):
+        yield
+        return
+    klass.rope_local_base_freq = property(
+        lambda self: ((self.rope_parameters or {}).get("sliding_attention") or {}).get("rope_theta", 10000.0))
+    try:
+        yield
+    finally:
+        del klass.rope_local_base_freq
+
+
+def greedy_and_logits(folder: pathlib.Path, ids: np.ndarray, prompt: int, follow: np.ndarray | None = None):
+    """og.Generator over folder: the prompt, then one token per step, either its own greedy choice
+    (follow None) or follow's; returns (the tokens fed after the prompt, each step's argmax)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=prompt + STEPS + 1, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(ids[None, :prompt].astype(np.int32))
+    fed, top = [], []
+    for t in range(STEPS):
+        best = int(np.asarray(gen.get_logits())[0, -1].argmax())
+        top.append(best)
+        nxt = best if follow is None else int(follow[t])
+        fed.append(nxt)
+        gen.append_tokens(np.array([[nxt]], np.int32))
+    del gen, params, model
+    return np.array(fed), np.array(top)
+
+
+def teacher_forced_top1(original: pathlib.Path, rewritten: pathlib.Path, vocab: int, prompts: int = PROMPTS) -> float:
+    """The share of steps where the rewrite's top token is the original's greedy one, fed the
+    original's tokens, over `prompts` random prompts (one prompt's greedy path through a random
+    model's flat stretches swings it by a quarter)."""
+    hits = []
+    for seed in range(prompts):
+        ids = np.random.default_rng(seed).integers(3, vocab, PROMPT)
+        tokens, _ = greedy_and_logits(original, ids, PROMPT)
+        _, top = greedy_and_logits(rewritten, ids, PROMPT, follow=tokens)
+        hits.append(top == tokens)
+    return float(np.mean(hits))
+
+
+def cover(arch: Architecture, work: pathlib.Path, cuda: bool = True, torch_exporters=()) -> Row:
+    """One architecture's row: built, rewritten, run."""
+    from turboquant.export import RewriteError, export
+
+    row = Row(arch.name)
+    folder = work / "".join(c if c.isalnum() else "_" for c in arch.name)
+    if torch_exporters and arch.torch_export:
+        row.torch_forms = torch_forms(arch, folder, torch_exporters)
+    try:
+        src = build(arch, folder)
+    except RuntimeError as e:
+        row.builder, row.error = "none", f"the builder refused it: {str(e).strip().splitlines()[-1][:160]}"
+        return row
+    row.builder = _builder_class(src)
+    try:
+        result = export(src, PRESET, folder / "tq" / "model.onnx", boundary=arch.boundary, calibrate="random",
+                        progress=False, unsupported="leave")
+    except RewriteError as e:
+        row.error = f"refused: {e}"
+        return row
+    row.compressed, row.kept, row.left = result.compressed, [i for i in result.kept if i not in result.left], result.left
+    row.notes = list(result.notes)
+    row.top1 = teacher_forced_top1(src.parent, result.output.parent, arch.config_kwargs()["vocab_size"])
+    if cuda:
+        row.cuda = cuda_dry_run(arch, folder)
+    return row
+
+
+def torch_forms(arch: Architecture, folder: pathlib.Path, exporters=("torchscript", "dynamo")) -> dict[str, str]:
+    """The cache form the default rewrite gives each torch.onnx export of the architecture: "in-place",
+    or "concat (why)", or why there is no export."""
+    from turboquant.export import RewriteError, export
+
+    from . import random_decoders
+
+    forms = {}
+    for exporter in exporters:
+        path = folder / f"{exporter}.onnx"
+        try:
+            random_decoders.export_model(hf_model(arch), path, exporter)
+        except Exception as e:  # noqa: BLE001 - torch.onnx's own failures are the cell's answer
+            forms[exporter] = f"no export ({type(e).__name__})"
+            continue
+        try:
+            r = export(path, PRESET, folder / f"{exporter}.tq.onnx", boundary=1, calibrate="random", progress=False,
+                       dry_run=True)
+        except RewriteError as e:
+            forms[exporter] = f"refused: {str(e)[:160]}"
+            continue
+        why = next((n for n in r.notes if n.startswith("cache form concat")), None)
+        forms[exporter] = "in-place" if why is None else why.replace("cache form ", "")[:200]
+    return forms
+
+
+def cuda_dry_run(arch: Architecture, folder: pathlib.Path) -> str:
+    from turboquant.export import RewriteError, export
+
+    try:
+        src = build(arch, folder, "fp16", "cuda")
+    except RuntimeError as e:
+        return f"no build: {str(e).strip().splitlines()[-1][:120]}"
+    try:
+        r = export(src, PRESET, folder / "tq-cuda" / "model.onnx", boundary=arch.boundary, calibrate="random", progress=False,
+                   unsupported="leave", dry_run=True)
+    except RewriteError as e:
+        return f"refused: {e}"
+    notes = " (Q/K norm unfused)" if any("unfused" in (p.form or "") for p in r.layers) else ""
+    return f"dry run: compressed {_ranges(r.compressed) or 'none'}{notes}"
+
+
+def _builder_class(src: pathlib.Path) -> str:
+    cfg = json.loads((src.parent / "genai_config.json").read_text())
+    return cfg["model"]["type"]
+
+
+def table(rows: list[Row]) -> str:
+    head = ["architecture", "genai model type", "CPU build: layers", "teacher-forced top-1", "CUDA build (fp16)",
+            "torch.onnx exports"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in r.cells()) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m turboquant.coverage", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="*", help="architectures whose name contains one of these")
+    p.add_argument("--out", help="work folder (default: a temporary one)")
+    p.add_argument("--no-cuda", action="store_true", help="skip the CUDA builds' dry runs")
+    p.add_argument("--torch", action="store_true", help="also export each with torch.onnx (TorchScript and dynamo) and "
+                   "give the default rewrite's cache form")
+    args = p.parse_args(argv)
+    archs = [a for a in ARCHITECTURES if not args.only or any(s.lower() in a.name.lower() for s in args.only)]
+    with tempfile.TemporaryDirectory(prefix="turboquant-coverage-") as tmp:
+        work = pathlib.Path(args.out or tmp)
+        rows = []
+        for a in archs:
+            rows.append(cover(a, work, cuda=not args.no_cuda,
+                              torch_exporters=("torchscript", "dynamo") if args.torch else ()))
+            print(rows[-1].cells(), file=sys.stderr, flush=True)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
