@@ -8,23 +8,16 @@ set -euo pipefail
 ver=${ORT_GPU_VERSION:-1.31.1} genai=${GENAI_VERSION:-0.18.0}
 cache=${TMPDIR:-/tmp}/carry-ort-$ver
 mkdir -p "$cache"
-get() {
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 -d "$cache" "$1"
-}
-ls "$cache"/onnxruntime_gpu-"$ver"-*.whl > /dev/null 2>&1 || get "onnxruntime-gpu==$ver"
-ls "$cache"/onnxruntime_genai_cuda-"$genai"-*.whl > /dev/null 2>&1 || get "onnxruntime-genai-cuda==$genai"
+# shellcheck source=scripts/carry_common.sh
+source "$(dirname "$0")/carry_common.sh"
+ls "$cache"/onnxruntime_gpu-"$ver"-*.whl > /dev/null 2>&1 || download_cp312 "$cache" "onnxruntime-gpu==$ver"
+ls "$cache"/onnxruntime_genai_cuda-"$genai"-*.whl > /dev/null 2>&1 || download_cp312 "$cache" "onnxruntime-genai-cuda==$genai"
 if [ ! -f "$cache/ort.tar.xz" ]; then
   rm -rf "$cache/tree" && mkdir "$cache/tree"
   (cd "$cache/tree" && unzip -q ../onnxruntime_gpu-"$ver"-*.whl && rm -f onnxruntime/capi/libonnxruntime_providers_tensorrt.so &&
      tar -cf - . | xz -9 -T0 > ../ort.tar.xz.tmp) && mv "$cache/ort.tar.xz.tmp" "$cache/ort.tar.xz"
 fi
-grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
-rm -rf .carry/ort-*
-(cd "$cache" && rm -f ortp* && split -b 61000000 -d -a 1 ort.tar.xz ortp)
-i=0
-for p in "$cache"/ortp*; do
-  i=$((i + 1)); mkdir -p ".carry/ort-$i"; mv "$p" ".carry/ort-$i/"
-done
+split_to_carry "$cache/ort.tar.xz" ort ortp
+i=$CARRY_PARTS
 cp "$cache"/onnxruntime_genai_cuda-"$genai"-*.whl ".carry/ort-$i/"
 echo "made .carry/ort-1 .. ort-$i; on the GPU machine: mkdir -p /tmp/parts && mv .carry/ort-K/* /tmp/parts/ (one call each), then bash scripts/gpu_session.sh ort"

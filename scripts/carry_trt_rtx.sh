@@ -9,21 +9,13 @@ set -euo pipefail
 ver=${TRT_RTX_VERSION:-1.7.1.116}
 cache=${TMPDIR:-/tmp}/carry-trt-rtx-$ver
 mkdir -p "$cache"
-get() {
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 -d "$cache" "$1"
-}
-ls "$cache"/tensorrt_rtx_cu13_libs-"$ver"-*.whl > /dev/null 2>&1 || get "tensorrt-rtx-cu13-libs==$ver"
-ls "$cache"/tensorrt_rtx_cu13_bindings-"$ver"-*.whl > /dev/null 2>&1 || get "tensorrt-rtx-cu13-bindings==$ver"
-exclude=$(git rev-parse --git-path info/exclude)
-grep -qx '/.carry/' "$exclude" 2>/dev/null || echo '/.carry/' >> "$exclude"
-rm -rf .carry/trt-rtx-*
+# shellcheck source=scripts/carry_common.sh
+source "$(dirname "$0")/carry_common.sh"
+ls "$cache"/tensorrt_rtx_cu13_libs-"$ver"-*.whl > /dev/null 2>&1 || download_cp312 "$cache" "tensorrt-rtx-cu13-libs==$ver"
+ls "$cache"/tensorrt_rtx_cu13_bindings-"$ver"-*.whl > /dev/null 2>&1 || download_cp312 "$cache" "tensorrt-rtx-cu13-bindings==$ver"
 libs=$(ls "$cache"/tensorrt_rtx_cu13_libs-"$ver"-*.whl)
-(cd "$cache" && rm -f trtp* && split -b 61000000 -d -a 1 "$libs" trtp)
-i=0
-for p in "$cache"/trtp*; do
-  i=$((i + 1)); mkdir -p ".carry/trt-rtx-$i"; mv "$p" ".carry/trt-rtx-$i/"
-done
+split_to_carry "$libs" trt-rtx trtp
+i=$CARRY_PARTS
 basename "$libs" > ".carry/trt-rtx-$i/libs-wheel-name"
 cp "$cache"/tensorrt_rtx_cu13_bindings-"$ver"-*.whl ".carry/trt-rtx-$i/"
 du -sh .carry/trt-rtx-*

@@ -7,13 +7,9 @@ set -euo pipefail
 shopt -s nullglob
 wheels=(dist/turboquant_onnx-*.whl)
 [ ${#wheels[@]} = 1 ] || { echo "carry_wheel.sh: want one dist/turboquant_onnx-*.whl (.ci/run's wheel step), found ${#wheels[@]}" >&2; exit 2; }
-rm -rf .carry/wheel-*
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-split -b 61000000 -d -a 1 "${wheels[0]}" "$tmp/wheelp"
-i=0
-for p in "$tmp"/wheelp*; do
-  i=$((i + 1)); mkdir -p ".carry/wheel-$i"; mv "$p" ".carry/wheel-$i/"
-done
+# shellcheck source=scripts/carry_common.sh
+source "$(dirname "$0")/carry_common.sh"
+split_to_carry "${wheels[0]}" wheel wheelp
+i=$CARRY_PARTS
 basename "${wheels[0]}" > .carry/wheel-1/wheel-name
 echo "made .carry/wheel-1 .. wheel-$i from ${wheels[0]} ($(du -h "${wheels[0]}" | cut -f1)); on the GPU machine: mkdir -p /tmp/parts && mv .carry/wheel-K/* /tmp/parts/ (one call each), then bash scripts/gpu_session.sh wheel"
