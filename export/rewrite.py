@@ -4,6 +4,7 @@ run through export/passes.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import sys

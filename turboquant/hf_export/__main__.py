@@ -13,7 +13,6 @@ model folder (config.json and weights) or a GGUF file inside one (--gguf), offli
 
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import shutil

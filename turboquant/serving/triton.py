@@ -13,7 +13,6 @@ Two ways to keep the KV cache:
 
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import re

@@ -3,7 +3,6 @@ Runtime cannot run, unbounded numbers; each one line naming what was wrong and e
 
 import json
 
-import numpy as np
 import onnx
 import pytest
 
