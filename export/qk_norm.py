@@ -12,6 +12,12 @@ build: the same arithmetic (stash_type 1: float32 inside), no kernel change.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pathlib
+import shutil
+import tempfile
+
 import numpy as np
 import onnx_ir as ir
 
@@ -89,3 +95,28 @@ def unfuse_qk_norm(node: ir.Node) -> bool:
     for name in ("qk_norm_epsilon", "q_norm_epsilon", "k_norm_epsilon"):
         node.attributes.pop(name, None)
     return True
+
+
+@contextlib.contextmanager
+def runnable_on_cpu(model_path: str | os.PathLike):
+    """model_path, or, where its GroupQueryAttention nodes fuse the Q/K norm (which ONNX Runtime's
+    CPU kernel rejects), a copy with the norm unfused in a temporary folder (genai_config.json beside
+    it), for the steps that run the original on the CPU before the rewrite."""
+    import onnx
+
+    graph = onnx.load(os.fspath(model_path), load_external_data=False).graph
+    if not any(n.op_type == "GroupQueryAttention" and any(len(n.input) > i and n.input[i] for i in (Q_NORM, K_NORM))
+               for n in graph.node):
+        yield model_path
+        return
+    model = ir.load(model_path)
+    for node in model.graph:
+        if node.op_type == "GroupQueryAttention" and fused_norm_problem(node) is None:
+            unfuse_qk_norm(node)
+    with tempfile.TemporaryDirectory(prefix="turboquant-unfused-") as tmp:
+        path = pathlib.Path(tmp) / "model.onnx"
+        ir.save(model, path, external_data="model.onnx.data")
+        config = pathlib.Path(model_path).parent / "genai_config.json"
+        if config.is_file():  # the cache widths SharedBufferDecoder reads there
+            shutil.copy(config, pathlib.Path(tmp) / config.name)
+        yield path

@@ -46,17 +46,20 @@ def self_generated_tokens(model_path: str | os.PathLike, vocab: int | None, *, s
 
     from turboquant.decode_loop import open_decoder
 
+    from .qk_norm import runnable_on_cpu
+
     rng = np.random.default_rng(seed)
     ids = np.zeros((sequences, window), np.int64)
     ids[:, :prompt] = rng.integers(0, vocab, (sequences, prompt))
     try:
-        sess = open_decoder(model_path, window)
-        cache = sess.empty_cache(sequences)
-        logits, cache = sess.step(ids[:, :prompt], cache, 0)
-        for t in tqdm(range(prompt, window), desc="writing calibration text", unit="token", disable=not progress):
-            ids[:, t] = _pick(np.asarray(logits[:, -1], np.float64), temperature, rng)
-            if t + 1 < window:
-                logits, cache = sess.step(ids[:, t:t + 1], cache, t)
+        with runnable_on_cpu(model_path) as runnable:
+            sess = open_decoder(runnable, window)
+            cache = sess.empty_cache(sequences)
+            logits, cache = sess.step(ids[:, :prompt], cache, 0)
+            for t in tqdm(range(prompt, window), desc="writing calibration text", unit="token", disable=not progress):
+                ids[:, t] = _pick(np.asarray(logits[:, -1], np.float64), temperature, rng)
+                if t + 1 < window:
+                    logits, cache = sess.step(ids[:, t:t + 1], cache, t)
     except (ValueError, RuntimeError) as e:  # the loop's refusal or ONNX Runtime's failure, named
         raise RewriteError(f"self-generated calibration: cannot run {model_path}: {str(e).splitlines()[0][:300]}") from None
     how = "greedy" if temperature == 0 else f"sampled at temperature {temperature:g}"

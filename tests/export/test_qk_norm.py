@@ -54,6 +54,15 @@ def test_cuda_build_fuses_the_norm_and_is_rewritten(qwen3, tmp_path):
     assert top1 >= 0.85, top1
 
 
+def test_default_calibration_runs_the_cuda_build_on_the_cpu(qwen3, tmp_path):
+    """The default calibration writes its text with the original on the CPU, whose GroupQueryAttention
+    kernel rejects the fused norm: it runs a copy with the norm unfused."""
+    _, cuda = qwen3
+    result = export(cuda, "turboquant_4bit_nc", tmp_path / "tq" / "model.onnx", boundary=1, progress=False)
+    meta = {p.key: p.value for p in onnx.load(str(result.output), load_external_data=False).metadata_props}
+    assert "self-generated" in meta["turboquant.calibration"]
+
+
 def test_refusals_name_the_real_input(qwen3):
     """k_scale, query_seqlens and a lone norm weight are refused by name, never as 'quantized-cache inputs'."""
     _, cuda = qwen3
