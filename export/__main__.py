@@ -34,10 +34,13 @@ def _kept_layers(text: str) -> list[int] | str:
 
 
 def _positions(text: str) -> int:
-    n = non_negative(text)
-    if n > MAX_POSITIONS:
+    try:  # the tables' own bound first: it is the tighter one
+        too_many = int(text) > MAX_POSITIONS
+    except ValueError:
+        too_many = False  # non_negative names what is wrong with it
+    if too_many:
         raise argparse.ArgumentTypeError(f"at most {MAX_POSITIONS} (2**24) positions, not {text}")
-    return n
+    return non_negative(text)
 
 
 def _options(args: argparse.Namespace) -> RewriteOptions:

@@ -111,7 +111,7 @@ def test_rotary_positions_bounded(exported, tmp_path, capsys):
         main([str(src), "--preset", PRESET, "-o", str(tmp_path / "o.onnx"), "--rotary-positions", "99999999999"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].endswith("argument --rotary-positions: at most 16777216 (2**24) positions, not 99999999999")
+    assert err.strip().splitlines()[-1].endswith("argument --rotary-positions: at most 16777216 (2**24) positions, not 99999999999 (--help for the options)")
     with pytest.raises(RewriteError, match="rotary_positions must be at most 16777216"):
         export(src, PRESET, tmp_path / "o.onnx", rotary_positions=2**24 + 1, offsets=False)
     assert list(tmp_path.iterdir()) == []
