@@ -55,9 +55,11 @@ def test_the_model_is_planned_once(exported, tmp_path, monkeypatch, cache):
     """export() plans the model it rewrites once and passes the plan down (the calibration's and the
     mask probe's copies, loaded from the file, plan their own)."""
     planned = collections.Counter()
+    seen = []  # keeps every planned model alive, so no later model reuses an id counted here
     real = plan.plan_layers
 
     def counting(model, *args, **kwargs):
+        seen.append(model)
         planned[id(model)] += 1
         return real(model, *args, **kwargs)
 

@@ -49,6 +49,14 @@ struct AttentionParams {
   int64_t mask_stride[4] = {0, 0, 0, 0};  // b, hq, q, k strides in elements; 0 where broadcast
   const float* key_offset = nullptr;      // [kv_heads, head_dim] or nullptr
   const float* value_offset = nullptr;    // [kv_heads, v_head_dim] or nullptr
+  // GroupQueryAttention's local_window_size: the query at position p sees keys p - window + 1 .. p
+  // (window keys, itself included; ONNX Runtime's definition); 0: no window
+  int64_t window = 0;
+  // > 0: each score s (scaled, before any mask) becomes softcap * tanh(s / softcap) (Gemma 2)
+  float softcap = 0.f;
+  // [q_heads] of dtype, in the memory the caches are in, or null: head h's softmax denominator gains
+  // exp(head_sink[h] - m), m the larger of the row's largest score and head_sink[h] (gpt-oss)
+  const void* head_sink = nullptr;
 
   // Caches in preallocated buffers (GroupQueryAttention's shared past/present): rows per (b, h) of
   // each buffer, bytes per row (>= the packed size; padding bytes are never interpreted) and each sequence's
