@@ -104,13 +104,16 @@ def unpack_model(fmt: str, head_dim: int, dtype: int = TensorProto.FLOAT, rank: 
 def gqa_model(
     *, q_heads: int, kv_heads: int, head_dim: int, key_format: str, value_format: str, row_bytes: int | None = None,
     dtype: int = TensorProto.FLOAT, packed_qkv: bool = False, rotary_dim: int = 0, position_ids: bool = False,
-    offsets: bool = False, key_scale: bool = False, **attributes,
+    offsets: bool = False, key_scale: bool = False, local_window_size: int = -1, softcap: float = 0.0,
+    head_sink: bool = False, **attributes,
 ) -> onnx.ModelProto:
     """One TQGroupQueryAttention node (GroupQueryAttention's input order) with symbolic sizes.
 
     row_bytes: the caches' last dimension W (default: the larger packed size of the two formats, as
     a genai model's common width). rotary_dim > 0 adds cos_cache/sin_cache inputs and do_rotary=1.
     key_scale adds that input (after the offsets, or empty names in their place).
+    local_window_size (-1: none) and softcap (0: none) become attributes when set; head_sink adds
+    that input ([q_heads] of dtype, input 11).
     """
     from .config import packed_size
 
@@ -129,7 +132,7 @@ def gqa_model(
         ("sin_cache", dtype, ["M", rotary_dim // 2]) if rotary_dim else None,
         ("position_ids", TensorProto.INT64, ["B", "S"]) if position_ids else None,
         None,
-        None,
+        ("head_sink", dtype, [q_heads]) if head_sink else None,
     ]
     if offsets:
         inputs += [("key_offset", TensorProto.FLOAT, [kv_heads, head_dim]),
@@ -140,6 +143,10 @@ def gqa_model(
         inputs.pop()
     if rotary_dim:
         attributes.setdefault("do_rotary", 1)
+    if local_window_size != -1:
+        attributes["local_window_size"] = local_window_size
+    if softcap:
+        attributes["softcap"] = float(softcap)
     outputs = [("output", dtype, ["B", "S", q_heads * head_dim]),
                ("present_key", TensorProto.UINT8, ["B", kv_heads, "T", width]),
                ("present_value", TensorProto.UINT8, ["B", kv_heads, "T", width])]

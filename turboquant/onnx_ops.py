@@ -184,7 +184,7 @@ def _schemas() -> list[defs.OpSchema]:
                 _P("sin_cache", "T", "[max_positions, rotary_dim/2] (do_rotary)", param_option=_OPT),
                 _P("position_ids", "tensor(int64)", "[B, S] (default: past + s)", param_option=_OPT),
                 _P("attention_bias", "T", "not supported: refused when given", param_option=_OPT),
-                _P("head_sink", "T", "not supported: refused when given", param_option=_OPT),
+                _P("head_sink", "T", "[Hq]: exp(sink - m) joins each head's softmax denominator", param_option=_OPT),
                 _P("key_offset", "tensor(float)", "[Hkv, D], subtracted from every key", param_option=_OPT),
                 _P("value_offset", "tensor(float)", "[Hkv, D], subtracted from every stored value", param_option=_OPT),
                 _P("key_scale", "tensor(float)", "[Hkv, D] (do_rotary), after the rotary: Q multiplied, K divided",
@@ -199,8 +199,9 @@ def _schemas() -> list[defs.OpSchema]:
                     _A("scale", _ATTR.FLOAT, "softmax scale (0 or absent: 1/sqrt(D))", required=False),
                     _A("do_rotary", _ATTR.INT, "1: rotary embedding of Q and K inside the op", required=False),
                     _A("rotary_interleaved", _ATTR.INT, "1: rotate neighbouring pairs", required=False),
-                    _A("local_window_size", _ATTR.INT, "must be -1 (no sliding window)", required=False),
-                    _A("softcap", _ATTR.FLOAT, "must be 0", required=False),
+                    _A("local_window_size", _ATTR.INT, "-1: none; W > 0: position p sees keys p-W+1 .. p",
+                       required=False),
+                    _A("softcap", _ATTR.FLOAT, "0: none; c > 0: scores become c * tanh(score / c)", required=False),
                     _A("smooth_softmax", _ATTR.INT, "must be 0", required=False),
                     _A("qk_output", _ATTR.INT, "must be 0", required=False)],
     )
@@ -280,9 +281,8 @@ class TQGroupQueryAttention(OpRun):
              head_sink=None, key_offset=None, value_offset=None, key_scale=None, key_format=None, value_format=None,
              norm_correction=None, num_heads=None, kv_num_heads=None, scale=None, do_rotary=None,
              rotary_interleaved=None, local_window_size=None, softcap=None, smooth_softmax=None, qk_output=None):
-        refused = {"attention_bias": attention_bias is not None, "head_sink": head_sink is not None,
-                   "local_window_size": local_window_size not in (None, -1), "softcap": bool(softcap),
-                   "smooth_softmax": bool(smooth_softmax), "qk_output": bool(qk_output)}
+        refused = {"attention_bias": attention_bias is not None, "smooth_softmax": bool(smooth_softmax),
+                   "qk_output": bool(qk_output)}
         if any(refused.values()):
             raise ValueError("TQGroupQueryAttention: not supported: " + ", ".join(k for k, v in refused.items() if v))
         return reference_gqa(
@@ -291,7 +291,9 @@ class TQGroupQueryAttention(OpRun):
             value_format=_s(value_format or "uint4"),
             norm_correction=True if norm_correction is None else bool(norm_correction),
             num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale or None, do_rotary=bool(do_rotary),
-            rotary_interleaved=bool(rotary_interleaved))
+            rotary_interleaved=bool(rotary_interleaved),
+            local_window_size=-1 if local_window_size is None else int(local_window_size),
+            softcap=float(softcap or 0.0), head_sink=head_sink)
 
 
 REFERENCE_OPS = [TQPack, TQUnpack, TQAttention, TQGroupQueryAttention]

@@ -35,8 +35,10 @@ void GqaAttrs::validate() const {
          ") must be positive, num_heads a multiple of kv_num_heads and at most ", kMaxHeads);
   }
   if (!(scale >= 0.f) || !std::isfinite(scale)) fail("attribute 'scale' must be finite and >= 0, got ", scale);
-  if (local_window_size != -1) fail("local_window_size = ", local_window_size, " (sliding window) is not supported");
-  if (softcap != 0.f) fail("softcap = ", softcap, " is not supported");
+  if (local_window_size == 0 || local_window_size < -1) {
+    fail("attribute 'local_window_size' must be -1 (no window) or positive, got ", local_window_size);
+  }
+  if (!(softcap >= 0.f) || !std::isfinite(softcap)) fail("attribute 'softcap' must be finite and >= 0, got ", softcap);
   if (smooth_softmax) fail("smooth_softmax is not supported");
   if (qk_output != 0) fail("qk_output = ", qk_output, " is not supported");
 }
@@ -44,7 +46,6 @@ void GqaAttrs::validate() const {
 GqaSetup setup_gqa(const GqaAttrs& a, const GqaShapes& s, DType dtype, int64_t total) {
   a.validate();
   if (s.attention_bias) fail("input 'attention_bias' is not supported");
-  if (s.head_sink) fail("input 'head_sink' is not supported");
   check_rank(s.query, 3, "query", "3-D [batch, sequence, hidden]");
   GqaSetup r;
   const int64_t b = s.query[0], sq = s.query[1], hq = a.num_heads, hkv = a.kv_num_heads;
@@ -87,6 +88,9 @@ GqaSetup setup_gqa(const GqaAttrs& a, const GqaShapes& s, DType dtype, int64_t t
   };
   check_offset(s.key_offset, "key_offset");
   check_offset(s.value_offset, "value_offset");
+  if (s.head_sink && *s.head_sink != Dims{hq}) {
+    fail("input 'head_sink' has shape ", dims_str(*s.head_sink), "; expected [", hq, "] (num_heads)");
+  }
 
   AttentionParams& p = r.params;
   p.batch = b;
@@ -100,6 +104,8 @@ GqaSetup setup_gqa(const GqaAttrs& a, const GqaShapes& s, DType dtype, int64_t t
   p.norm_correction = a.norm_correction;
   p.is_causal = true;
   p.scale = a.scale > 0.f ? a.scale : 1.0f / std::sqrt(static_cast<float>(d));
+  p.window = a.local_window_size > 0 ? a.local_window_size : 0;
+  p.softcap = a.softcap;  // head_sink's pointer is the adapter's to set
   p.dtype = dtype;
   p.q = {sq * row, d, row};
   const int64_t kv_row = r.packed_qkv ? row : hkv * d;

@@ -16,7 +16,11 @@
 //    shared by 64 rows, where lookup tables are built and read per 8;
 // 3. the new tokens' keys and values exactly, in float32 tiles of tiles::kKeys keys prepared once per
 //    call (NewTiles) and shared by all the task's rows, the key offset removed;
-// 4. mask and causal limit (aligned to the end of the cache) on every block before it is folded in.
+// 4. softcap, then mask, causal limit (aligned to the end of the cache) and sliding window on every
+//    block before it is folded in; the head sink only in the final division.
+// A sliding window (GroupQueryAttention's local_window_size) starts each row's pass over the past at
+// the task's first visible key, so keys before every row's window are neither scored nor read: a
+// decode step reads W rows per head whatever the past.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -216,11 +220,14 @@ struct Task {
   int rows;
 };
 
-// Per row of a task: head, causal limit (keys j <= limit are visible) and the online softmax's state:
+// Per row of a task: head, causal limit (keys start <= j <= limit are visible) and the online softmax's state:
 // running maximum m, sum l of exp(score - m), the part of l from past keys (it weighs the value
 // offset) and the sum of weights times uint value zero points.
 struct Rows {
-  int64_t hq[kTaskRows], pos[kTaskRows], limit[kTaskRows];
+  int64_t hq[kTaskRows], pos[kTaskRows], limit[kTaskRows], start[kTaskRows];
+  // scale * q . key_offset: what the key offset took off every score of the row, given back where the
+  // scores meet something the softmax's shift invariance does not cover (softcap, head sink)
+  float shift[kTaskRows];
   float m[kTaskRows], l[kTaskRows], past_mass[kTaskRows], zsum[kTaskRows];
 };
 
@@ -292,6 +299,7 @@ class Runner {
     tiled_past_ = p.new_len >= kPrefillTokens;
     group_ = static_cast<int>(p.q_heads / p.kv_heads);
     past_rows_ = p.past_rows_or_len();
+    shifted_ = p.key_offset != nullptr && (p.softcap > 0.0f || p.head_sink != nullptr);
     key_bytes_ = p.key_row();
     value_bytes_ = p.value_row();
   }
@@ -311,11 +319,13 @@ class Runner {
       st.pos[r] = row / group_;
       st.hq[r] = t.hkv * group_ + row % group_;
       st.limit[r] = p_.is_causal ? st.pos[r] + (stot - p_.q_len) : stot - 1;
+      st.start[r] = p_.window > 0 ? std::max<int64_t>(0, st.limit[r] - p_.window + 1) : 0;
       st.m[r] = kNegInf;
       st.l[r] = st.past_mass[r] = st.zsum[r] = 0.0f;
       float* qr = &w.q[static_cast<size_t>(r) * d];
       tiles::load_row8(p_.dtype, q_, t.b * p_.q.b + st.hq[r] * p_.q.h + st.pos[r] * p_.q.s, d, qr);
       for (int i = 0; i < d; ++i) qr[i] *= p_.scale;
+      st.shift[r] = shifted_ ? dot(qr, p_.key_offset + t.hkv * d, d) : 0.0f;
     }
     if (sp > 0 && tiled_past_) {
       past_tiles(t, st, sp, w);
@@ -327,7 +337,14 @@ class Runner {
     for (int r = 0; r < rows; ++r) {
       const int64_t base = t.b * p_.y.b + st.hq[r] * p_.y.h + st.pos[r] * p_.y.s;
       // 0: no key visible, the output is 0; NaN: a NaN or +inf score (fold)
-      const float inv = st.l[r] > 0.0f ? 1.0f / st.l[r] : (st.l[r] == st.l[r] ? 0.0f : st.l[r]);
+      float inv = st.l[r] > 0.0f ? 1.0f / st.l[r] : (st.l[r] == st.l[r] ? 0.0f : st.l[r]);
+      if (p_.head_sink && st.l[r] > 0.0f) {  // the sink joins the denominator: exp(sink - m) at m = max(m, sink)
+        // against the true scores: those the softcap gave back, else the stored ones plus the shift
+        const float sink = load_float(p_.dtype, p_.head_sink, st.hq[r]) - (p_.softcap > 0.0f ? 0.0f : st.shift[r]);
+        const float m = std::max(st.m[r], sink);
+        const float alpha = std::exp(st.m[r] - m);
+        inv = alpha / (st.l[r] * alpha + std::exp(sink - m));
+      }
       const float* a = &w.acc[static_cast<size_t>(r) * dv];
       for (int i = 0; i < dv; ++i) {
         float o = a[i] + st.zsum[r];
@@ -341,9 +358,12 @@ class Runner {
   // Rows [r0, r0 + rb) against the past keys they may see, kPastChunk keys at a time.
   void past(const Task& t, Rows& st, int r0, int rb, int64_t sp, Scratch& w) const {
     const int d = p_.head_dim, dv = p_.v_head_dim;
-    int64_t visible = 0;
-    for (int r = r0; r < r0 + rb; ++r) visible = std::max(visible, std::min(st.limit[r] + 1, sp));
-    if (visible <= 0) return;
+    int64_t visible = 0, from = sp;
+    for (int r = r0; r < r0 + rb; ++r) {
+      visible = std::max(visible, std::min(st.limit[r] + 1, sp));
+      from = std::min(from, st.start[r]);
+    }
+    if (visible <= from) return;
     const uint8_t* keys = past_key_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * key_bytes_;
     const bool mse = is_mse(p_.key_format);
     const int bits = format_bits(p_.key_format), dp = padded_dim(d);
@@ -367,7 +387,7 @@ class Runner {
     w.scores.resize(static_cast<size_t>(kLutRows) * kPastChunk);
     float* sc = w.scores.data();
     float* acc = &w.acc[static_cast<size_t>(r0) * dv];
-    for (int64_t j0 = 0; j0 < visible; j0 += kPastChunk) {
+    for (int64_t j0 = from; j0 < visible; j0 += kPastChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kPastChunk, visible - j0));
       const uint8_t* kb = keys + j0 * key_bytes_;
       if (mse) {
@@ -387,8 +407,9 @@ class Runner {
       const int n8 = (n + 7) & ~7;
       for (int r = 0; r < rb; ++r) {
         float* s = sc + r * kPastChunk;
+        soft_cap(s, n, st.shift[r0 + r]);
         for (int j = n; j < n8; ++j) s[j] = kNegInf;
-        apply_mask(t.b, st.hq[r0 + r], st.pos[r0 + r], st.limit[r0 + r], j0, n, s);
+        apply_mask(t.b, st.hq[r0 + r], st.pos[r0 + r], st.start[r0 + r], st.limit[r0 + r], j0, n, s);
       }
       fold(st, r0, rb, sc, kPastChunk, n8, acc, true);
       accumulate_past_values(t, rb, j0, n, sc, st.zsum + r0, acc);
@@ -504,18 +525,24 @@ class Runner {
                  bool past_keys, Tile tile) const {
     using tiles::kKeys;
     const int dv = p_.v_head_dim, rows = t.rows;
-    int64_t visible = 0;
-    for (int r = 0; r < rows; ++r) visible = std::max(visible, std::min(st.limit[r] + 1 - first, count));
+    int64_t visible = 0, skip = count;
+    for (int r = 0; r < rows; ++r) {
+      visible = std::max(visible, std::min(st.limit[r] + 1 - first, count));
+      skip = std::min(skip, std::max<int64_t>(0, st.start[r] - first));
+    }
+    // the new keys' tiles are kKeys-aligned; the past's are decoded from any key on
+    if (!past_keys) skip -= skip % kKeys;
     w.scores.resize(std::max<size_t>(w.scores.size(), static_cast<size_t>(rows) * kKeys));
     float* sc = w.scores.data();
-    for (int64_t j0 = 0; j0 < visible; j0 += kKeys) {
+    for (int64_t j0 = skip; j0 < visible; j0 += kKeys) {
       const int n = static_cast<int>(std::min<int64_t>(kKeys, visible - j0));
       const auto [kt, vr] = tile(j0, n);
       tiles::tile_all_rows(rows, qm, dq, kt, n, vr, dv, dv, sc, w.acc.data(), true);
       for (int r = 0; r < rows; ++r) {
         float* s = sc + r * kKeys;
+        soft_cap(s, n, st.shift[r]);
         for (int u = n; u < kKeys; ++u) s[u] = kNegInf;
-        apply_mask(t.b, st.hq[r], st.pos[r], st.limit[r], first + j0, n, s);
+        apply_mask(t.b, st.hq[r], st.pos[r], st.start[r], st.limit[r], first + j0, n, s);
       }
       fold(st, 0, rows, sc, kKeys, kKeys, w.acc.data(), past_keys);
       tiles::tile_all_rows(rows, qm, dq, kt, n, vr, dv, dv, sc, w.acc.data(), false);
@@ -625,8 +652,18 @@ class Runner {
     }
   }
 
-  // The causal limit and the mask on scores s[0 .. n) of keys j0 .. j0 + n.
-  void apply_mask(int64_t b, int64_t hq, int64_t pos, int64_t limit, int64_t j0, int n, float* s) const {
+  // softcap * tanh(s / softcap) on the true scores (stored score s plus the row's shift) s[0 .. n)
+  // when the op has a softcap (before any mask).
+  void soft_cap(float* s, int n, float shift) const {
+    if (p_.softcap <= 0.0f) return;
+    const float c = p_.softcap, inv = 1.0f / p_.softcap;
+    for (int j = 0; j < n; ++j) s[j] = c * std::tanh((s[j] + shift) * inv);
+  }
+
+  // The window's start, the causal limit and the mask on scores s[0 .. n) of keys j0 .. j0 + n.
+  void apply_mask(int64_t b, int64_t hq, int64_t pos, int64_t start, int64_t limit, int64_t j0, int n,
+                  float* s) const {
+    for (int64_t j = 0, e = std::min<int64_t>(n, start - j0); j < e; ++j) s[j] = kNegInf;
     for (int64_t j = std::max<int64_t>(0, limit + 1 - j0); j < n; ++j) s[j] = kNegInf;
     if (p_.mask_type == MaskType::kNone) return;
     const int64_t* st = p_.mask_stride;
@@ -651,7 +688,7 @@ class Runner {
   const uint8_t *past_key_, *past_value_;
   void* y_;
   int group_;
-  bool tiled_past_;
+  bool tiled_past_, shifted_;
   int64_t past_rows_, key_bytes_, value_bytes_;
 };
 

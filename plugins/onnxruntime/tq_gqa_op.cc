@@ -43,6 +43,7 @@ OrtStatusPtr GqaKernel::ComputeV2(OrtKernelContext* context) {
     check_type(koff, "key_offset", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
     check_type(voff, "value_offset", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
     check_type(kscale, "key_scale", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+    check_type(sink, "head_sink", type);
     const Dims total_shape = *shape_of(total);
     if (total.GetTensorTypeAndShapeInfo().GetElementCount() != 1) {
       fail(kOp, "input 'total_sequence_length' must hold one value, got shape ", shape_str(total_shape));
@@ -54,6 +55,7 @@ OrtStatusPtr GqaKernel::ComputeV2(OrtKernelContext* context) {
     AttentionParams& p = setup.params;
     p.key_offset = koff ? koff.GetTensorData<float>() : nullptr;
     p.value_offset = voff ? voff.GetTensorData<float>() : nullptr;
+    p.head_sink = sink ? sink.GetTensorRawData() : nullptr;
     RotaryParams& rot = setup.rotary;
     if (rot.rotary_dim > 0) {
       rot.cos = cos.GetTensorRawData();

@@ -20,8 +20,8 @@ struct GqaKernel {
 // Inputs (GroupQueryAttention's order): query, key, value (T; key/value absent = packed QKV),
 // past_key, past_value (uint8 [B, Hkv, max_length, W]), seqlens_k (int32 [B]),
 // total_sequence_length (int32 scalar, host memory), cos_cache, sin_cache (T), position_ids
-// (int64), attention_bias, head_sink (T, refused when given), then key_offset, value_offset and
-// key_scale (float32 [Hkv, D]). Outputs: output (T), present_key, present_value (uint8; each may be its past
+// (int64), attention_bias (T, refused when given), head_sink (T [num_heads]), then key_offset,
+// value_offset and key_scale (float32 [Hkv, D]). Outputs: output (T), present_key, present_value (uint8; each may be its past
 // input's buffer: ORT and onnxruntime-genai's past_present_share_buffer then update it in place).
 template <ONNXTensorElementDataType T, Device kDevice>
 struct GqaOp : OpBase<GqaOp<T, kDevice>, GqaKernel, kDevice> {

@@ -6,6 +6,10 @@ their packed form. With key_offset, every key is scored as k - key_offset (softm
 shift); with value_offset, past values read back as unpack(v) + value_offset.
 A query row whose keys are all masked out gives zeros; one with a NaN or +inf score among its
 visible keys gives NaN (docs/ops.md, Non-finite input).
+GroupQueryAttention's softcap and head_sink (keywords, for reference.gqa): softcap > 0 maps each scaled
+score s to softcap * tanh(s / softcap) before any mask; head_sink [Hq] adds exp(sink_h - m) to head h's
+softmax denominator, m the larger of the row's largest visible score and sink_h. Both see the scores
+of the keys as given: the key offset only changes what is stored.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def attention(
     Q, K, V, attn_mask=None, past_key=None, past_value=None, key_offset=None, value_offset=None, *,
     key_format: str, value_format: str, norm_correction: bool = True, head_dim: int | None = None,
     is_causal: bool = False, scale: float | None = None, q_num_heads: int = 0, kv_num_heads: int = 0,
-    fp16_centroids: bool = False,
+    fp16_centroids: bool = False, softcap: float = 0.0, head_sink=None,
 ):
     """Returns (Y, present_key, present_value); Y has Q's dtype and layout. fp16_centroids: past MSE
     keys scored through centroids rounded to fp16, the precision of the CUDA tensor-core split
@@ -64,6 +68,12 @@ def attention(
     v_all = np.repeat(v_all, group, axis=1)
     sc = 1.0 / np.sqrt(d) if not scale else float(scale)
     scores = np.einsum("bhqd,bhkd->bhqk", q, k_all) * sc
+    if key_offset is not None and (softcap > 0 or head_sink is not None):
+        # the true scores (q . k): the offset's shift q . key_offset, which the softmax alone would cancel
+        shift = np.einsum("bhqd,hd->bhq", q, np.repeat(koff[0, :, 0].astype(np.float64), group, axis=0)) * sc
+        scores = scores + shift[..., None]
+    if softcap > 0:
+        scores = softcap * np.tanh(scores / softcap)
     allowed = np.ones((b, hq, sq, s_total), bool)
     if attn_mask is not None:
         m = np.asarray(attn_mask)
@@ -81,8 +91,13 @@ def attention(
     with np.errstate(invalid="ignore", over="ignore"):
         row_max = scores.max(-1, keepdims=True)
         live = np.isfinite(row_max) & ~poisoned
+        if head_sink is not None:
+            sink = to_f32(np.asarray(head_sink)).astype(np.float64).reshape(1, hq, 1, 1)
+            row_max = np.maximum(row_max, sink)
         p = np.exp(scores - np.where(live, row_max, 0.0))
         denom = p.sum(-1, keepdims=True)
+        if head_sink is not None:
+            denom = denom + np.exp(sink - np.where(live, row_max, 0.0))
         p = np.where(live, p / np.where(live, denom, 1.0), 0.0)
         y = np.einsum("bhqk,bhkd->bhqd", p, v_all)
     y = np.where(poisoned, np.nan, y)

@@ -9,6 +9,8 @@ Q's channels multiplied by their KV head's key_scale row and K's divided by it, 
 The new tokens are packed into rows past_b .. past_b + S - 1 of present (the past buffer itself when
 it is shared; present has max(max_length, total_sequence_length) rows), and each query attends
 causally to its sequence's packed past and the exact new tokens, through reference.attention.
+local_window_size W > 0: the query at position p sees keys p - W + 1 .. p only (W keys, itself
+included); softcap and head_sink as in reference.attention (ORT's GroupQueryAttention's definitions).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def group_query_attention(
     cos_cache=None, sin_cache=None, position_ids=None, key_offset=None, value_offset=None, key_scale=None, *,
     key_format: str, value_format: str, norm_correction: bool = True, num_heads: int, kv_num_heads: int,
     scale: float | None = None, do_rotary: bool = False, rotary_interleaved: bool = False,
+    local_window_size: int = -1, softcap: float = 0.0, head_sink=None,
 ):
     """Returns (output [B, S, Hq*D], present_key, present_value)."""
     query = np.asarray(query)
@@ -67,6 +70,11 @@ def group_query_attention(
     k = np.asarray(key).reshape(b, s, hkv, d)
     v = np.asarray(value).reshape(b, s, hkv, d)
     total = int(np.asarray(total_sequence_length).reshape(-1)[0])
+    if local_window_size == 0 or local_window_size < -1:
+        raise ValueError(f"TQGroupQueryAttention: attribute 'local_window_size' must be -1 (no window) or positive, "
+                         f"got {local_window_size}")
+    if not (np.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"TQGroupQueryAttention: attribute 'softcap' must be finite and >= 0, got {softcap}")
     past = past_lengths(seqlens_k, s, total)
     if key_scale is not None and not do_rotary:
         raise ValueError("TQGroupQueryAttention: input 'key_scale' needs do_rotary = 1")
@@ -90,11 +98,14 @@ def group_query_attention(
     y = np.zeros((b, s, hq, d), query.dtype)
     for i in range(b):
         n = int(past[i])
+        window = None
+        if local_window_size > 0:  # query s is at position n + s; key j visible from n + s - W + 1 on
+            window = np.arange(n + s)[None, :] > (n + np.arange(s))[:, None] - local_window_size
         yi, pk, pv = attention(
             q[i:i + 1].transpose(0, 2, 1, 3), k[i:i + 1].transpose(0, 2, 1, 3), v[i:i + 1].transpose(0, 2, 1, 3),
-            None, past_key[i:i + 1, :, :n, :kb], past_value[i:i + 1, :, :n, :vb], key_offset, value_offset,
+            window, past_key[i:i + 1, :, :n, :kb], past_value[i:i + 1, :, :n, :vb], key_offset, value_offset,
             key_format=key_format, value_format=value_format, norm_correction=norm_correction, is_causal=True,
-            scale=scale, q_num_heads=hq, kv_num_heads=hkv)
+            scale=scale, q_num_heads=hq, kv_num_heads=hkv, softcap=softcap, head_sink=head_sink)
         y[i] = yi[0].transpose(1, 0, 2)
         present_key[i, :, n:n + s, :kb] = pk[0, :, n:]
         present_value[i, :, n:n + s, :vb] = pv[0, :, n:]

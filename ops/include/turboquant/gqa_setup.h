@@ -18,9 +18,10 @@ struct GqaAttrs {
   int64_t num_heads = 0, kv_num_heads = 0;
   float scale = 0.f;
   bool do_rotary = false, rotary_interleaved = false;
+  int64_t local_window_size = -1;  // -1: none; > 0: the window W (AttentionParams::window)
+  float softcap = 0.f;              // 0: none
   // GroupQueryAttention features this op does not implement; validate() refuses other values.
-  int64_t local_window_size = -1, qk_output = 0;
-  float softcap = 0.f;
+  int64_t qk_output = 0;
   bool smooth_softmax = false;
   void validate() const;  // throws InvalidArgument
 };

@@ -49,7 +49,8 @@ def cases(draw):
 
 def make(c):
     """(model, feeds) for a case: a past buffer of `capacity` rows holding each sequence's past; a
-    key_scale (c["key_scale"]) only with the rotary, which it follows."""
+    key_scale (c["key_scale"]) only with the rotary, which it follows; c["window"], c["softcap"] and
+    c["sink"] (optional) give local_window_size, softcap and a head_sink input."""
     rng = np.random.default_rng(c["seed"])
     key_scale = c.get("key_scale", False) and c["rotary"] > 0
     b, s, d, hkv = c["b"], c["s"], c["d"], c["hkv"]
@@ -60,7 +61,9 @@ def make(c):
     model = node_models.gqa_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=kf, value_format=vf, row_bytes=width,
                              dtype=c["dtype"], packed_qkv=c["packed"], rotary_dim=c["rotary"],
                              position_ids=c["position_ids"] and c["rotary"] > 0, offsets=c["offsets"], key_scale=key_scale,
-                             rotary_interleaved=int(c["interleaved"]), norm_correction=int(c["nc"]))
+                             rotary_interleaved=int(c["interleaved"]), norm_correction=int(c["nc"]),
+                             local_window_size=c.get("window", -1), softcap=c.get("softcap", 0.0),
+                             head_sink=c.get("sink", False))
     cap = c["capacity"]
     past = {}
     for name, fmt in (("past_key", kf), ("past_value", vf)):
@@ -87,6 +90,8 @@ def make(c):
         feeds["value_offset"] = rng.standard_normal((hkv, d)).astype(np.float32)
     if key_scale:  # positive, a factor of about 4 either way, as calibrations give
         feeds["key_scale"] = np.exp(rng.uniform(-1.4, 1.4, (hkv, d))).astype(np.float32)
+    if c.get("sink", False):  # logits about the scores' size: some rows' weight mostly in the sink
+        feeds["head_sink"] = (2 * rng.standard_normal(hq)).astype(dt)
     return model, feeds
 
 
@@ -97,7 +102,8 @@ def reference(c, feeds):
         feeds["seqlens_k"], feeds["total_sequence_length"], feeds.get("cos_cache"), feeds.get("sin_cache"),
         feeds.get("position_ids"), feeds.get("key_offset"), feeds.get("value_offset"), feeds.get("key_scale"), key_format=kf,
         value_format=vf, norm_correction=c["nc"], num_heads=c["hkv"] * c["group"], kv_num_heads=c["hkv"],
-        do_rotary=c["rotary"] > 0, rotary_interleaved=c["interleaved"])
+        do_rotary=c["rotary"] > 0, rotary_interleaved=c["interleaved"], local_window_size=c.get("window", -1),
+        softcap=c.get("softcap", 0.0), head_sink=feeds.get("head_sink"))
 
 
 def written_rows(c):
@@ -378,8 +384,10 @@ def test_bad_lengths_are_refused(ort_session, change, message):
 
 
 @pytest.mark.parametrize("attrs, message", [
-    ({"softcap": 30.0}, "softcap"),
-    ({"local_window_size": 128}, "local_window_size"),
+    ({"softcap": -1.0}, "'softcap' must be finite and >= 0, got -1"),
+    ({"softcap": float("inf")}, "'softcap' must be finite and >= 0, got inf"),
+    ({"local_window_size": 0}, "'local_window_size' must be -1 .no window. or positive, got 0"),
+    ({"local_window_size": -2}, "'local_window_size' must be -1 .no window. or positive, got -2"),
     ({"smooth_softmax": 1}, "smooth_softmax"),
     ({"key_format": "uint4"}, "value format"),
     ({"kv_num_heads": 3}, "kv_num_heads"),
@@ -536,3 +544,166 @@ def test_given_positions_are_checked_against_the_table_not_the_past(ort_session)
     assert np.isfinite(y).all()
     with pytest.raises(Exception, match="position 5 of sequence 0 is beyond the 4 rows of 'cos_cache'"):
         _rotary_step(ort_session, 4, 1.0, None)
+
+
+# -- sliding window, softcap and attention sinks ------------------------------------------------------
+
+@st.composite
+def window_cases(draw, prefill=False):
+    """cases() (or prefill_cases()) with a window smaller than, equal to or larger than the context,
+    a softcap and head sinks, each drawn on or off (at least one on)."""
+    c = draw(prefill_cases() if prefill else cases())
+    context = max(c["lengths"]) if not c["first"] else c["s"]
+    window = draw(st.sampled_from([-1, 1, 3, max(1, context // 2), context, context + 5]))
+    softcap = draw(st.sampled_from([0.0, 0.0, 0.5, 3.0]))
+    sink = draw(st.booleans())
+    if window == -1 and not softcap and not sink:
+        window = 2
+    return {**c, "window": window, "softcap": softcap, "sink": sink}
+
+
+@settings(max_examples=min(120, MAX_EXAMPLES), deadline=None)
+@given(c=window_cases())
+def test_window_softcap_and_sinks_match_reference(ort_session, device, c):
+    """Decode steps, short chunks and right-padded first prompts with a sliding window, a softcap, head
+    sinks or several of them, over packed caches of every preset's formats: present and output equal
+    the reference's."""
+    model, feeds = make(c)
+    y, pk, pv = run(ort_session(model, 2, device), feeds)
+    want = reference(c, feeds)
+    check_outputs(c, y, pk, pv, want)
+    np.testing.assert_array_equal(pk, want[1])
+    np.testing.assert_array_equal(pv, want[2])
+
+
+@settings(max_examples=min(40, MAX_EXAMPLES), deadline=None)
+@given(c=window_cases(prefill=True))
+def test_window_softcap_and_sinks_in_prefill_match_reference(ort_session, device, c):
+    """The same on prompts and continuation chunks of several tiles of new tokens (the tiled past)."""
+    model, feeds = make(c)
+    y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
+    check_outputs(c, y, pk, pv, reference(c, feeds))
+
+
+@pytest.mark.parametrize("formats", FORMATS)
+@pytest.mark.parametrize("s, window, first", [(1, 7, False), (1, 64, False), (40, 9, False), (70, 33, True)])
+def test_window_over_a_long_past_of_several_chunks(ort_session, device, formats, s, window, first):
+    """A past of up to 2500 rows (the decode path scores 1024 keys a chunk, the tiled one 64): windows
+    that start inside a chunk, with sinks and a softcap; outputs equal the reference's."""
+    lengths = [s] if first else [2500, 1100 + s]
+    c = dict(BASE, b=len(lengths), s=s, first=first, capacity=2504, lengths=lengths, formats=formats, d=64,
+             window=window, softcap=4.0, sink=True, seed=window)
+    model, feeds = make(c)
+    y, pk, pv, _ = run_shared(ort_session(model, 2, device), feeds, device)
+    check_outputs(c, y, pk, pv, reference(c, feeds))
+
+
+@pytest.mark.parametrize("formats", FORMATS)
+def test_decode_step_reads_no_row_before_its_window(ort_session, device, formats):
+    """A decode step of W = 16 over pasts of 900 and 40 rows whose rows before each window hold 0xff bytes
+    (NaN in every format's scale or value): the output is finite and equals the reference's on the same
+    buffer with those rows zeroed, so the kernel neither scores nor reads them (docs/ops.md)."""
+    window = 16
+    c = dict(BASE, b=2, s=1, capacity=904, lengths=[900, 40], formats=formats, window=window, sink=True, seed=3)
+    model, feeds = make(c)
+    poisoned, clean = dict(feeds), dict(feeds)
+    for name in ("past_key", "past_value"):
+        bad, good = feeds[name].copy(), feeds[name].copy()
+        for i, n in enumerate(c["lengths"]):
+            bad[i, :, :n - window] = 0xFF
+            good[i, :, :n - window] = 0
+        poisoned[name], clean[name] = bad, good
+    y, _, _ = run(ort_session(model, 2, device), poisoned)
+    assert np.isfinite(y).all()
+    wy, _, _ = reference(c, clean)
+    np.testing.assert_allclose(y, wy, rtol=2e-4, atol=2e-4 * max(1.0, float(np.abs(wy).max())))
+
+
+def test_head_sink_of_the_wrong_shape_or_type_is_refused(ort_session):
+    c = dict(BASE, sink=True)
+    model, feeds = make(c)
+    for i, dim in enumerate(next(x for x in model.graph.input if x.name == "head_sink").type.tensor_type.shape.dim):
+        dim.dim_param = f"hs{i}"  # the op's own check, not ORT's of the declared shape
+    with pytest.raises(Exception, match=r"'head_sink' has shape \[3\]; expected \[4\] \(num_heads\)"):
+        run(ort_session(model), {**feeds, "head_sink": np.zeros(3, np.float32)})
+
+
+def _ort_gqa_model(hq, hkv, d, window, softcap, sink):
+    """com.microsoft GroupQueryAttention in float32 (ONNX Runtime's own CPU kernel)."""
+    from onnx import helper
+
+    inputs = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "", "", "", "",
+              "head_sink" if sink else ""]
+    while not inputs[-1]:
+        inputs.pop()
+    node = helper.make_node("GroupQueryAttention", inputs, ["output", "present_key", "present_value"],
+                            domain="com.microsoft", num_heads=hq, kv_num_heads=hkv, local_window_size=window,
+                            softcap=float(softcap))
+    f = TensorProto.FLOAT
+    vi = helper.make_tensor_value_info
+    graph_inputs = [vi("query", f, ["B", "S", hq * d]), vi("key", f, ["B", "S", hkv * d]),
+                    vi("value", f, ["B", "S", hkv * d]), vi("past_key", f, ["B", hkv, "P", d]),
+                    vi("past_value", f, ["B", hkv, "P", d]), vi("seqlens_k", TensorProto.INT32, ["B"]),
+                    vi("total_sequence_length", TensorProto.INT32, [])]
+    if sink:
+        graph_inputs.append(vi("head_sink", f, [hq]))
+    graph = helper.make_graph([node], "gqa", graph_inputs,
+                              [vi("output", f, ["B", "S", hq * d]), vi("present_key", f, ["B", hkv, "T", d]),
+                               vi("present_value", f, ["B", hkv, "T", d])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+                             ir_version=node_models.IR_VERSION)
+
+
+@pytest.mark.parametrize("first, s, lengths", [(False, 1, [30, 12]), (True, 9, [9, 6]), (False, 5, [27])])
+@pytest.mark.parametrize("window, softcap, sink", [
+    (-1, 0.0, False), (4, 0.0, False), (12, 0.0, False), (30, 0.0, False), (64, 0.0, False), (-1, 2.0, False),
+    (-1, 0.0, True), (5, 1.5, True), (1, 0.0, True),
+])
+def test_reference_matches_onnxruntime_group_query_attention(first, s, lengths, window, softcap, sink):
+    """The reference itself, with raw16 caches, against ONNX Runtime's own float32 GroupQueryAttention
+    on the CPU given the same (fp16-exact) past as float32: windows smaller than, equal to and
+    larger than the context, softcap, head sinks and their combinations, for decode steps, right-padded
+    first prompts and continuation chunks."""
+    c = dict(BASE, b=len(lengths), s=s, first=first, capacity=32, lengths=lengths, formats=("raw16", "raw16"),
+             window=window, softcap=softcap, sink=sink, seed=s + window)
+    _, feeds = make(c)
+    hq, hkv, d = c["hkv"] * c["group"], c["hkv"], c["d"]
+    ort_feeds = {n: feeds[n] for n in ("query", "key", "value", "seqlens_k", "total_sequence_length")}
+    for n in ("past_key", "past_value"):
+        ort_feeds[n] = formats.unpack(feeds[n][..., :2 * d], "raw16", d).astype(np.float32)
+    if sink:
+        ort_feeds["head_sink"] = feeds["head_sink"]
+    session = ort.InferenceSession(_ort_gqa_model(hq, hkv, d, window, softcap, sink).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    y_ort = session.run(["output"], ort_feeds)[0]
+    y_ref = reference(c, feeds)[0]
+    for i, n in enumerate(lengths):
+        valid = n if first else s
+        np.testing.assert_allclose(y_ref[i, :valid], y_ort[i, :valid], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap, sink", [(2.0, False), (0.0, True), (3.0, True)])
+@pytest.mark.parametrize("s, first", [(1, False), (40, False), (33, True)])
+def test_key_offset_leaves_softcap_and_sinks_the_true_scores(ort_session, device, softcap, sink, s, first):
+    """A key offset only changes what is stored: with raw16 caches (the keys as they are, fp16 rounding
+    apart) the output with a large key offset equals the output without one, though the softcap and
+    the sink, unlike the softmax, would see the offset's shift of every score."""
+    lengths = [s] * 2 if first else [s + 60, s + 7]
+    c = dict(BASE, s=s, first=first, capacity=s + 64, lengths=lengths, formats=("raw16", "raw16"), softcap=softcap,
+             sink=sink, window=24, seed=s)
+    model, feeds = make(c)
+    offset_model, with_offset = make({**c, "offsets": True})
+    with_offset["key_offset"] = with_offset["key_offset"] * 4  # shifts of several units
+    with_offset["value_offset"] = np.zeros_like(with_offset["value_offset"])
+    if sink:
+        with_offset["head_sink"] = feeds["head_sink"]
+    for name in ("past_key", "past_value"):  # the same keys, stored less the offset
+        with_offset[name] = feeds[name].copy()
+    d = c["d"]
+    keys = formats.unpack(feeds["past_key"][..., :2 * d], "raw16", d)
+    with_offset["past_key"][..., :2 * d] = formats.pack(keys - with_offset["key_offset"][None, :, None, :], "raw16")
+    y, _, _ = run(ort_session(model, 2, device), feeds)
+    y_off, _, _ = run(ort_session(offset_model, 2, device), with_offset)
+    np.testing.assert_allclose(y_off, y, rtol=3e-3, atol=3e-3)
+    check_outputs({**c, "offsets": True}, y_off, *run(ort_session(offset_model, 2, device), with_offset)[1:],
+                  reference({**c, "offsets": True}, with_offset))
