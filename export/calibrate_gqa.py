@@ -83,6 +83,9 @@ def collect_gqa(model_path: str | os.PathLike, ids: np.ndarray, source: str, *, 
     for node in nodes.values():  # ONNX Runtime's CPU kernel rejects the fused Q/K norm of genai's CUDA builds
         if has_fused_qk_norm(node) and fused_norm_problem(node) is None:
             unfuse_qk_norm(node)
+        # window-sized caches (genai's sliding_window_cache) from empty ones: ONNX Runtime's present then
+        # holds every window position, as the full-length caches of the rewrite do
+        node.attributes.pop("sliding_window_cache", None)
     layers = [p for p in plans if p.compressed]
     tables, queries, notes = {}, {}, []
     fp8 = set()  # layers whose scales need no queries

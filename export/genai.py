@@ -166,17 +166,17 @@ def stage_folder(folder: Folder, out: pathlib.Path, result: RewriteResult, tmp: 
 
 
 def drop_sliding_window_section(decoder: dict, result: RewriteResult) -> str | None:
-    """genai_config.json's sliding_window section, dropped where the layers' row widths differ:
-    onnxruntime-genai 0.18 then binds a zero-length present to the narrower layers (the model's own
-    shapes and that section disagree), and the folder cannot run. The section only tells genai how to
-    size and slide window-sized buffers; the ops keep their local_window_size, and the rewrite refuses
-    or leaves window-sized caches (sliding_window_cache), so full-length buffers lose nothing.
-    Returns the summary's line, or None where nothing was dropped."""
+    """genai_config.json's sliding_window section, dropped: it tells onnxruntime-genai (0.18) to give
+    its layers window-sized buffers (window_size plus a slack, for GroupQueryAttention's
+    sliding_window_cache), while the rewrite makes every cache full-length, rows by position
+    (export/gqa.py), so genai must allocate max_length rows for every layer; with per-layer row widths
+    0.18 also binds a zero-length present to the narrower layers where the section is. The ops keep
+    their local_window_size and read only each window's rows. Returns the summary's line, or None
+    where there was no section."""
     section = decoder.get("sliding_window")
-    widths = {p.row_bytes for p in result.layers if p.row_bytes}
-    if not section or len(widths) < 2:
+    if not section:
         return None
     del decoder["sliding_window"]
     size = section.get("window_size") if isinstance(section, dict) else None
-    return (f"{CONFIG}: its sliding_window section (window_size {size}) dropped: with per-layer cache widths "
-            "onnxruntime-genai binds the wrong present shapes; the attention ops keep their own windows")
+    return (f"{CONFIG}: its sliding_window section (window_size {size}) dropped: onnxruntime-genai allocates every "
+            "layer's cache with max_length rows; the attention ops keep their windows and read only their rows")

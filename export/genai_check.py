@@ -5,7 +5,7 @@ reads genai_config.json and the custom-op library) and generated CHECK_TOKENS gr
 a short prompt, in a subprocess (a crash inside genai is a failed check, not a dead rewrite).
 Without it, "checked" means what can be known without genai: genai_config.json agrees with the
 model (head_size is the widest layer's row, num_key_value_heads each layer's heads; no
-sliding_window section beside per-layer widths, which genai 0.18 binds with the wrong shapes),
+sliding_window section, which would give window-sized buffers to caches that hold every position),
 and ONNX Runtime runs the model over shared buffers of the shapes genai would allocate
 (turboquant.shared_buffer, max_length rows) for the same prompt and tokens. A folder that fails
 either is not published: the rewrite ends with the reason, exit status 2. Models no generator runs
@@ -84,9 +84,10 @@ def config_problems(model_path: pathlib.Path, config: dict) -> list[str]:
     kv = {h for h in heads.values() if h}
     if kv and decoder.get("num_key_value_heads") not in kv:
         problems.append(f"num_key_value_heads {decoder.get('num_key_value_heads')} is none of the caches' {sorted(kv)}")
-    if len(concrete) > 1 and decoder.get("sliding_window"):
-        problems.append("a sliding_window section beside per-layer cache widths (onnxruntime-genai 0.18 then binds "
-                        "a zero-length present for the narrower layers)")
+    if decoder.get("sliding_window"):
+        problems.append("a sliding_window section (onnxruntime-genai 0.18 would give its layers window-sized buffers, "
+                        "and with per-layer cache widths a zero-length present, where the rewritten caches hold every "
+                        "position)")
     return problems
 
 

@@ -12,9 +12,16 @@ onnxruntime-genai (0.14.0 and later, export/genai.py) allocates each layer's buf
 genai installed, every layer gets the widest W (genai then allocates one shape for all layers), and
 the summary says so.
 onnxruntime-genai takes one dtype for every cache (that of the first past input), so all of them
-are uint8. Nodes with features the op lacks (sliding window, softcap, smooth softmax, attention
-bias, head sink, QK output) are refused, or with unsupported="leave" kept as they are (the model
-then mixes cache dtypes and is no longer loadable by onnxruntime-genai, which the summary says).
+are uint8. Sliding windows (local_window_size), softcap and head sinks (input 11) are kept: the op
+takes them as GroupQueryAttention does. Window-sized caches (sliding_window_cache = 1, what genai
+0.18's builder writes for windowed layers on the CPU and CUDA: a buffer of the window's rows that
+the op compacts as the window moves) become full-length ones, rows by position as in every other
+layer: the attribute dropped and the layer's cache length named as the full layers' (export/genai.py
+drops genai_config.json's sliding_window section, so genai allocates max_length rows for every
+layer); the op still reads only the window's rows. Nodes with features the op lacks (smooth softmax,
+attention bias, QK output, quantized caches) are refused, or with unsupported="leave" kept as they
+are (the model then mixes cache dtypes and is no longer loadable by onnxruntime-genai, which the
+summary says).
 """
 
 from __future__ import annotations
@@ -122,15 +129,16 @@ def head_dim(n: ir.Node) -> int | None:
 
 def unsupported_features(n: ir.Node) -> list[str]:
     found = []
-    if _attr(n, "local_window_size", -1) != -1:
-        found.append(f"local_window_size={_attr(n, 'local_window_size', -1)} (sliding window)")
-    if _attr(n, "softcap", 0.0):
-        found.append(f"softcap={_attr(n, 'softcap', 0.0)}")
+    window, softcap = _attr(n, "local_window_size", -1), _attr(n, "softcap", 0.0)
+    if window == 0 or window < -1:
+        found.append(f"local_window_size={window}")
+    if not (np.isfinite(softcap) and softcap >= 0):
+        found.append(f"softcap={softcap}")
     if _attr(n, "smooth_softmax", 0):
         found.append("smooth_softmax")
     if _attr(n, "qk_output", 0) or (len(n.outputs) > 3 and n.outputs[3].uses()):
         found.append("the QK output")
-    names = {10: "attention_bias", 11: "head_sink", 12: "k_scale (a quantized cache)", 13: "v_scale (a quantized cache)",
+    names = {10: "attention_bias", 12: "k_scale (a quantized cache)", 13: "v_scale (a quantized cache)",
              16: "query_seqlens (right-padded query chunks)"}
     for i, name in names.items():
         if len(n.inputs) > i and n.inputs[i] is not None:
@@ -139,8 +147,8 @@ def unsupported_features(n: ir.Node) -> list[str]:
         found.append(f"{len(n.inputs)} inputs (the schema this rewrite knows has 17)")
     if has_fused_qk_norm(n) and fused_norm_problem(n):
         found.append(fused_norm_problem(n))
-    if _attr(n, "sliding_window_cache", 0):
-        found.append("sliding_window_cache (window-sized cache buffers)")
+    if _attr(n, "sliding_window_cache", 0) and _attr(n, "local_window_size", -1) <= 0:
+        found.append("sliding_window_cache without a local_window_size")
     if _attr(n, "k_quant_type", "NONE") not in ("NONE", b"NONE") or _attr(n, "v_quant_type", "NONE") not in ("NONE", b"NONE"):
         found.append("k_quant_type/v_quant_type (a quantized cache)")
     if not _attr(n, "causal", 1):
@@ -150,10 +158,22 @@ def unsupported_features(n: ir.Node) -> list[str]:
     return found
 
 
-def _retype(v: ir.Value, heads: int, width: int) -> None:
+def _retype(v: ir.Value, heads: int, width: int, length=None) -> None:
+    """uint8 rows of `width` bytes; length (where given) names the sequence axis."""
     dims = list(v.shape) if v.shape is not None and len(v.shape) == 4 else [None, None, None, None]
     v.dtype = ir.DataType.UINT8
-    v.shape = ir.Shape([dims[0], heads or dims[1], dims[2], width])
+    v.shape = ir.Shape([dims[0], heads or dims[1], dims[2] if length is None else length, width])
+
+
+def _full_lengths(layers: dict[int, CacheLayer], nodes: dict[int, ir.Node]) -> tuple:
+    """The (past, present) sequence axes of a layer without a window-sized cache, which the rewritten
+    window-sized ones take (None where no such layer names them)."""
+    for i, n in nodes.items():
+        if not _attr(n, "sliding_window_cache", 0):
+            dims = [v.shape[2] if v.shape is not None and len(v.shape) == 4 else None
+                    for v in (layers[i].past_key, n.outputs[1])]
+            return tuple(dims)
+    return None, None
 
 
 def row_width(key_format: str, value_format: str, head_dim: int) -> int:
@@ -167,7 +187,8 @@ def _replace(graph: ir.Graph, old: ir.Node, key_format: str, value_format: str, 
     inputs = list(old.inputs)[:_NUM_INPUTS]
     if extra:
         inputs += [None] * (_NUM_INPUTS - len(inputs)) + list(extra)
-    attrs = {name: a.value for name, a in old.attributes.items()}
+    # window-sized buffers become full-length ones (module docstring)
+    attrs = {name: a.value for name, a in old.attributes.items() if name != "sliding_window_cache"}
     attrs.update(key_format=key_format, value_format=value_format, norm_correction=int(norm_correction))
     new = ir.node("TQGroupQueryAttention", inputs, attrs, domain=turboquant.DOMAIN, num_outputs=3,
                   name=f"{old.name}/turboquant")
@@ -306,20 +327,28 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
     if not per_layer:
         widths = dict.fromkeys(widths, max(widths.values()))
     graph = model.graph
+    past_length, present_length = _full_lengths(layers, nodes)
+    windowed = [p.index for p in rewritten if _attr(nodes[p.index], "sliding_window_cache", 0)]
     for plan in rewritten:
         plan.row_bytes = widths[plan.index]
         node = nodes[plan.index]
         heads = _attr(node, "kv_num_heads", 0)
+        full = plan.index in windowed
         plan.kv_heads = plan.kv_heads or heads or None  # the op's attribute where the cache inputs leave it symbolic
         extra = None
         if calibration is not None and plan.compressed and plan.index in calibration.keys:
             extra = calibrated_inputs(model, plan.index, calibration, value_offsets=value_offsets, key_scales=key_scales)
         node = _replace(graph, node, plan.key_format, plan.value_format, cfg["norm_correction"], extra)
         layer = layers[plan.index]
-        for v in (layer.past_key, layer.past_value, node.outputs[1], node.outputs[2]):
-            _retype(v, heads, plan.row_bytes)
+        for v in (layer.past_key, layer.past_value):
+            _retype(v, heads, plan.row_bytes, past_length if full else None)
+        for v in node.outputs[1:3]:
+            _retype(v, heads, plan.row_bytes, present_length if full else None)
     model.opset_imports[turboquant.DOMAIN] = turboquant.OPSET_VERSION
     notes.append("cache rows (bytes per token and KV head, for K and for V): " + _describe_widths(rewritten))
+    if windowed:
+        notes.append(f"layers {_ranges(windowed)}: window-sized caches (sliding_window_cache) made full-length, rows by "
+                     "position; the op reads only each window's rows")
     if genai_note:
         notes.append(f"  {genai_note}")
     if not per_layer:

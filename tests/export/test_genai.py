@@ -335,21 +335,21 @@ def test_cuda_graph_enabled_in_the_folder(built, tmp_path, capsys):
 
 
 def test_unsupported_features_refused_or_left(built, tmp_path):
-    """A node with softcap: refused by default, naming the layer and the feature; with
+    """A node with smooth_softmax: refused by default, naming the layer and the feature; with
     unsupported='leave' that layer keeps GroupQueryAttention and no genai config is written."""
     m = onnx.load(built("llama"))
     node = [n for n in m.graph.node if n.op_type == "GroupQueryAttention"][2]
-    kept = [a for a in node.attribute if a.name != "softcap"]  # the builder writes softcap=0.0: replaced
+    kept = [a for a in node.attribute if a.name != "smooth_softmax"]
     del node.attribute[:]
-    node.attribute.extend([*kept, onnx.helper.make_attribute("softcap", 30.0)])
-    src = tmp_path / "softcap" / "model.onnx"
+    node.attribute.extend([*kept, onnx.helper.make_attribute("smooth_softmax", 1)])
+    src = tmp_path / "smooth" / "model.onnx"
     src.parent.mkdir()
     onnx.save(m, src, save_as_external_data=True, location="model.onnx.data")
     from turboquant.export import self_text
 
     # refused before the calibration runs the original (minutes on a large model)
     with mock.patch.object(self_text, "self_generated_tokens", side_effect=AssertionError("calibration ran")):
-        with pytest.raises(RewriteError, match="layer 2: .*softcap=30.0"):
+        with pytest.raises(RewriteError, match="layer 2: .*smooth_softmax"):
             export(src, "turboquant_4bit_nc", tmp_path / "out" / "model.onnx")
     # random ids: the model file alone, without genai_config.json, gives the loop that writes text no row size
     result = export(src, "turboquant_4bit_nc", tmp_path / "out" / "model.onnx", unsupported="leave", calibrate="random")
@@ -522,3 +522,55 @@ def test_missing_library_refused_before_the_save(built, tmp_path, capsys, monkey
     rc, err = run_main(capsys, built("llama"), "--preset", "turboquant_4bit_nc", "--no-offsets", "-o", tmp_path / "out" / "model.onnx")
     assert_refused(rc, err, f"TURBOQUANT_ORT_LIBRARY points at {tmp_path / 'nope.so'}, which is not a file")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_windows_softcap_and_sinks_are_kept(built, tmp_path):
+    """GroupQueryAttention with local_window_size, softcap, a head_sink input and a window-sized cache
+    (sliding_window_cache, as genai 0.18's builder writes Gemma 3 and gpt-oss for the CPU): rewritten to
+    TQGroupQueryAttention with the window, the softcap and the sink (input 11) kept, the calibration's
+    inputs after it, the cache made full-length (the attribute dropped, the full layers' length axis),
+    and genai_config.json's sliding_window section dropped; genai runs the folder."""
+    src_model = built("llama")
+    m = onnx.load(src_model)
+    nodes = [n for n in m.graph.node if n.op_type == "GroupQueryAttention"]
+    heads = next(a.i for a in nodes[1].attribute if a.name == "num_heads")
+    for i in (1, 2):
+        node = nodes[i]
+        kept = [a for a in node.attribute if a.name not in ("local_window_size", "softcap")]
+        del node.attribute[:]
+        node.attribute.extend([*kept, onnx.helper.make_attribute("local_window_size", 4),
+                               onnx.helper.make_attribute("softcap", 20.0),
+                               onnx.helper.make_attribute("sliding_window_cache", 1)])
+        sink = onnx.numpy_helper.from_array(np.linspace(-1, 1, heads).astype(np.float32), f"sinks_{i}")
+        m.graph.initializer.append(sink)
+        node.input.extend([""] * (12 - len(node.input)))
+        node.input[11] = sink.name
+        for v in m.graph.input:
+            if v.name.startswith(f"past_key_values.{i}."):
+                v.type.tensor_type.shape.dim[2].dim_param = "past_sliding_length"
+    src = tmp_path / "src" / "model.onnx"
+    src.parent.mkdir()
+    onnx.save(m, src, save_as_external_data=True, location="model.onnx.data")
+    config = json.loads((src_model.parent / "genai_config.json").read_text())
+    config["model"]["decoder"]["sliding_window"] = {"window_size": 4, "slide_key_value_cache": False,
+                                                    "slide_inputs": False, "layers": [1, 2]}
+    for f in src_model.parent.iterdir():
+        if not f.name.startswith("model.onnx"):
+            shutil.copy2(f, src.parent / f.name)
+    (src.parent / "genai_config.json").write_text(json.dumps(config))
+    result = export(src, "turboquant_4bit_nc", tmp_path / "out" / "model.onnx", boundary=1, calibrate="random",
+                    progress=False)
+    assert {1, 2} <= set(result.compressed) and not result.left
+    out = onnx.load(result.output, load_external_data=False)
+    tq = [n for n in out.graph.node if n.op_type == "TQGroupQueryAttention"]
+    for i in (1, 2):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in tq[i].attribute}
+        assert attrs["local_window_size"] == 4 and attrs["softcap"] == 20.0 and "sliding_window_cache" not in attrs
+        assert tq[i].input[11] == f"sinks_{i}" and tq[i].input[12] == f"tq_key_offset_{i}"
+    lengths = {v.name: v.type.tensor_type.shape.dim[2].dim_param for v in out.graph.input if "past_key_values" in v.name}
+    assert set(lengths.values()) == {"past_sequence_length"}, lengths
+    decoder = json.loads((tmp_path / "out" / "genai_config.json").read_text())["model"]["decoder"]
+    assert "sliding_window" not in decoder
+    summary = result.summary()
+    assert "layers 1-2: window-sized caches (sliding_window_cache) made full-length" in summary
+    assert "checked: onnxruntime-genai loaded the folder and generated 4 tokens" in summary
