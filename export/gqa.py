@@ -348,7 +348,8 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
     notes.append("cache rows (bytes per token and KV head, for K and for V): " + _describe_widths(rewritten))
     if windowed:
         notes.append(f"layers {_ranges(windowed)}: window-sized caches (sliding_window_cache) made full-length, rows by "
-                     "position; the op reads only each window's rows")
+                     "position; the op reads only each window's rows, but their memory grows with the context (the "
+                     "per-token sizes above count them as full-length in the original too)")
     if genai_note:
         notes.append(f"  {genai_note}")
     if not per_layer:

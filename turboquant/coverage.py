@@ -34,7 +34,8 @@ class Row:
     builder: str = ""  # genai's builder class, or why it has none
     compressed: list = dataclasses.field(default_factory=list)
     kept: list = dataclasses.field(default_factory=list)
-    left: list = dataclasses.field(default_factory=list)  # left as GroupQueryAttention (window, softcap, sink)
+    left: list = dataclasses.field(default_factory=list)  # left as GroupQueryAttention (features the op lacks)
+    features: str = ""  # the source's windows, softcap and sinks, which the rewrite keeps
     top1: float | None = None
     cuda: str = ""  # the CUDA build's dry run
     torch_forms: dict = dataclasses.field(default_factory=dict)  # exporter -> cache form
@@ -48,7 +49,7 @@ class Row:
         what = f"compressed {comp}; raw16 {kept}" + (f"; left as they were {left}" if left else "")
         top1 = "" if self.top1 is None else f"{self.top1:.0%}"
         forms = ", ".join(f"{k}: {v}" for k, v in self.torch_forms.items())
-        return [self.name, self.builder, self.error or what, top1, self.cuda, forms]
+        return [self.name, self.builder, self.features or "none", self.error or what, top1, self.cuda, forms]
 
 
 def _ranges(ix) -> str:
@@ -182,6 +183,7 @@ def cover(arch: Architecture, work: pathlib.Path, cuda: bool = True, torch_expor
         row.builder, row.error = "none", f"the builder refused it: {str(e).strip().splitlines()[-1][:160]}"
         return row
     row.builder = _builder_class(src)
+    row.features = attention_features(src)
     try:
         result = export(src, PRESET, folder / "tq" / "model.onnx", boundary=arch.boundary, calibrate="random",
                         progress=False, unsupported="leave")
@@ -238,13 +240,36 @@ def cuda_dry_run(arch: Architecture, folder: pathlib.Path) -> str:
     return f"dry run: compressed {_ranges(r.compressed) or 'none'}{notes}"
 
 
+def attention_features(src: pathlib.Path) -> str:
+    """'window 16: layers 0-4; softcap 50: 0-3; sinks: 0-3' for the source's GroupQueryAttention nodes."""
+    import onnx
+
+    windows, softcaps, sinks = {}, {}, []
+    layer = 0
+    for n in onnx.load(str(src), load_external_data=False).graph.node:
+        if n.op_type != "GroupQueryAttention":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        if attrs.get("local_window_size", -1) > 0:
+            windows.setdefault(attrs["local_window_size"], []).append(layer)
+        if attrs.get("softcap", 0.0):
+            softcaps.setdefault(attrs["softcap"], []).append(layer)
+        if len(n.input) > 11 and n.input[11]:  # GroupQueryAttention's head_sink
+            sinks.append(layer)
+        layer += 1
+    parts = [f"window {w}: layers {_ranges(ix)}" for w, ix in windows.items()]
+    parts += [f"softcap {c:g}: layers {_ranges(ix)}" for c, ix in softcaps.items()]
+    parts += [f"sinks: layers {_ranges(sinks)}"] if sinks else []
+    return "; ".join(parts)
+
+
 def _builder_class(src: pathlib.Path) -> str:
     cfg = json.loads((src.parent / "genai_config.json").read_text())
     return cfg["model"]["type"]
 
 
 def table(rows: list[Row]) -> str:
-    head = ["architecture", "genai model type", "CPU build: layers", "teacher-forced top-1", "CUDA build (fp16)",
+    head = ["architecture", "genai model type", "windows, softcap, sinks (kept)", "CPU build: layers", "teacher-forced top-1", "CUDA build (fp16)",
             "torch.onnx exports"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in r.cells()) + " |" for r in rows]
