@@ -69,11 +69,13 @@ def test_reference_evaluator_pack_unpack(dtype, rng):
     np.testing.assert_allclose(back.astype(np.float32), x.astype(np.float32), atol=0.5)
 
 
-def test_group_query_attention_schema_and_reference_evaluator(rng, ort_session):
+@pytest.mark.parametrize("window, softcap, sink", [(-1, 0.0, False), (4, 5.0, True)])
+def test_group_query_attention_schema_and_reference_evaluator(rng, ort_session, window, softcap, sink):
     """TQGroupQueryAttention passes the checker and shape inference, and ReferenceEvaluator runs it
-    (packed QKV, rotary, per-sequence lengths) with the results of the ORT kernel."""
+    (packed QKV, rotary, per-sequence lengths; a window, softcap and head sinks) with the results of
+    the ORT kernel."""
     m = node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4", packed_qkv=True,
-                         rotary_dim=64)
+                              rotary_dim=64, local_window_size=window, softcap=softcap, head_sink=sink)
     onnx.checker.check_model(m, full_check=True)
     inferred = onnx.shape_inference.infer_shapes(m)
     y = inferred.graph.output[0].type.tensor_type.shape.dim
@@ -89,6 +91,8 @@ def test_group_query_attention_schema_and_reference_evaluator(rng, ort_session):
         "cos_cache": np.cos(angles).astype(np.float32),
         "sin_cache": np.sin(angles).astype(np.float32),
     }
+    if sink:
+        feeds["head_sink"] = rng.standard_normal(4).astype(np.float32)
     keys, values = (rng.standard_normal((2, 2, 16, 64)).astype(np.float32) for _ in range(2))
     feeds["past_key"][..., :formats.packed_size("mse4", 64)] = formats.pack(keys, "mse4")
     feeds["past_value"][...] = formats.pack(values, "uint4")
