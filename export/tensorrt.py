@@ -32,7 +32,7 @@ from .errors import RewriteError
 
 PLUGIN_VERSION = "1"
 PACKED_DTYPE = ir.DataType.INT8  # the packed_dtype field's 3
-_GQA_TOTAL, _GQA_COS, _GQA_SIN, _GQA_POSITIONS, _GQA_KEY_OFFSET, _GQA_KEY_SCALE = 6, 7, 8, 9, 12, 14
+_GQA_TOTAL, _GQA_COS, _GQA_SIN, _GQA_POSITIONS, _GQA_HEAD_SINK, _GQA_KEY_OFFSET, _GQA_KEY_SCALE = 6, 7, 8, 9, 11, 12, 14
 
 
 def for_tensorrt(model: ir.Model) -> int:
@@ -89,6 +89,13 @@ def _packed_as_int8(model: ir.Model) -> None:
 def _gqa_inputs(node: ir.Node, inputs: list, carriers: dict) -> list:
     """TQGroupQueryAttention's inputs in the plugin's form (module docstring); sets packed_qkv."""
     inputs = inputs + [None] * (_GQA_KEY_SCALE + 1 - len(inputs))
+    window, softcap = node.attributes.get("local_window_size"), node.attributes.get("softcap")
+    found = [f"local_window_size={window.value}"] if window is not None and window.value != -1 else []
+    found += [f"softcap={softcap.value}"] if softcap is not None and softcap.value else []
+    found += ["input head_sink"] if inputs[_GQA_HEAD_SINK] is not None else []
+    if found:  # the plugin's CUDA kernels do not take them yet; its inputs are counted by position
+        raise RewriteError(f"node {node.name!r} uses {', '.join(found)}, which the TensorRT plugin does not take "
+                           "(--target onnxruntime runs them)")
     packed = inputs[1] is None
     node.attributes["packed_qkv"] = ir.AttrInt64("packed_qkv", int(packed))
     rotary = node.attributes.get("do_rotary")

@@ -15,7 +15,7 @@ from turboquant import node_models, random_decoders
 from turboquant import tensorrt as tq_trt
 from turboquant.config import packed_size
 from turboquant.decoder import DecoderSession
-from turboquant.export import export
+from turboquant.export import RewriteError, export
 from turboquant.export.__main__ import main
 from turboquant.export.tensorrt import for_tensorrt
 
@@ -260,6 +260,18 @@ def test_absent_offsets_before_a_later_float_input_become_zeros():
     node = next(x for x in _gqa_trt_model(rotary_dim=64, key_scale=True).graph if x.op_type == "TQGroupQueryAttention")
     assert node.inputs[-1].name == "key_scale" and len(node.inputs) == 12
     assert [v.producer().op_type for v in node.inputs[-3:-1]] == ["Constant", "Constant"]
+
+
+@pytest.mark.parametrize("features, named", [
+    (dict(local_window_size=16), "local_window_size=16"), (dict(softcap=30.0), "softcap=30.0"),
+    (dict(head_sink=True), "input head_sink"),
+])
+def test_windows_softcap_and_sinks_are_refused_for_the_plugin(features, named):
+    """The TensorRT plugin does not take them yet (its inputs are counted by position): refused, named."""
+    model = ir.from_proto(node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4",
+                                                value_format="uint4", **features))
+    with pytest.raises(RewriteError, match=f"uses {named}, which the TensorRT plugin does not take"):
+        for_tensorrt(model)
 
 
 @pytest.mark.gpu
