@@ -121,7 +121,8 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
   }
 
   // 2. the splits' partial results (max, sum, acc): past values read back as unpack(v) + offset,
-  // so each split adds sum x offset
+  // so the past's weights' total (mass) times the offset is added once at the end, as the CPU
+  // kernel does (an infinite offset times a part's 0 weight would be NaN)
   TQ_PHASE(gr == 0, 9);
   grid_dependency_wait();
   TQ_PHASE(gr == 0, 10);
@@ -134,14 +135,14 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
       acc[c] = col < dv ? np[2 + col] : 0.0f;
     }
   }
+  float mass = 0.0f, off[kMaxCols];
+  const float* voff = p.value_offset ? p.value_offset + hkv * dv : nullptr;
+  for (int c = 0; c < kMaxCols; ++c) {
+    const int col = tid + c * kThreads;
+    off[c] = voff && col < dv ? voff[col] : 0.0f;
+  }
   if (past > 0) {
     const float* part = partial + (bh * l.rows + row) * l.splits * partial_stride(dv);
-    const float* voff = p.value_offset ? p.value_offset + hkv * dv : nullptr;
-    float off[kMaxCols];
-    for (int c = 0; c < kMaxCols; ++c) {
-      const int col = tid + c * kThreads;
-      off[c] = voff && col < dv ? voff[col] : 0.0f;
-    }
     // kChunk splits at a time: all their loads in flight at once (a merge of one split after the
     // other waits for each split's loads), then their largest maximum and weighted sums; 2 at a time
     // for up to 2 splits, where 8 cost more (predicated slots) than they save (docs/performance.md,
@@ -172,14 +173,16 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
         }
         const float rescale = m == -INFINITY ? 0.0f : __expf(m - mx);
         sum *= rescale;
+        mass *= rescale;
 #pragma unroll
         for (int c = 0; c < kMaxCols; ++c) acc[c] *= rescale;
 #pragma unroll
         for (int u = 0; u < kChunk; ++u) {
           const float w = ms[u] == -INFINITY ? 0.0f : __expf(ms[u] - mx);
           sum += ss[u] * w;
+          mass += ss[u] * w;
 #pragma unroll
-          for (int c = 0; c < kMaxCols; ++c) acc[c] += (as[u][c] + off[c] * ss[u]) * w;
+          for (int c = 0; c < kMaxCols; ++c) acc[c] += as[u][c] * w;
         }
         m = mx;
       }
@@ -194,7 +197,7 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
   const int64_t ybase = b * p.y.b + hq * p.y.h + pos * p.y.s;
   for (int c = 0; c < kMaxCols; ++c) {
     const int col = tid + c * kThreads;
-    if (col < dv) store_float(p.dtype, y, ybase + col, acc[c] * inv);
+    if (col < dv) store_float(p.dtype, y, ybase + col, (voff ? acc[c] + off[c] * mass : acc[c]) * inv);
   }
   TQ_PHASE(gr == 0, 11);
 }
