@@ -182,6 +182,13 @@ void split_past(const AttentionParams& p, int64_t target, int64_t unit, SplitLay
 
 }  // namespace
 
+const char* unsupported_feature(const AttentionParams& p) {
+  if (p.window > 0) return "local_window_size (sliding window)";
+  if (p.softcap > 0.0f) return "softcap";
+  if (p.head_sink != nullptr) return "head_sink";
+  return nullptr;
+}
+
 bool chunk_wgmma_enabled() {
   const char* v = std::getenv("TURBOQUANT_CHUNK_WGMMA");
   return v != nullptr && std::strcmp(v, "1") == 0;
@@ -221,6 +228,7 @@ SplitPlan plan_split(const AttentionParams& p, bool caches_aligned16, const Devi
   SplitPlan plan;
   SplitLayout& l = plan.layout;
   l = row_layout(p);
+  plan.unsupported = unsupported_feature(p);
   if (p.q_len == 0 || p.past_len == 0 || p.batch == 0) return plan;  // the finish kernel alone
   const int64_t base = p.batch * p.kv_heads * l.row_blocks;
   const int sms = dev.sms > 0 ? dev.sms : 1;
