@@ -59,7 +59,6 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
   // the one plan of this call: its kernel, splits (of the query rows: none when q_len is 0) and
   // shared memory; the workspace was sized by the same planner
   const SplitPlan plan = attention_plan(p, past_key, past_value, num_sms);
-  if (plan.unsupported != nullptr) return cudaErrorNotSupported;  // never a result without the feature
   const bool fused = p.q_len == 1 && p.new_len == 1 && (p.past_len == 0 || plan.kernel == SplitKernel::kTensorCoreBulk);
   if (rot.rotary_dim > 0 && !fused) return cudaErrorInvalidValue;
   cudaError_t e = copy_past(p, past_key, present_key, past_value, present_value, num_sms, stream);

@@ -14,6 +14,7 @@
 
 #include "chunk_queries.cuh"
 #include "flash_tile.cuh"
+#include "mask.cuh"
 #include "split_common.cuh"
 #include "split_geometry.h"
 #include "turboquant/vector_codec.h"
@@ -73,7 +74,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t bh = blockIdx.z, b = bh / p.kv_heads, hkv = bh % p.kv_heads;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRows;
   const int split = blockIdx.y;
-  const int64_t past = p.past_of(b), begin = split * l.split_len;
+  // the splits start at the sliding window's first key for the chunk's first row (plan_split)
+  const int64_t past = p.past_of(b), begin = window_first_key(p, past) + split * l.split_len;
   const int64_t end = min(past, begin + l.split_len);
   const int tiles = end > begin ? static_cast<int>((end - begin + kKeys - 1) / kKeys) : 0;
   const int64_t kb = p.key_row(), vb = p.value_row();
@@ -147,7 +149,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = flash::key_of(nt, e, lane);
-        s[0][nt][e] = begin + t0 + t < end ? s[0][nt][e] * key_scale[t] * scale : -INFINITY;
+        bool on = begin + t0 + t < end;
+        if (p.window > 0) on = on && !before_window(p, past, (r0 + warp * 16 + flash::row_of(0, e, lane)) / l.group, begin + t0 + t);
+        s[0][nt][e] = on ? s[0][nt][e] * key_scale[t] * scale : -INFINITY;
       }
     }
     float alpha[1][2];

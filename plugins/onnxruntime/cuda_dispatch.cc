@@ -98,9 +98,6 @@ void cuda_gqa(OrtKernelContext* context, const AttentionParams& p, const RotaryP
               bool first_prompt, const void* q, const void* k, const void* v, const uint8_t* past_key,
               const uint8_t* past_value, void* y, uint8_t* present_key, uint8_t* present_value) {
   constexpr const char* kOp = "TQGroupQueryAttention";
-  if (const char* feature = cuda::unsupported_feature(p)) {
-    fail(kOp, feature, " is not supported by the CUDA kernels (the CPU execution provider takes it)");
-  }
   check_aligned(kOp, past_key, past_value, present_key, present_value);
   int device = 0;
   check(kOp, cudaGetDevice(&device));

@@ -277,9 +277,6 @@ int32_t GqaPlugin::enqueue(const nvinfer1::PluginTensorDesc* in, const nvinfer1:
     const auto* past_value = static_cast<const uint8_t*>(inputs[r.past_value]);
     auto* present_key = static_cast<uint8_t*>(outputs[1]);
     auto* present_value = static_cast<uint8_t*>(outputs[2]);
-    if (const char* feature = cuda::unsupported_feature(p)) {
-      throw_invalid(kOp, feature, " is not supported by the CUDA kernels");
-    }
     if (!cuda::caches_aligned(past_key, past_value, present_key, present_value)) {
       throw_invalid(kOp, "the packed caches (past_key, past_value, present_key, present_value) must start at multiples of ",
                     cuda::kCacheAlignment, " bytes");

@@ -54,16 +54,7 @@ struct SplitPlan {
   bool new_part = false;
   size_t new_part_offset = 0;  // bytes into the workspace
   size_t workspace = 0;  // bytes of partial results the split kernel (and prefill.cu) write and the finish kernel merges
-  // The GroupQueryAttention feature of this call no CUDA kernel implements (unsupported_feature), or
-  // null; attention() then launches nothing and returns cudaErrorNotSupported.
-  const char* unsupported = nullptr;
 };
-
-// The first of the call's sliding window, softcap and head_sink that no CUDA kernel implements, named
-// as the op's attribute or input ("local_window_size (sliding window)", "softcap", "head_sink"), or
-// null when the kernels take the call: the adapters refuse such a call with this name rather than
-// compute it without the feature.
-const char* unsupported_feature(const AttentionParams& p);
 
 // Whether the new tokens' own attention of a call runs on tensor cores (prefill.cu), by its shapes:
 // several query rows, fp16 or bf16, head size 64 or 128 for keys and values alike. (The launcher also
