@@ -5,7 +5,8 @@ onnxruntime-genai's builder (python -m onnxruntime_genai.models.builder), rewrit
 `turboquant export MODEL --preset turboquant_4bit_nc --boundary 1 --no-offsets` (calibration adds no decode work),
 then both folders run through og.Generator at each (batch, context) point: time to first token (the
 prompt in one append_tokens call), ms per decode step and tokens/s (all sequences), and the KV cache
-bytes of the caches' declared rows (every layer's buffer of the context's length, as genai allocates them).
+bytes at the context (genai's window-sized layers of the original at their window's rows; the rewrite's
+caches hold every position, packed).
 
 - gemma3: Gemma-3-4B's attention and widths (hidden 2560, 8 query heads on 4 KV heads of 256, MLP
   10240) in 12 of its 34 layers, 5 of each 6 windowed (W = 1024) as in the model; vocabulary cut to 32000.
@@ -52,6 +53,7 @@ def hf_config(shape: str, tiny: bool):
                       num_key_value_heads=2, head_dim=64, sliding_window=16, query_pre_attn_scalar=64,
                       max_position_embeddings=4096)
         kw["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+        kw["sliding_window_pattern"] = 6  # (transformers before layer_types)
         cfg = transformers.Gemma3TextConfig(**kw)
         cfg.architectures = ["Gemma3ForCausalLM"]
         return cfg
@@ -205,13 +207,29 @@ def measure(folder: pathlib.Path, device: str, points, steps: int, limit: float)
 
 
 def cache_summary(folder: pathlib.Path) -> dict:
-    """Bytes per token of the caches (all layers, K and V) and of the packed (compressed) layers."""
+    """Per layer, the cache bytes one sequence holds per row (K and V), the rows genai gives its
+    window-sized layers (genai_config.json's sliding_window section: window_size plus its slack;
+    absent from the rewrite, whose caches all hold every position), and how many layers are
+    compressed (packed formats other than raw16, the boundary layers' uncompressed rows)."""
     from turboquant.bench.cache_layout import inspect
 
     info = inspect(folder)
-    packed = sum(c.row_bytes for c in info.caches if c.key_format)
-    return {"bytes_per_token": info.bytes_per_token(), "packed_bytes_per_token": packed,
-            "layers": info.layers, "packed_layers": len({c.layer for c in info.caches if c.key_format})}
+    per_layer: dict[int, int] = {}
+    for c in info.caches:
+        per_layer[c.layer] = per_layer.get(c.layer, 0) + c.row_bytes
+    section = json.loads((folder / "genai_config.json").read_text())["model"].get("decoder", {}).get("sliding_window")
+    windowed = {}
+    if section:
+        rows = int(section.get("window_size", 0)) + int(section.get("cache_slack", 0))
+        windowed = {int(i): rows for i in section.get("layers", [])}
+    return {"per_layer": per_layer, "window_rows": windowed, "layers": len(per_layer),
+            "packed_layers": len({c.layer for c in info.caches if c.key_format not in (None, "raw16")})}
+
+
+def kv_bytes(summary: dict, batch: int, context: int) -> int:
+    """The caches' bytes at `context` tokens: window-sized layers hold at most their rows."""
+    return batch * sum(row * min(context, summary["window_rows"].get(layer, context))
+                       for layer, row in summary["per_layer"].items())
 
 
 def parse_point(text: str) -> tuple[int, int]:
@@ -266,10 +284,10 @@ def main(argv=None) -> int:
         got = measure(folder, args.device, args.points, args.steps, limit)
         for b, s in args.points:
             r = got.get((b, s))
-            rec = {**row, "batch": b, "context": s, "kv_bytes": b * s * row["bytes_per_token"]}
+            rec = {**row, "batch": b, "context": s, "kv_bytes": kv_bytes(row, b, s)}
             records.append({**rec, **r} if r else {**rec, "error": got.get("error", f"not reached within {limit:.0f} s")})
     print()
-    print(f"{'shape':7} {'model':9} {'B':>2} {'S':>6} {'ttft ms':>9} {'ms/step':>8} {'tok/s':>8} {'KV MB':>8}  packed layers")
+    print(f"{'shape':7} {'model':9} {'B':>2} {'S':>6} {'ttft ms':>9} {'ms/step':>8} {'tok/s':>8} {'KV MB':>8}  compressed layers")
     for r in records:
         if "batch" not in r:
             print(f"{r['shape']:7} {r['model']:9} {'':>2} {'':>6}  {r['error']}")

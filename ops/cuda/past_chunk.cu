@@ -14,7 +14,7 @@
 
 #include "chunk_queries.cuh"
 #include "flash_tile.cuh"
-#include "mask.cuh"
+#include "mask.cuh"  // window_first_key
 #include "split_common.cuh"
 #include "split_geometry.h"
 #include "turboquant/vector_codec.h"
@@ -119,6 +119,17 @@ __global__ void __launch_bounds__(kThreads)
   if (tiles > 0) fetch(0);
 
   const float scale = p.scale * 1.4426950408889634f;  // scores in log2 units: exp2 instead of exp
+  // the sliding window: the first key (counted from begin) that each of the thread's two rows sees,
+  // -1 for every key (no window)
+  int first_key[2] = {-1, -1};
+  if (p.window > 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t pos = (r0 + warp * 16 + flash::row_of(0, 2 * h, lane)) / l.group;
+      const int64_t first = past + p.new_len - p.q_len + pos - p.window + 1 - begin;
+      first_key[h] = static_cast<int>(max(static_cast<int64_t>(-1), min(first, static_cast<int64_t>(INT32_MAX))));
+    }
+  }
   float o[1][D / 8][4] = {};
   float m[1][2] = {{-INFINITY, -INFINITY}}, lsum[1][2] = {{0.0f, 0.0f}}, zsum[2] = {0.0f, 0.0f};
   constexpr uint32_t kKeyMask = (1u << KB) - 1, kValueMask = (1u << VB) - 1;
@@ -149,8 +160,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = flash::key_of(nt, e, lane);
-        bool on = begin + t0 + t < end;
-        if (p.window > 0) on = on && !before_window(p, past, (r0 + warp * 16 + flash::row_of(0, e, lane)) / l.group, begin + t0 + t);
+        const bool on = begin + t0 + t < end && static_cast<int>(t0) + t >= first_key[e >> 1];
         s[0][nt][e] = on ? s[0][nt][e] * key_scale[t] * scale : -INFINITY;
       }
     }
