@@ -134,7 +134,7 @@ DECODE = dict(BASE, s=1, first=False, lengths=[600, 300], capacity=640)
 @pytest.mark.parametrize("formats", PRESETS)
 @pytest.mark.parametrize("window", [64, 300, 1000])
 @pytest.mark.parametrize("target", CUDA)
-def test_decode_window_each_preset(ort_session, target, formats, window, split_kernel_ran):
+def test_decode_window_each_preset(ort_session, cuda_ready, target, formats, window, split_kernel_ran):
     c = dict(DECODE, formats=formats, window=window)
     if window == 1000:  # a window longer than the context changes nothing: with a sink, so the case tests one
         c["sink"] = True
@@ -157,7 +157,7 @@ def test_decode_window_each_preset(ort_session, target, formats, window, split_k
     ({"window": 1}, "tc_bulk"),  # each query sees itself only
 ])
 @pytest.mark.parametrize("target", CUDA)
-def test_decode_features(ort_session, target, change, want, split_kernel_ran):
+def test_decode_features(ort_session, cuda_ready, target, change, want, split_kernel_ran):
     c = dict(DECODE, **change)
     run_case(ort_session, target, c)
     split_kernel_ran(want, **planned(c))
@@ -179,7 +179,7 @@ PROMPT = dict(BASE, s=200, first=True, lengths=[200, 150], capacity=200, d=64)
     ({"window": 40, "sink": True, "dtype": TensorProto.FLOAT}, "none"),
 ])
 @pytest.mark.parametrize("target", CUDA)
-def test_first_prompt_features(ort_session, target, change, want, prefill_kernel_ran):
+def test_first_prompt_features(ort_session, cuda_ready, target, change, want, prefill_kernel_ran):
     c = dict(PROMPT, **change)
     run_case(ort_session, target, c)
     if want != "none":
@@ -204,7 +204,7 @@ CHUNK = dict(BASE, s=80, first=False, lengths=[780, 580], capacity=800, d=64)
     ({"window": 100, "d": 80, "softcap": 1.5}, "cuda_core"),  # no new tokens' part on tensor cores
 ])
 @pytest.mark.parametrize("target", CUDA)
-def test_chunk_features(ort_session, target, change, want, split_kernel_ran):
+def test_chunk_features(ort_session, cuda_ready, target, change, want, split_kernel_ran):
     c = dict(CHUNK, **change)
     run_case(ort_session, target, c)
     split_kernel_ran(want, **planned(c))
