@@ -103,8 +103,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     float s[kMt][kKeys / 8][4];
     flash::scores<D, kMt, kQInRegisters, T>(s, qf, q_at, kt, warp_row, lane);
     const int64_t t0 = static_cast<int64_t>(j) * kKeys;
-    const bool edge = kMask || t0 + kKeys > p.new_len || (p.is_causal && t0 + kKeys - 1 > q0 + warp_row + diag) ||
-                      (kMask && p.window > 0 && t0 < q0 + warp_row + 16 * kMt + diag - p.window);
+    // (the masked variant, which takes the window, tests every score)
+    const bool edge = kMask || t0 + kKeys > p.new_len || (p.is_causal && t0 + kKeys - 1 > q0 + warp_row + diag);
 #pragma unroll
     for (int mt = 0; mt < kMt; ++mt) {
 #pragma unroll
