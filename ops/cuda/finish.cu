@@ -203,6 +203,7 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
     const float mx = fmaxf(m, sink);
     const float rescale = m == -INFINITY ? 0.0f : __expf(m - mx);
     sum = sum * rescale + (sink == -INFINITY ? 0.0f : __expf(sink - mx));
+    mass *= rescale;
     for (int c = 0; c < kMaxCols; ++c) acc[c] *= rescale;
   }
   const float inv = sum > 0.0f ? 1.0f / sum : (sum == sum ? 0.0f : sum);  // NaN: a NaN or +inf score
