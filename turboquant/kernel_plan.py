@@ -85,11 +85,14 @@ def cpu_instruction_set() -> str:
 def plan_split(*, batch: int, q_heads: int, kv_heads: int, past_len: int, head_dim: int, key_format: str,
                value_format: str, q_len: int = 1, new_len: int | None = None, v_head_dim: int | None = None,
                dtype: str = "float16", mask: str | None = None, is_causal: bool = False, key_row_bytes: int = 0,
-               value_row_bytes: int = 0, aligned16: bool = True, buffer_rows: int = 0, device: Device = H200) -> SplitPlan:
+               value_row_bytes: int = 0, aligned16: bool = True, buffer_rows: int = 0, local_window_size: int = -1,
+               softcap: float = 0.0, head_sink: bool = False, device: Device = H200) -> SplitPlan:
     """The planner's choice for one call. new_len defaults to q_len, v_head_dim to head_dim; row bytes
     0 mean the formats' packed sizes (a shared buffer's rows may be wider); aligned16: the past caches
     start at multiples of 16 bytes; buffer_rows: rows per (b, head) of preallocated caches
-    (TQGroupQueryAttention's shared buffers, the in-place form), 0 for dense ones."""
+    (TQGroupQueryAttention's shared buffers, the in-place form), 0 for dense ones;
+    local_window_size, softcap and head_sink: GroupQueryAttention's sliding window (-1 or 0: none;
+    the splits then cover only the window's keys), softcap and whether the call has head_sink."""
     for name, value, allowed in (("key_format", key_format, ALL_FORMATS), ("value_format", value_format, ALL_FORMATS),
                                  ("dtype", dtype, DTYPES), ("mask", mask, MASKS)):
         if value not in allowed:
@@ -97,11 +100,11 @@ def plan_split(*, batch: int, q_heads: int, kv_heads: int, past_len: int, head_d
     new_len = q_len if new_len is None else new_len
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     shape = (batch, q_heads, kv_heads, q_len, new_len, past_len, head_dim, v_head_dim, int(is_causal), key_row_bytes,
-             value_row_bytes, int(aligned16), buffer_rows)
+             value_row_bytes, int(aligned16), buffer_rows, max(local_window_size, 0), int(softcap > 0), int(head_sink))
     props = (device.sms, device.smem_optin, device.cc_major, device.cc_minor, int(device.sm90a))
     out = (ctypes.c_int64 * 9)()
     name = _library().turboquant_split_plan(key_format.encode(), value_format.encode(), dtype.encode(),
-                                            (mask or "none").encode(), (ctypes.c_int64 * 13)(*shape),
+                                            (mask or "none").encode(), (ctypes.c_int64 * 16)(*shape),
                                             (ctypes.c_int64 * 5)(*props), out)
     if name is None:
         raise ValueError(f"the planner refused these shapes: batch, q_heads, kv_heads, q_len, new_len, past_len, "
@@ -112,15 +115,18 @@ def plan_split(*, batch: int, q_heads: int, kv_heads: int, past_len: int, head_d
 
 
 def plan_prefill(*, q_len: int, head_dim: int, new_len: int | None = None, v_head_dim: int | None = None,
-                 dtype: str = "float16", mask: str | None = None, device: Device = H200) -> str:
+                 dtype: str = "float16", mask: str | None = None, local_window_size: int = -1, softcap: float = 0.0,
+                 head_sink: bool = False, past_len: int = 0, device: Device = H200) -> str:
     """The kernel that attends a call's new tokens (with several query rows) on tensor cores, or
-    "none"; new_len defaults to q_len, v_head_dim to head_dim."""
+    "none"; new_len defaults to q_len, v_head_dim to head_dim; local_window_size, softcap, head_sink
+    and past_len as plan_split's."""
     for name, value, allowed in (("dtype", dtype, DTYPES), ("mask", mask, MASKS)):
         if value not in allowed:
             raise ValueError(f"{name} is {value!r}; expected one of {', '.join(str(a) for a in allowed)}")
-    shape = (q_len, q_len if new_len is None else new_len, head_dim, head_dim if v_head_dim is None else v_head_dim)
+    shape = (q_len, q_len if new_len is None else new_len, head_dim, head_dim if v_head_dim is None else v_head_dim,
+             max(local_window_size, 0), int(softcap > 0), int(head_sink), past_len)
     props = (device.sms, device.smem_optin, device.cc_major, device.cc_minor, int(device.sm90a))
-    return _library().turboquant_prefill_plan(dtype.encode(), (mask or "none").encode(), (ctypes.c_int64 * 4)(*shape),
+    return _library().turboquant_prefill_plan(dtype.encode(), (mask or "none").encode(), (ctypes.c_int64 * 8)(*shape),
                                               (ctypes.c_int64 * 5)(*props)).decode()
 
 

@@ -25,6 +25,7 @@
 #include <cfloat>
 #include <cmath>
 
+#include "mask.cuh"
 #include "ptx.cuh"
 #include "split_common.cuh"
 #include "split_geometry.h"
@@ -140,8 +141,9 @@ __global__ void __launch_bounds__(kThreads, kDt <= 16 ? 4 : 2) mma_split_kernel(
   __half* vdq = reinterpret_cast<__half*>(stage + 2 * tile_bytes);
   const int vstride = dv + 8;  // halves per dequantized row
   const int vnb = payload_bytes(p.value_format, dv);
-  const int64_t begin = static_cast<int64_t>(split) * l.split_len;
-  const int64_t end = min(p.past_of(b), begin + l.split_len);
+  const int64_t past = p.past_of(b);  // the splits start at the sliding window's first key (one query position)
+  const int64_t begin = window_first_key(p, past) + static_cast<int64_t>(split) * l.split_len;
+  const int64_t end = min(past, begin + l.split_len);
   const uint8_t* keys = past_key + bh * p.past_rows_or_len() * kb;
   const uint8_t* vals = past_value + bh * p.past_rows_or_len() * vb;
   const int dtiles = dv / 8;

@@ -133,6 +133,7 @@ __global__ void __launch_bounds__(kThreads, split_min_blocks(kRows)) split_kerne
   __shared__ __align__(16) float qs[kMaxHeadDim][kRows];  // rotated and scaled query (MSE) or scaled query; qs[i][r]
   __shared__ float scores[kRows][kTile];
   __shared__ float row_max[kRows], row_sum[kRows], row_rescale[kRows];
+  __shared__ float row_shift[kRows];  // softcap with a key offset: scale * q . key_offset (softcapped())
   __shared__ float centroid[16];
   __shared__ int64_t row_pos[kRows], row_hq[kRows];
 
@@ -146,6 +147,7 @@ __global__ void __launch_bounds__(kThreads, split_min_blocks(kRows)) split_kerne
     row_hq[tid] = hkv * l.group + row % l.group;
     row_max[tid] = -INFINITY;
     row_sum[tid] = 0.0f;
+    row_shift[tid] = 0.0f;
   }
   __syncthreads();
   const float fold = mse ? p.scale / static_cast<float>(dp) : p.scale;
@@ -154,6 +156,17 @@ __global__ void __launch_bounds__(kThreads, split_min_blocks(kRows)) split_kerne
     for (int i = tid; i < d; i += kThreads) qs[i][r] = load_float(p.dtype, q, base + i) * fold;
   }
   __syncthreads();
+  const bool capped = p.softcap > 0.0f;
+  if (capped && p.key_offset) {  // before the rotation below rewrites qs
+    const float* koff = p.key_offset + hkv * d;
+    for (int r = tid / 32; r < rows; r += kThreads / 32) {
+      float part = 0.0f;
+      for (int i = tid % 32; i < d; i += 32) part += qs[i][r] * koff[i];
+      part = warp_sum(part);
+      if (tid % 32 == 0) row_shift[r] = part * (mse ? static_cast<float>(dp) : 1.0f);  // qs holds q * fold
+    }
+    __syncthreads();
+  }
   if (mse) {  // q . H for every row, one butterfly per thread and stage
     for (int h = 1; h < dp; h <<= 1) {
       for (int k = tid; k < rows * (dp / 2); k += kThreads) {
@@ -167,8 +180,10 @@ __global__ void __launch_bounds__(kThreads, split_min_blocks(kRows)) split_kerne
     }
   }
 
-  const int64_t begin = static_cast<int64_t>(split) * l.split_len;
-  const int64_t end = min(p.past_of(b), begin + l.split_len);  // empty for splits past this sequence's end
+  // the splits cover the keys from the sliding window's first (plan_split splits only those)
+  const int64_t past = p.past_of(b);
+  const int64_t begin = window_first_key(p, past) + static_cast<int64_t>(split) * l.split_len;
+  const int64_t end = min(past, begin + l.split_len);  // empty for splits past this sequence's end
   const uint8_t* keys = past_key + bh * p.past_rows_or_len() * kb;
   const uint8_t* vals = past_value + bh * p.past_rows_or_len() * vb;
   const int bits = format_bits(p.key_format);
@@ -264,6 +279,10 @@ __global__ void __launch_bounds__(kThreads, split_min_blocks(kRows)) split_kerne
           for (int r = 0; r < kRows; ++r) s[r] += qs[i][r] * kv;
         }
       }
+    }
+    if (capped) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) s[r] = softcapped(s[r], p.softcap, row_shift[r]);
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {

@@ -236,7 +236,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int ktile = key_tile_bytes(kb), tile = ktile + value_tile_bytes(vb);
   uint8_t* stage = warp < sl.low_warps ? dyn + sl.low_stages + warp * 2 * tile
                                        : dyn + sl.high_stages + (warp - sl.low_warps) * 2 * tile;
-  const int64_t begin = static_cast<int64_t>(split) * l.split_len;
+  // (past lengths are read before the dependency wait below: they are inputs of the op, which no
+  // launch of ours writes; the splits start at the sliding window's first key, one query position)
+  const int64_t past = p.past_of(b);
+  const int64_t begin = window_first_key(p, past) + static_cast<int64_t>(split) * l.split_len;
   const uint8_t* keys = past_key + (bh * p.past_rows_or_len() + begin) * kb;  // this split's rows
   const uint8_t* vals = past_value + (bh * p.past_rows_or_len() + begin) * vb;
 #ifdef TQ_BULK_COPY
@@ -244,14 +247,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // DRAM would otherwise idle through the set-up below. Up to the batch's longest past
   // (a parameter: this sequence's own length is a load away), not the buffer's capacity.
   if (kPrefetchRounds > 0 && warp == kWarps - 1 && lane == 0) {
-    const int64_t rows = min(min(l.split_len, static_cast<int64_t>(kPrefetchRounds) * kWarps * kTok), p.past_len - begin);
+    const int64_t rows = max(static_cast<int64_t>(0), min(min(l.split_len, static_cast<int64_t>(kPrefetchRounds) * kWarps * kTok), p.past_len - begin));
     bulk_prefetch_l2_inside(keys, rows * kb);
     bulk_prefetch_l2_inside(vals, rows * vb);
   }
 #endif
-  // (past lengths are read before the dependency wait below: they are inputs of the op, which no
-  // launch of ours writes)
-  const int len = static_cast<int>(max(static_cast<int64_t>(0), min(p.past_of(b), begin + l.split_len) - begin));
+  const int len = static_cast<int>(max(static_cast<int64_t>(0), min(past, begin + l.split_len) - begin));
   constexpr int kChunks = kD / 16;  // fp8 rows: 16-byte chunks
 
   // Full tiles are copied as the 16-byte chunks that cover them (16-byte aligned, which rows of 66

@@ -12,11 +12,15 @@ namespace turboquant::cuda::detail {
 constexpr int kThreads = 128;
 
 // The term key j adds to query row pos's score (b, query head hq): the mask's, and whether the key
-// is allowed at all (causal, a bool mask).
+// is allowed at all (causal, the sliding window, a bool mask).
 __device__ inline float mask_value(const AttentionParams& p, const void* mask, int64_t b, int64_t hq, int64_t pos, int64_t j,
                                    bool* allowed) {
   *allowed = true;
   if (p.is_causal && j > pos + (p.past_of(b) + p.new_len - p.q_len)) {
+    *allowed = false;
+    return 0.0f;
+  }
+  if (p.window > 0 && before_window(p, p.past_of(b), pos, j)) {
     *allowed = false;
     return 0.0f;
   }

@@ -82,19 +82,23 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
   };
   if (rotary) __syncthreads();  // krow rotated
   const int64_t new_len = new_part ? 0 : p.new_len;  // the new tokens this block scores
-  if (new_len > 0) load_new(0);
+  // the first new token inside the row's sliding window (the ones before it are not scored)
+  const int64_t first_new = p.window > 0 ? max(static_cast<int64_t>(0), pos + p.new_len - p.q_len - p.window + 1) : 0;
+  if (new_len > first_new) load_new(first_new);
 
   // 1. the new tokens, exactly: an online softmax of their scores
   float m = -INFINITY, sum = 0.0f, acc[kMaxCols];
   for (int c = 0; c < kMaxCols; ++c) acc[c] = 0.0f;
   __syncthreads();  // qrow
-  float key_shift = 0.0f;  // new_part's scores are of the keys as given; the past's and these of keys - offset
-  if (new_part && koff) {
+  // new_part's scores are of the keys as given; the past's and these of keys - offset, key_shift below
+  // those of the keys as given (which softcap and head_sink take)
+  float key_shift = 0.0f;
+  if (koff && (new_part || p.softcap > 0.0f || p.head_sink)) {
     float part = 0.0f;
     for (int i = tid; i < d; i += kThreads) part += qrow[i] * koff[i];
     key_shift = block_sum(part, red) * p.scale;
   }
-  for (int64_t n = 0; n < new_len; ++n) {
+  for (int64_t n = first_new; n < new_len; ++n) {
     float part = 0.0f, vc[kMaxCols];
 #pragma unroll
     for (int c = 0; c < kMaxCols; ++c) {
@@ -103,7 +107,8 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
       vc[c] = vn[c];
     }
     if (n + 1 < new_len) load_new(n + 1);
-    const float dot = block_sum(part, red) * p.scale;
+    float dot = block_sum(part, red) * p.scale;
+    if (p.softcap > 0.0f) dot = softcapped(dot, p.softcap, key_shift);
     bool ok;
     const float add = mask_value(p, mask, b, hq, pos, past + n, &ok);
     if (!ok) continue;
@@ -121,7 +126,8 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
   }
 
   // 2. the splits' partial results (max, sum, acc): past values read back as unpack(v) + offset,
-  // so each split adds sum x offset
+  // so the past's weights' total (mass) times the offset is added once at the end, as the CPU
+  // kernel does (an infinite offset times a part's 0 weight would be NaN)
   TQ_PHASE(gr == 0, 9);
   grid_dependency_wait();
   TQ_PHASE(gr == 0, 10);
@@ -134,14 +140,14 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
       acc[c] = col < dv ? np[2 + col] : 0.0f;
     }
   }
+  float mass = 0.0f, off[kMaxCols];
+  const float* voff = p.value_offset ? p.value_offset + hkv * dv : nullptr;
+  for (int c = 0; c < kMaxCols; ++c) {
+    const int col = tid + c * kThreads;
+    off[c] = voff && col < dv ? voff[col] : 0.0f;
+  }
   if (past > 0) {
     const float* part = partial + (bh * l.rows + row) * l.splits * partial_stride(dv);
-    const float* voff = p.value_offset ? p.value_offset + hkv * dv : nullptr;
-    float off[kMaxCols];
-    for (int c = 0; c < kMaxCols; ++c) {
-      const int col = tid + c * kThreads;
-      off[c] = voff && col < dv ? voff[col] : 0.0f;
-    }
     // kChunk splits at a time: all their loads in flight at once (a merge of one split after the
     // other waits for each split's loads), then their largest maximum and weighted sums; 2 at a time
     // for up to 2 splits, where 8 cost more (predicated slots) than they save (docs/performance.md,
@@ -172,14 +178,16 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
         }
         const float rescale = m == -INFINITY ? 0.0f : __expf(m - mx);
         sum *= rescale;
+        mass *= rescale;
 #pragma unroll
         for (int c = 0; c < kMaxCols; ++c) acc[c] *= rescale;
 #pragma unroll
         for (int u = 0; u < kChunk; ++u) {
           const float w = ms[u] == -INFINITY ? 0.0f : __expf(ms[u] - mx);
           sum += ss[u] * w;
+          mass += ss[u] * w;
 #pragma unroll
-          for (int c = 0; c < kMaxCols; ++c) acc[c] += (as[u][c] + off[c] * ss[u]) * w;
+          for (int c = 0; c < kMaxCols; ++c) acc[c] += as[u][c] * w;
         }
         m = mx;
       }
@@ -190,11 +198,19 @@ __device__ void merge_row(const AttentionParams& p, const RotaryParams& rot, con
       merge_splits(std::integral_constant<int, 8>{});
     }
   }
+  if (p.head_sink) {  // the sink joins the softmax's denominator only (its score, in the units of m)
+    const float sink = load_float(p.dtype, p.head_sink, hq) - key_shift;
+    const float mx = fmaxf(m, sink);
+    const float rescale = m == -INFINITY ? 0.0f : __expf(m - mx);
+    sum = sum * rescale + (sink == -INFINITY ? 0.0f : __expf(sink - mx));
+    mass *= rescale;
+    for (int c = 0; c < kMaxCols; ++c) acc[c] *= rescale;
+  }
   const float inv = sum > 0.0f ? 1.0f / sum : (sum == sum ? 0.0f : sum);  // NaN: a NaN or +inf score
   const int64_t ybase = b * p.y.b + hq * p.y.h + pos * p.y.s;
   for (int c = 0; c < kMaxCols; ++c) {
     const int col = tid + c * kThreads;
-    if (col < dv) store_float(p.dtype, y, ybase + col, acc[c] * inv);
+    if (col < dv) store_float(p.dtype, y, ybase + col, (voff ? acc[c] + off[c] * mass : acc[c]) * inv);
   }
   TQ_PHASE(gr == 0, 11);
 }

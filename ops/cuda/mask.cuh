@@ -27,4 +27,24 @@ __device__ __forceinline__ bool mask_allows(const AttentionParams& p, const void
   }
 }
 
+// GroupQueryAttention's sliding window (p.window > 0), keys numbered as above: query row pos of a
+// sequence with `past` tokens is at position past + new_len - q_len + pos and sees keys from that
+// position - window + 1. window_first_key: the first past token the sequence's earliest row sees, where
+// the split kernels start (the keys before it are skipped, not masked); 0 without a window.
+__device__ __forceinline__ int64_t window_first_key(const AttentionParams& p, int64_t past) {
+  if (p.window <= 0) return 0;
+  const int64_t first = past + p.new_len - p.q_len - p.window + 1;
+  return first > 0 ? first : 0;
+}
+__device__ __forceinline__ bool before_window(const AttentionParams& p, int64_t past, int64_t pos, int64_t key) {
+  return p.window > 0 && key < past + p.new_len - p.q_len + pos - p.window + 1;
+}
+
+// Gemma 2's softcap of a score: cap * tanh(s / cap) of the score as the op defines it. The kernels'
+// scores are of the keys minus key_offset, `shift` = scale * q . key_offset below that score (a
+// softmax does not see a row's constant shift; the tanh does), and stay in those units.
+__device__ __forceinline__ float softcapped(float s, float cap, float shift) {
+  return cap * tanhf((s + shift) / cap) - shift;
+}
+
 }  // namespace turboquant::cuda::detail

@@ -218,26 +218,19 @@ __device__ inline bool any_nan_f16x2(uint32_t a, uint32_t b, uint32_t c, uint32_
   return ((((a & kMag) + kUp) | ((b & kMag) + kUp) | ((c & kMag) + kUp) | ((d & kMag) + kUp)) & 0x80008000u) != 0;
 }
 
-// fp16 bits -> floats through the conversion instruction (which may return a canonical NaN) or,
-// for chunks with a NaN when kNanBits, through the codec's conversion, which keeps the NaN's sign
-// (fp8 and raw16 store it).
-template <bool kNanBits>
+// fp16 bits -> floats through the conversion instruction (a NaN may come back canonical: every
+// NaN a pack stores is the codec's one NaN, whatever the input NaN's sign or payload).
 __device__ inline void f16_chunk(const uint4& u, float (&o)[8]) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-  if (!kNanBits || !any_nan_f16x2(u.x, u.y, u.z, u.w)) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
-      o[2 * k] = f.x, o[2 * k + 1] = f.y;
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) o[2 * k] = f16_to_f32(w[k] & 0xffffu), o[2 * k + 1] = f16_to_f32(w[k] >> 16);
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+    o[2 * k] = f.x, o[2 * k + 1] = f.y;
   }
 }
 
 // Chunks of fp16 or bf16 (dt) as floats.
-template <bool kNanBits, int kS>
+template <int kS>
 __device__ inline void convert_chunks(DType dt, const uint4 (&u)[kS], float (&z)[kS][8]) {
   if (dt == DType::kBFloat16) {
 #pragma unroll
@@ -248,14 +241,14 @@ __device__ inline void convert_chunks(DType dt, const uint4 (&u)[kS], float (&z)
     }
   } else {
 #pragma unroll
-    for (int s = 0; s < kS; ++s) f16_chunk<kNanBits>(u[s], z[s]);
+    for (int s = 0; s < kS; ++s) f16_chunk(u[s], z[s]);
   }
 }
 
 // The lane's chunks j, j + 4, ... of the vector starting at element e of x (16-byte aligned), of
 // which the first `chunks` exist; the others are zeros. One branch on the type per vector, and for
 // 16-bit types one on whether every chunk exists (the padded size: no predicates, no zeros).
-template <bool kNanBits, int kS>
+template <int kS>
 __device__ inline void load_chunks(DType dt, const void* x, int64_t e, int chunks, int j, float (&z)[kS][8]) {
   const uint4 zero = make_uint4(0, 0, 0, 0);
   if (dt == DType::kFloat32) {
@@ -280,7 +273,7 @@ __device__ inline void load_chunks(DType dt, const void* x, int64_t e, int chunk
 #pragma unroll
     for (int s = 0; s < kS; ++s) u[s] = j + 4 * s < chunks ? __ldcs(p + 4 * s) : zero;
   }
-  convert_chunks<kNanBits>(dt, u, z);
+  convert_chunks(dt, u, z);
 }
 
 // Stores into a staged row; kAlign: the alignment every such store has in F's rows.
@@ -312,7 +305,7 @@ __device__ inline void stage_indices(uint8_t* p, uint32_t lo, uint32_t hi) {
 }
 
 // f32_to_f16_sat by the conversion instruction (which rounds to nearest even, as it does), the codec's
-// code for a NaN (whose sign it keeps).
+// one NaN for a NaN.
 __device__ inline uint16_t f16_sat_bits(float f) {
   if (f != f) return f32_to_f16(f);
   return __half_as_ushort(__float2half_rn(fminf(fmaxf(f, -kFp16Max), kFp16Max)));
@@ -493,7 +486,7 @@ __device__ inline void encode_uint_stream(int d, float x0, float (&z)[kS][8], ui
 
 // fp8 / raw16: element-wise conversions of the lane's chunks, by the conversion instructions where
 // they round as the codec does (finite values: to nearest even; fp8 saturated), the codec's own
-// code for chunks with a NaN (whose sign it keeps) and for fp8 before sm_89.
+// code for chunks with a NaN (its one NaN) and for fp8 before sm_89.
 template <Format F, int kS>
 __device__ inline void encode_plain_stream(int d, float (&z)[kS][8], uint8_t* out, int j) {
   const int chunks = d / 8;
@@ -579,7 +572,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks(F, kS))
     const VectorMap::Where at = kPresent ? map.locate(u, d, bytes, offset)
                                          : VectorMap::Where{static_cast<int64_t>(u) * d, 0, offset_row, true};
     float z[kS][8];
-    load_chunks<!is_mse(F) && !is_uint(F)>(dt, x, at.in, chunks, j, z);
+    load_chunks(dt, x, at.in, chunks, j, z);
     if (offset.data) {
       const float* off = offset.data + static_cast<int64_t>(at.offset_row) * d;
 #pragma unroll

@@ -14,6 +14,7 @@
 
 #include "chunk_queries.cuh"
 #include "flash_tile.cuh"
+#include "mask.cuh"  // window_first_key
 #include "split_common.cuh"
 #include "split_geometry.h"
 #include "turboquant/vector_codec.h"
@@ -73,7 +74,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t bh = blockIdx.z, b = bh / p.kv_heads, hkv = bh % p.kv_heads;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRows;
   const int split = blockIdx.y;
-  const int64_t past = p.past_of(b), begin = split * l.split_len;
+  // the splits start at the sliding window's first key for the chunk's first row (plan_split)
+  const int64_t past = p.past_of(b), begin = window_first_key(p, past) + split * l.split_len;
   const int64_t end = min(past, begin + l.split_len);
   const int tiles = end > begin ? static_cast<int>((end - begin + kKeys - 1) / kKeys) : 0;
   const int64_t kb = p.key_row(), vb = p.value_row();
@@ -117,6 +119,17 @@ __global__ void __launch_bounds__(kThreads)
   if (tiles > 0) fetch(0);
 
   const float scale = p.scale * 1.4426950408889634f;  // scores in log2 units: exp2 instead of exp
+  // the sliding window: the first key (counted from begin) that each of the thread's two rows sees,
+  // -1 for every key (no window)
+  int first_key[2] = {-1, -1};
+  if (p.window > 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t pos = (r0 + warp * 16 + flash::row_of(0, 2 * h, lane)) / l.group;
+      const int64_t first = past + p.new_len - p.q_len + pos - p.window + 1 - begin;
+      first_key[h] = static_cast<int>(max(static_cast<int64_t>(-1), min(first, static_cast<int64_t>(INT32_MAX))));
+    }
+  }
   float o[1][D / 8][4] = {};
   float m[1][2] = {{-INFINITY, -INFINITY}}, lsum[1][2] = {{0.0f, 0.0f}}, zsum[2] = {0.0f, 0.0f};
   constexpr uint32_t kKeyMask = (1u << KB) - 1, kValueMask = (1u << VB) - 1;
@@ -147,7 +160,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = flash::key_of(nt, e, lane);
-        s[0][nt][e] = begin + t0 + t < end ? s[0][nt][e] * key_scale[t] * scale : -INFINITY;
+        const bool on = begin + t0 + t < end && static_cast<int>(t0) + t >= first_key[e >> 1];
+        s[0][nt][e] = on ? s[0][nt][e] * key_scale[t] * scale : -INFINITY;
       }
     }
     float alpha[1][2];

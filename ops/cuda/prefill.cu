@@ -56,15 +56,21 @@ __global__ void __launch_bounds__(kWarps * 32)
   int64_t kv_end = p.new_len;
   if (p.is_causal) kv_end = std::min<int64_t>(kv_end, q0 + kRows + diag);
   const int tiles = kv_end > 0 ? static_cast<int>((kv_end + kKeys - 1) / kKeys) : 0;
+  // the sliding window: key t is visible to row i when t >= i + diag - window + 1, so the block's
+  // tiles start at its first row's first key (the ones before are skipped, not masked)
+  const int64_t window_from = kMask && p.window > 0 ? q0 + diag - p.window + 1 : 0;
+  const int tile0 = window_from > 0 ? static_cast<int>(std::min<int64_t>(window_from / kKeys, tiles)) : 0;
 
   const T* qg = q + b * p.q.b + hq * p.q.h + q0 * p.q.s;
   const T* kg = k + b * p.k.b + hkv * p.k.h;
   const T* vg = v + b * p.v.b + hkv * p.v.h;
   flash::load_tile<D>(q_at, qg, p.q.s, kRows, static_cast<int>(std::min<int64_t>(kRows, p.q_len - q0)));
-  if (tiles > 0) {
-    const int valid = static_cast<int>(std::min<int64_t>(kKeys, p.new_len));
-    flash::load_tile<D>(k_at, kg, p.k.s, kKeys, valid);
-    flash::load_tile<D>(v_at, vg, p.v.s, kKeys, valid);
+  if (tiles > tile0) {
+    const int64_t t0 = static_cast<int64_t>(tile0) * kKeys;
+    const int valid = static_cast<int>(std::min<int64_t>(kKeys, p.new_len - t0));
+    const uint32_t buf = (tile0 & 1) * kTileBytes;
+    flash::load_tile<D>(k_at + buf, kg + t0 * p.k.s, p.k.s, kKeys, valid);
+    flash::load_tile<D>(v_at + buf, vg + t0 * p.v.s, p.v.s, kKeys, valid);
   }
   cp_async_commit();
 
@@ -75,7 +81,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
   for (int mt = 0; mt < kMt; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.0f;
   uint32_t qf[kQInRegisters ? D / 16 : 1][4];
-  for (int j = 0; j < tiles; ++j) {
+  const float cap = p.softcap * 1.4426950408889634f;  // softcap in the scores' log2 units
+  for (int j = tile0; j < tiles; ++j) {
     const int buf = j & 1;
     cp_async_wait<0>();
     __syncthreads();  // tile j has landed, and every warp is done with tile j - 1, whose buffer is refilled now
@@ -87,7 +94,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       cp_async_commit();
     }
     if constexpr (kQInRegisters) {
-      if (j == 0) {
+      if (j == tile0) {
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qf[ks], q_at + tile_offset<D>(warp_row + lane % 16, 2 * ks + lane / 16));
       }
@@ -96,6 +103,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     float s[kMt][kKeys / 8][4];
     flash::scores<D, kMt, kQInRegisters, T>(s, qf, q_at, kt, warp_row, lane);
     const int64_t t0 = static_cast<int64_t>(j) * kKeys;
+    // (the masked variant, which takes the window, tests every score)
     const bool edge = kMask || t0 + kKeys > p.new_len || (p.is_causal && t0 + kKeys - 1 > q0 + warp_row + diag);
 #pragma unroll
     for (int mt = 0; mt < kMt; ++mt) {
@@ -104,10 +112,11 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float x = s[mt][nt][e] * scale;
+          if (kMask && p.softcap > 0.0f) x = cap * tanhf(x / cap);
           if (edge) {
             const int64_t t = t0 + flash::key_of(nt, e, lane), row = q0 + warp_row + flash::row_of(mt, e, lane);
             float add = 0.0f;
-            if (t >= p.new_len || (p.is_causal && t > row + diag)) {
+            if (t >= p.new_len || (p.is_causal && t > row + diag) || (kMask && p.window > 0 && t < row + diag - p.window + 1)) {
               x = -INFINITY;
             } else if (kMask && row < p.q_len) {  // rows past the prompt are not written: no mask element to read
               x = mask_allows(p, mask, mask_at(p, b, hq, row, mask_col + t), &add) ? x + add * 1.4426950408889634f
@@ -138,7 +147,13 @@ __global__ void __launch_bounds__(kWarps * 32)
                                      o, m[mt][h], sum, mt, h, lane);
         continue;
       }
-      const float inv = sum > 0.0f ? 1.0f / sum : (sum == sum ? 0.0f : sum);  // no key: zeros; a NaN sum (NaN or +inf score): NaN
+      float inv = sum > 0.0f ? 1.0f / sum : (sum == sum ? 0.0f : sum);  // no key: zeros; a NaN sum (NaN or +inf score): NaN
+      if (kMask && p.head_sink) {  // the sink joins the denominator only (a continuation chunk's: in the finish kernel)
+        const float sink = load_float(p.dtype, p.head_sink, hq) * 1.4426950408889634f, mr = m[mt][h];
+        const float mx = fmaxf(mr, sink), rescale = mr == -INFINITY ? 0.0f : exp2f(mr - mx);
+        const float total = sum * rescale + (sink == -INFINITY ? 0.0f : exp2f(sink - mx));
+        inv = total > 0.0f ? rescale / total : (total == total ? 0.0f : total);
+      }
       T* yr = y + b * p.y.b + hq * p.y.h + row * p.y.s;
 #pragma unroll
       for (int nt = 0; nt < D / 8; ++nt) {
@@ -214,7 +229,10 @@ cudaError_t launch_prefill(const AttentionParams& p, const void* q, const void* 
   using H = __half;
   using B = __nv_bfloat16;
   const bool bf16 = p.dtype == DType::kBFloat16;
-  if (mask != nullptr) {
+  // the sliding window, softcap and head_sink run on the masked variant (with or without a mask), which
+  // tests every score anyway: the unmasked one's code stays as it was
+  const bool features = p.window > 0 || p.softcap > 0.0f || p.head_sink != nullptr;
+  if (mask != nullptr || features) {
     if (p.head_dim == 64) return bf16 ? launch<64, B, true>(p, q, k, v, mask, y, part, stream) : launch<64, H, true>(p, q, k, v, mask, y, part, stream);
     return bf16 ? launch<128, B, true>(p, q, k, v, mask, y, part, stream) : launch<128, H, true>(p, q, k, v, mask, y, part, stream);
   }

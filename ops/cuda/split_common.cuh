@@ -47,8 +47,8 @@ cudaError_t launch_cuda_core_split(const AttentionParams& p, const SplitPlan& pl
                                    cudaStream_t stream);
 
 // A continuation chunk's query rows over the packed past in 64-row tiles (past_chunk.cu; plan.kernel
-// kTensorCoreChunk): MSE keys with uint values, head size 64 or 128, fp16 or bf16, no mask, every past
-// token visible to every row. It writes the same partials as split_kernel.
+// kTensorCoreChunk): MSE keys with uint values, head size 64 or 128, fp16 or bf16, no mask or softcap,
+// every past token visible to every row but for a sliding window. It writes the same partials as split_kernel.
 cudaError_t launch_chunk_split(const AttentionParams& p, const SplitPlan& plan, const void* q, const uint8_t* past_key,
                                const uint8_t* past_value, float* partial, cudaStream_t stream);
 

@@ -14,6 +14,23 @@ using detail::mma_geometry::kStaticBytes;
 
 using detail::tc_geometry::kWideWarps;
 
+// Whether the sliding window hides some key from some query row: the call's longest sequence holds
+// more tokens than the window.
+bool window_cuts(const AttentionParams& p) { return p.window > 0 && p.window < p.past_len + p.new_len; }
+
+// Whether the kernel's query rows need the window per row: a window that cuts, over several query
+// positions (one position's rows share its first key, where the split kernels start).
+bool window_per_row(const AttentionParams& p) { return window_cuts(p) && p.q_len > 1; }
+
+// The past tokens the splits cover: the sliding window's (window - 1 past tokens for a query that
+// is the last new token; more where the new tokens outnumber the queries), at least one where there is
+// a past (its split then finds nothing to see), else every past token.
+int64_t visible_past(const AttentionParams& p) {
+  if (!window_cuts(p) || p.past_len == 0) return p.past_len;
+  const int64_t span = p.window - 1 + p.q_len - p.new_len;
+  return span < 1 ? 1 : (span < p.past_len ? span : p.past_len);
+}
+
 // The bulk kernel's key product length: the padded head size for MSE keys, the head size for fp8
 // and raw16.
 int tc_kd(const AttentionParams& p) {
@@ -61,6 +78,7 @@ int tc_bulk_warps(const AttentionParams& p, bool aligned16, const DeviceProps& d
   if (!pair && !raw16) return 0;
   if (dev.cc_major < 8) return 0;  // mma.sync with bf16, cp.async
   if (p.is_causal && p.new_len < p.q_len) return 0;  // a query could then miss some past tokens
+  if (window_per_row(p) || p.softcap > 0.0f) return 0;  // (a window over one query position starts its splits)
   // The weights p * value scale enter the value product in fp16 (relative 2^-11): within the
   // tolerance of fp16/bf16 outputs, not of float32 ones, which keep the CUDA-core kernel.
   if (p.dtype == DType::kFloat32) return 0;
@@ -93,6 +111,7 @@ bool mma_takes(const AttentionParams& p, const DeviceProps& dev) {
   if (dev.cc_major < 8) return false;
   if (p.mask_type != MaskType::kNone) return false;
   if (p.is_causal && p.new_len < p.q_len) return false;
+  if (window_per_row(p) || p.softcap > 0.0f) return false;
   if (p.v_head_dim % 16 != 0) return false;
   if (mma_dynamic_bytes(p) + kStaticBytes > 48 * 1024) return false;
   return p.dtype != DType::kFloat32;  // as the bulk kernel: fp16 weights
@@ -107,6 +126,7 @@ bool chunk_takes(const AttentionParams& p, const DeviceProps& dev) {
   if (!is_mse(p.key_format) || !is_uint(p.value_format) || p.present_rows == 0) return false;
   if (dev.cc_major < 8 || p.mask_type != MaskType::kNone) return false;
   if (p.is_causal && p.new_len < p.q_len) return false;
+  if (p.softcap > 0.0f) return false;  // (its scores are of the keys minus key_offset, which the tanh sees)
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
   if ((p.head_dim != 64 && p.head_dim != 128) || p.v_head_dim != p.head_dim) return false;
   if (p.key_row() % 2 != 0 || p.value_row() % 2 != 0) return false;
@@ -125,6 +145,7 @@ bool chunk_takes(const AttentionParams& p, const DeviceProps& dev) {
 bool chunk_wgmma_takes(const AttentionParams& p, bool aligned16, const DeviceProps& dev) {
   namespace geo = detail::chunk_sm90_geometry;
   if (!chunk_wgmma_enabled() || !dev.sm90a || !aligned16) return false;
+  if (window_cuts(p)) return false;  // every past token visible to every row
   if (!(p.scale > 0.0f)) return false;
   const int64_t kb = p.key_row(), vb = p.value_row(), rows = p.past_rows_or_len();
   if (kb % 4 != 0 || vb % 4 != 0 || kb / 4 % 2 == 0 || vb / 4 % 2 == 0) return false;
@@ -167,17 +188,20 @@ SplitLayout row_layout(const AttentionParams& p) {
 
 // The splits: `target` blocks' worth of (b, head, row block) work, each split a multiple of `unit`
 // tokens, at least one unit, and none empty.
+// The past is the window's where there is one (visible_past: the kernels start each sequence's
+// splits at its window's first key).
 void split_past(const AttentionParams& p, int64_t target, int64_t unit, SplitLayout* l) {
+  const int64_t past = visible_past(p);
   const int64_t base = p.batch * p.kv_heads * l->row_blocks;
   int64_t splits = base > 0 ? (target + base - 1) / base : 1;
-  const int64_t max_splits = (p.past_len + unit - 1) / unit;
+  const int64_t max_splits = (past + unit - 1) / unit;
   splits = splits < 1 ? 1 : splits;
   splits = splits > max_splits ? max_splits : splits;
   l->splits = static_cast<int>(splits < 1 ? 1 : splits);
-  l->split_len = (p.past_len + l->splits - 1) / l->splits;
+  l->split_len = (past + l->splits - 1) / l->splits;
   l->split_len = (l->split_len + unit - 1) / unit * unit;
   // rounded up to whole units, fewer splits may cover the past: no block is launched for none of it
-  l->splits = static_cast<int>((p.past_len + l->split_len - 1) / l->split_len);
+  l->splits = static_cast<int>((past + l->split_len - 1) / l->split_len);
 }
 
 }  // namespace
@@ -195,7 +219,9 @@ bool new_tokens_on_tensor_cores(const AttentionParams& p) {
 PrefillKernel plan_prefill(const AttentionParams& p, const DeviceProps& dev) {
   if (!new_tokens_on_tensor_cores(p)) return PrefillKernel::kNone;
   const bool hopper = dev.sm90a && dev.cc_major == 9 && dev.cc_minor == 0;
-  return hopper && p.mask_type == MaskType::kNone ? PrefillKernel::kWgmma : PrefillKernel::kMma;
+  // the wgmma kernel has no sliding window, softcap or sink (prefill.cu has)
+  const bool features = window_cuts(p) || p.softcap > 0.0f || p.head_sink != nullptr;
+  return hopper && p.mask_type == MaskType::kNone && !features ? PrefillKernel::kWgmma : PrefillKernel::kMma;
 }
 
 const char* prefill_kernel_name(PrefillKernel k) {

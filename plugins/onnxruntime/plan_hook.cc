@@ -28,11 +28,19 @@ bool parse_mask(const char* s, turboquant::MaskType* m) {
   return false;
 }
 
+// The planners look at whether a call has a softcap and a sink, not at their values.
+constexpr uint16_t kSinkStandIn = 0;
+void set_features(turboquant::AttentionParams* p, const int64_t* f) {
+  p->window = f[0];
+  p->softcap = f[1] != 0 ? 1.0f : 0.0f;
+  p->head_sink = f[2] != 0 ? &kSinkStandIn : nullptr;
+}
+
 }  // namespace
 
 // shape: batch, q_heads, kv_heads, q_len, new_len, past_len, head_dim, v_head_dim, is_causal,
 // key_row_bytes, value_row_bytes (0: the formats' sizes), caches 16-byte aligned (0/1), rows of the
-// preallocated buffers (0: dense caches);
+// preallocated buffers (0: dense caches), local_window_size (0: none), softcap > 0 (0/1), head_sink (0/1);
 // device: sms, smem_optin, cc_major, cc_minor, sm90a (0/1); out: splits, split_len, rows_per_block, row_blocks,
 // warps, smem, workspace, new_part (0/1), new_part_offset. Returns the kernel's name, or nullptr for a name it does not know
 // (format, dtype, mask) or shapes out of range.
@@ -45,7 +53,7 @@ extern "C" __attribute__((visibility("default"))) const char* turboquant_split_p
   p.value_format = parse_format(value_format);
   if (p.key_format == Format::kInvalid || p.value_format == Format::kInvalid) return nullptr;
   if (!parse_dtype(dtype, &p.dtype) || !parse_mask(mask, &p.mask_type)) return nullptr;
-  for (int i = 0; i < 13; ++i) {
+  for (int i = 0; i < 16; ++i) {
     if (shape[i] < 0) return nullptr;
   }
   p.batch = shape[0], p.q_heads = shape[1], p.kv_heads = shape[2], p.q_len = shape[3], p.new_len = shape[4];
@@ -57,6 +65,7 @@ extern "C" __attribute__((visibility("default"))) const char* turboquant_split_p
   p.scale = 1.0f / std::sqrt(static_cast<float>(p.head_dim));  // the ops' default
   p.key_row_bytes = shape[9], p.value_row_bytes = shape[10];
   p.past_rows = p.present_rows = shape[12];
+  set_features(&p, shape + 13);
   cuda::DeviceProps dev;
   dev.sms = static_cast<int>(device[0]), dev.smem_optin = static_cast<int>(device[1]);
   dev.cc_major = static_cast<int>(device[2]), dev.cc_minor = static_cast<int>(device[3]);
@@ -74,7 +83,8 @@ extern "C" __attribute__((visibility("default"))) const char* turboquant_last_sp
   return turboquant::ort::cuda_last_split_kernel();
 }
 
-// shape: q_len, new_len, head_dim, v_head_dim; device: sms, smem_optin, cc_major, cc_minor, sm90a (0/1).
+// shape: q_len, new_len, head_dim, v_head_dim, local_window_size (0: none), softcap > 0 (0/1), head_sink (0/1),
+// past_len; device: sms, smem_optin, cc_major, cc_minor, sm90a (0/1).
 // The kernel that attends the new tokens on tensor cores ("none", "mma", "wgmma"), or nullptr for a
 // dtype or mask it does not know.
 extern "C" __attribute__((visibility("default"))) const char* turboquant_prefill_plan(const char* dtype,
@@ -86,6 +96,8 @@ extern "C" __attribute__((visibility("default"))) const char* turboquant_prefill
   if (!parse_dtype(dtype, &p.dtype) || !parse_mask(mask, &p.mask_type)) return nullptr;
   p.q_len = shape[0], p.new_len = shape[1];
   p.head_dim = static_cast<int>(shape[2]), p.v_head_dim = static_cast<int>(shape[3]);
+  set_features(&p, shape + 4);
+  p.past_len = shape[7];
   cuda::DeviceProps dev;
   dev.sms = static_cast<int>(device[0]), dev.smem_optin = static_cast<int>(device[1]);
   dev.cc_major = static_cast<int>(device[2]), dev.cc_minor = static_cast<int>(device[3]);

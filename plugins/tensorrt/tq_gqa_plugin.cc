@@ -126,6 +126,13 @@ GqaPlugin::Roles GqaPlugin::checked_roles(const nvinfer1::Dims* dims, const Data
   expect(r.total, DataType::kINT32, "the length carrier of total_sequence_length");
   expect(r.cos, t, "cos_cache");
   expect(r.sin, t, "sin_cache");
+  // GroupQueryAttention's head_sink ([num_heads], input 11 of the ONNX node) has no place among the
+  // plugin's inputs: a 1-D input where key_offset ([kv_num_heads, head_size]) goes is refused by name,
+  // not read as an offset
+  if (r.key_offset >= 0 && dims[r.key_offset].nbDims == 1) {
+    throw_invalid(kOp, "input ", r.key_offset, " is 1-D [", dims_str(to_dims(dims[r.key_offset])),
+                  "]: head_sink (attention sinks) is not supported by the TensorRT plugin; key_offset is [kv_num_heads, head_size]");
+  }
   expect(r.key_offset, DataType::kFLOAT, "key_offset");
   expect(r.value_offset, DataType::kFLOAT, "value_offset");
   expect(r.key_scale, DataType::kFLOAT, "key_scale");

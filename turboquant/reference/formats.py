@@ -18,12 +18,11 @@ import numpy as np
 
 from .. import codebook
 from ..config import ALL_FORMATS, packed_size, padded_dim
-from .numerics import f32_to_fp8_bits, fp8_bits_to_f32, sat_f16, to_f32
+from .numerics import F16_NAN_BITS, f16, f32_to_fp8_bits, fp8_bits_to_f32, sat_f16, to_f32
 
 NORM_EPS = np.float32(1e-8)
 SCALE_EPS = np.float32(1e-8)
-UINT_NAN_BITS = 0x7E00  # the fp16 quiet NaN of a uniform vector holding a NaN
-NAN16 = np.array(UINT_NAN_BITS, np.uint16).view(np.float16)
+NAN16 = np.array(F16_NAN_BITS, np.uint16).view(np.float16)  # a uniform vector holding a NaN: its scale and zero
 
 
 # -- building blocks --------------------------------------------------------------------------
@@ -168,7 +167,7 @@ def uint_params(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.nd
     # A scale below fp16's smallest subnormal stores as 0: the vector is constant to fp16
     # precision and reads back as the zero point, whatever q is; store q = 0.
     q = np.where(sc > 0, q, 0)
-    # A vector holding a NaN: every index 0, scale and zero both UINT_NAN_BITS, so that it
+    # A vector holding a NaN: every index 0, scale and zero both NAN16, so that it
     # reads back NaN in every coordinate (a NaN in one coordinate alone has no code).
     nan = np.isnan(x).any(-1)
     q = np.where(nan[..., None], 0, q)
@@ -213,8 +212,7 @@ def pack(x: np.ndarray, fmt: str, norm_correction: bool = True, offset: np.ndarr
         return f32_to_fp8_bits(x)
     if fmt in ("uint3", "uint4"):
         return pack_uint(x, int(fmt[4]))
-    with np.errstate(over="ignore"):  # raw16 is an fp16 cast: beyond +-65504 it holds +-inf, as a cast does
-        return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8)
+    return np.ascontiguousarray(f16(x)).view(np.uint8)  # raw16 is an fp16 cast: beyond +-65504, +-inf
 
 
 def unpack(packed: np.ndarray, fmt: str, head_dim: int, offset: np.ndarray | None = None,

@@ -32,16 +32,21 @@ TQ_HD float bits_f32(uint32_t u) {
   return f;
 }
 
-// fp32 -> fp16 bits, round to nearest even; overflow gives inf (IEEE), NaN stays NaN.
+// The one NaN a pack stores, whatever NaN reached it: hosts and GPUs give arithmetic NaNs other
+// signs (x86's inf - inf is negative, a GPU's positive), and the bytes must not depend on which.
+constexpr uint16_t kF16Nan = 0x7E00u;
+constexpr uint8_t kFp8Nan = 0x7Fu;
+
+// fp32 -> fp16 bits, round to nearest even; overflow gives inf (IEEE), a NaN gives kF16Nan.
 TQ_HD uint16_t f32_to_f16(float f) {
   const uint32_t x = f32_bits(f);
-  const uint32_t sign = (x >> 16) & 0x8000u;
   const uint32_t ax = x & 0x7FFFFFFFu;
-#if defined(__CUDA_ARCH__)  // the conversion instruction rounds the same; its NaN is canonical, so NaNs by the bits
-  const uint16_t h = __half_as_ushort(__float2half_rn(f));
-  return ax > 0x7F800000u ? static_cast<uint16_t>(sign | 0x7E00u) : h;
+  if (ax > 0x7F800000u) return kF16Nan;
+#if defined(__CUDA_ARCH__)  // the conversion instruction rounds the same
+  return __half_as_ushort(__float2half_rn(f));
 #else
-  if (ax >= 0x7F800000u) return static_cast<uint16_t>(sign | (ax > 0x7F800000u ? 0x7E00u : 0x7C00u));
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  if (ax == 0x7F800000u) return static_cast<uint16_t>(sign | 0x7C00u);
   if (ax >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 rounds to inf
   if (ax < 0x38800000u) {  // below 2^-14: fp16 subnormal (or zero); 2^24 * |f| < 1024 is exact
     const float scaled = bits_f32(ax) * 16777216.0f;
@@ -53,10 +58,9 @@ TQ_HD uint16_t f32_to_f16(float f) {
 }
 
 // fp32 -> fp16 with finite values saturated to +-65504 (scales and zero points of the formats).
-// A NaN goes straight through: compilers may turn the clamp into min/max instructions, which on a
-// GPU return a canonical NaN, and the NaN's sign is part of the bytes.
+// A NaN is tested first: compilers may turn the clamp into min/max instructions, which drop it.
 TQ_HD uint16_t f32_to_f16_sat(float f) {
-  if (f != f) return f32_to_f16(f);
+  if (f != f) return kF16Nan;
   if (f > kFp16Max) f = kFp16Max;
   if (f < -kFp16Max) f = -kFp16Max;
   return f32_to_f16(f);
@@ -88,12 +92,12 @@ TQ_HD uint16_t f32_to_bf16(float f) {
 }
 
 // fp32 -> float8 e4m3fn bits (bias 7, no infinities, 0x7F is NaN), round to nearest even,
-// saturating to +-448.
+// saturating to +-448; a NaN gives kFp8Nan.
 TQ_HD uint8_t f32_to_fp8(float f) {
   const uint32_t x = f32_bits(f);
   const uint8_t sign = static_cast<uint8_t>((x >> 24) & 0x80u);
   const uint32_t ax = x & 0x7FFFFFFFu;
-  if (ax > 0x7F800000u) return static_cast<uint8_t>(sign | 0x7Fu);
+  if (ax > 0x7F800000u) return kFp8Nan;
   const float a = bits_f32(ax);
   if (a >= kFp8Max) return static_cast<uint8_t>(sign | 0x7Eu);
   if (a < 0.015625f) {  // below 2^-6: subnormal steps of 2^-9; q == 8 is the smallest normal

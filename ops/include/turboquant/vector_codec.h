@@ -165,7 +165,7 @@ TQ_HD void decode_mse(int bits, int d, const uint8_t* in, float* out) {
 
 // A uniform vector holding a NaN packs as every index 0 with scale and zero both this fp16 quiet
 // NaN, so that it reads back NaN in every coordinate (a NaN in one coordinate alone has no code).
-constexpr uint16_t kUintNanBits = 0x7e00u;
+constexpr uint16_t kUintNanBits = kF16Nan;
 
 TQ_HD void encode_uint(int bits, int d, const float* x, uint8_t* out) {
   float mn = x[0], mx = x[0];

@@ -277,3 +277,118 @@ def test_prefill_kernel_choice(call, dev, want):
 def test_prefill_plan_refuses_unknown_names():
     with pytest.raises(ValueError, match="dtype is 'int8'"):
         plan_prefill(q_len=8, head_dim=128, dtype="int8")
+
+
+# ---- GroupQueryAttention's sliding window, softcap and head_sink (issue 61) ----------------------
+
+
+@pytest.mark.parametrize("kf, vf, head_dim, q_heads, kv_heads, window", [
+    ("mse4", "uint4", 128, 32, 8, 512),  # the presets' pair: the bulk kernel
+    ("mse3", "uint3", 256, 8, 4, 1024),  # Gemma 3 4B's heads (256, 8 on 4), its window
+    ("mse4", "uint4", 64, 64, 8, 128),  # gpt-oss-20b's heads (64, 64 on 8), its window
+    ("mse4", "uint4", 80, 32, 8, 512),  # the mma kernel's head size
+    ("fp8", "uint4", 128, 32, 8, 512),
+])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_windowed_decode_step_splits_only_the_window(kf, vf, head_dim, q_heads, kv_heads, window, batch):
+    """A decode step of a windowed layer (local_window_size W) over a past of 32768 tokens sees its
+    last W - 1 past tokens and itself: the kernels start each sequence's splits at its window, so the
+    plan is the one of an unwindowed step over a past of W - 1 tokens (the same kernel, splits and
+    workspace), which covers the window and no more."""
+    call = dict(batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, key_format=kf, value_format=vf,
+                dtype="float16", is_causal=True, buffer_rows=33000)
+    windowed = plan_split(**call, past_len=32768, local_window_size=window)
+    assert windowed == plan_split(**call, past_len=window - 1)
+    unit = windowed.warps * 32 if windowed.kernel == "tc_bulk" else 128
+    assert windowed.splits * windowed.split_len >= window - 1 and (windowed.splits - 1) * windowed.split_len < window - 1
+    assert windowed.split_len % unit == 0
+    full = plan_split(**call, past_len=32768)
+    assert windowed.kernel == full.kernel != "cuda_core"  # one query position: no kernel declines the window
+    assert windowed.splits * windowed.split_len < full.splits * full.split_len // 16
+
+
+@pytest.mark.parametrize("window", [-1, 0, 32769, 40000])
+def test_a_window_as_long_as_the_context_changes_no_plan(window):
+    """A window of at least past + 1 tokens (or none, -1 or 0) hides nothing: the plan without one."""
+    call = dict(PRESET, key_format="mse4", value_format="uint4", is_causal=True, buffer_rows=33000)
+    assert plan_split(**call, local_window_size=window) == plan_split(**call)
+
+
+def test_windowed_chunks_split_the_window():
+    """A continuation chunk of a windowed layer: its rows start their windows at different keys, which
+    the chunk kernel masks per row inside the span the first row's window reaches (W - 1 past tokens);
+    its splits cover that span only. The bulk kernel, which sees every past token from every row,
+    declines it (here: fp8 keys) for the CUDA-core kernel, which masks per row too; so does the wgmma
+    chunk kernel."""
+    chunk = dict(PRESET, batch=1, key_format="mse4", value_format="uint4", is_causal=True, q_len=512, buffer_rows=33280)
+    plan = plan_split(**chunk, local_window_size=1024)
+    assert plan.kernel == "tc_chunk" and plan.new_part  # the chunk's own tokens on tensor cores (prefill.cu)
+    assert plan.splits * plan.split_len >= 1023 and (plan.splits - 1) * plan.split_len < 1023
+    assert plan_split(**chunk).splits * plan_split(**chunk).split_len >= 32768
+    fp8 = plan_split(**{**chunk, "key_format": "fp8"}, local_window_size=1024)
+    assert fp8.kernel == "cuda_core" and fp8.splits * fp8.split_len >= 1023 and (fp8.splits - 1) * fp8.split_len < 1023
+    assert plan_split(**{**chunk, "key_format": "fp8"}, local_window_size=32768 + 512).kernel == "tc_bulk"  # cuts nothing
+
+
+def test_windowed_chunks_decline_the_wgmma_chunk_kernel(monkeypatch):
+    monkeypatch.setenv("TURBOQUANT_CHUNK_WGMMA", "1")
+    chunk = dict(PRESET, batch=1, key_format="mse4", value_format="uint4", is_causal=True, q_len=512, buffer_rows=33280,
+                 key_row_bytes=68, value_row_bytes=68)
+    assert plan_split(**chunk).kernel == "tc_chunk_wgmma"
+    assert plan_split(**chunk, local_window_size=1024).kernel == "tc_chunk"
+
+
+def test_softcap_runs_the_cuda_core_kernel_and_a_sink_changes_no_split():
+    """softcap changes every score before the softmax: only the CUDA-core kernel applies it among the
+    split kernels. head_sink changes only the final normalisation (the finish kernel, prefill.cu's
+    first prompts): every split kernel keeps its calls."""
+    call = dict(PRESET, key_format="mse4", value_format="uint4", is_causal=True, buffer_rows=33000)
+    assert plan_split(**call, softcap=50.0).kernel == "cuda_core"
+    assert plan_split(**{**call, "head_dim": 80}, softcap=50.0).kernel == "cuda_core"  # not tc_mma
+    chunk = dict(call, batch=1, q_len=512, buffer_rows=33280)
+    assert plan_split(**chunk, softcap=30.0).kernel == "cuda_core"
+    assert plan_split(**call, head_sink=True) == plan_split(**call)
+    assert plan_split(**chunk, head_sink=True) == plan_split(**chunk)
+    both = plan_split(**call, local_window_size=128, head_sink=True)
+    assert both == plan_split(**{**call, "past_len": 127}) and both.kernel == "tc_bulk"
+
+
+@pytest.mark.parametrize("features, want", [
+    ({}, "wgmma"),
+    ({"local_window_size": 1024}, "mma"),  # the window cuts a prompt of 4096
+    ({"local_window_size": 4096}, "wgmma"),  # it does not
+    ({"local_window_size": 1024, "past_len": 8192}, "mma"),
+    ({"softcap": 50.0}, "mma"),
+    ({"head_sink": True}, "mma"),
+])
+def test_prefill_features_run_the_mma_kernel(features, want):
+    """prefill.cu applies the sliding window (skipping the key tiles before a block's first window),
+    softcap and head_sink; the wgmma kernel declines them."""
+    assert plan_prefill(q_len=4096, head_dim=128, **features) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 16), kv_heads=st.sampled_from([1, 2, 8]), group=st.sampled_from([1, 4, 8]),
+       q_len=st.sampled_from([1, 1, 3, 64, 300]), past_len=st.integers(1, 70000), window=st.integers(1, 80000),
+       head_dim=st.sampled_from([64, 80, 128, 256]), formats=st.sampled_from(FORMATS),
+       dtype=st.sampled_from(["float16", "bfloat16", "float32"]), softcap=st.sampled_from([0.0, 30.0]),
+       device=st.sampled_from([H200, A100, L4]))
+def test_every_windowed_plan_covers_the_window(batch, kv_heads, group, q_len, past_len, window, head_dim, formats, dtype,
+                                               softcap, device):
+    """The splits cover the past tokens a windowed call's earliest row sees (min(past, W - 1)), at
+    least one, in whole units and none empty; the kernels that see every past token from every row
+    never take a window that cuts several query positions (the chunk kernel masks it per row), nor a
+    softcap."""
+    kf, vf = formats
+    plan = plan_split(batch=batch, q_heads=kv_heads * group, kv_heads=kv_heads, q_len=q_len, past_len=past_len,
+                      head_dim=head_dim, key_format=kf, value_format=vf, dtype=dtype, is_causal=True,
+                      buffer_rows=past_len + q_len, local_window_size=window, softcap=softcap, device=device)
+    cuts = window < past_len + q_len
+    visible = max(1, min(past_len, window - 1)) if cuts else past_len
+    unit = {"tc_bulk": plan.warps * 32, "tc_chunk": 64, "tc_chunk_wgmma": 128}.get(plan.kernel, 128)
+    assert plan.split_len % unit == 0 and plan.splits * plan.split_len >= visible
+    assert (plan.splits - 1) * plan.split_len < visible
+    if softcap:
+        assert plan.kernel == "cuda_core"
+    elif cuts and q_len > 1:
+        assert plan.kernel in ("cuda_core", "tc_chunk")
