@@ -89,13 +89,9 @@ def _packed_as_int8(model: ir.Model) -> None:
 def _gqa_inputs(node: ir.Node, inputs: list, carriers: dict) -> list:
     """TQGroupQueryAttention's inputs in the plugin's form (module docstring); sets packed_qkv."""
     inputs = inputs + [None] * (_GQA_KEY_SCALE + 1 - len(inputs))
-    window, softcap = node.attributes.get("local_window_size"), node.attributes.get("softcap")
-    found = [f"local_window_size={window.value}"] if window is not None and window.value != -1 else []
-    found += [f"softcap={softcap.value}"] if softcap is not None and softcap.value else []
-    found += ["input head_sink"] if inputs[_GQA_HEAD_SINK] is not None else []
-    if found:  # the plugin's CUDA kernels do not take them yet; its inputs are counted by position
-        raise RewriteError(f"node {node.name!r} uses {', '.join(found)}, which the TensorRT plugin does not take "
-                           "(--target onnxruntime runs them)")
+    if inputs[_GQA_HEAD_SINK] is not None:  # the plugin's inputs, counted by position, have no place for it
+        raise RewriteError(f"node {node.name!r} uses input head_sink (attention sinks), which the TensorRT plugin does "
+                           "not take (--target onnxruntime runs it)")
     packed = inputs[1] is None
     node.attributes["packed_qkv"] = ir.AttrInt64("packed_qkv", int(packed))
     rotary = node.attributes.get("do_rotary")

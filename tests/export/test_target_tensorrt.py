@@ -262,16 +262,18 @@ def test_absent_offsets_before_a_later_float_input_become_zeros():
     assert [v.producer().op_type for v in node.inputs[-3:-1]] == ["Constant", "Constant"]
 
 
-@pytest.mark.parametrize("features, named", [
-    (dict(local_window_size=16), "local_window_size=16"), (dict(softcap=30.0), "softcap=30.0"),
-    (dict(head_sink=True), "input head_sink"),
-])
-def test_windows_softcap_and_sinks_are_refused_for_the_plugin(features, named):
-    """The TensorRT plugin does not take them yet (its inputs are counted by position): refused, named."""
+def test_head_sinks_are_refused_for_the_plugin_and_windows_and_softcap_kept():
+    """The TensorRT plugin's inputs (counted by position) have no place for head_sink: refused, named;
+    a window and a softcap are attributes, which the plugin takes as fields."""
     model = ir.from_proto(node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4",
-                                                value_format="uint4", **features))
-    with pytest.raises(RewriteError, match=f"uses {named}, which the TensorRT plugin does not take"):
+                                                value_format="uint4", head_sink=True))
+    with pytest.raises(RewriteError, match="uses input head_sink .attention sinks., which the TensorRT plugin does not"):
         for_tensorrt(model)
+    model = ir.from_proto(node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4",
+                                                value_format="uint4", local_window_size=16, softcap=30.0))
+    for_tensorrt(model)
+    node = next(x for x in model.graph if x.op_type == "TQGroupQueryAttention")
+    assert node.attributes["local_window_size"].value == 16 and node.attributes["softcap"].value == 30.0
 
 
 @pytest.mark.gpu

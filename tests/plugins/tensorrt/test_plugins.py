@@ -214,8 +214,8 @@ def gqa_outputs(b=2, s=1, capacity=40, dtype="float16"):
 @pytest.mark.parametrize("fields, message", [
     (dict(), "attributes num_heads (0) and kv_num_heads (0) must be positive"),
     (dict(GQA, num_heads=6, kv_num_heads=4), "num_heads a multiple of kv_num_heads"),
-    (dict(GQA, local_window_size=128), "local_window_size = 128 (sliding window) is not supported"),
-    (dict(GQA, softcap=30.0), "softcap = 30 is not supported"),
+    (dict(GQA, local_window_size=0), "attribute 'local_window_size' must be -1 (no window) or positive, got 0"),
+    (dict(GQA, softcap=-30.0), "attribute 'softcap' must be finite and >= 0, got -30"),
     (dict(GQA, smooth_softmax=1), "smooth_softmax is not supported"),
     (dict(GQA, qk_output=1), "qk_output = 1 is not supported"),
     (dict(GQA, key_format="uint4"), "key_format 'uint4' is a value format"),
