@@ -4,8 +4,6 @@ windows shorter than, as long as and longer than the context, each CUDA kernel t
 planner's choice, turboquant.kernel_plan, is checked to be the one that ran). The CPU kernel runs
 three of the cases here (its own tests cover it)."""
 
-import inspect
-
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
@@ -19,12 +17,6 @@ NP = {TensorProto.FLOAT: np.dtype(np.float32), TensorProto.FLOAT16: np.dtype(np.
 TOL = {TensorProto.FLOAT: 2e-4, TensorProto.FLOAT16: 4e-3, TensorProto.BFLOAT16: 3e-2}
 DTYPE_NAMES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
 PRESETS = [("mse4", "uint4"), ("mse3", "uint3"), ("fp8", "uint4"), ("raw16", "raw16")]
-
-_FEATURES = ("local_window_size", "softcap", "head_sink")
-pytestmark = pytest.mark.skipif(
-    not all(k in inspect.signature(group_query_attention).parameters for k in _FEATURES)
-    or not all(k in inspect.signature(node_models.gqa_model).parameters for k in _FEATURES),
-    reason="the reference and node_models.gqa_model take no local_window_size/softcap/head_sink yet (issue 61)")
 
 CUDA = [pytest.param("cuda", marks=pytest.mark.gpu)]
 BASE = dict(b=2, d=128, hkv=2, group=4, formats=("mse4", "uint4"), dtype=TensorProto.FLOAT16, window=-1, softcap=0.0,
