@@ -12,6 +12,7 @@ import multiprocessing
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
+from .engine import PointResult
 from .engine_pool import PoolError, PoolLayout, read_layout
 
 CONFIRM_REQUESTS = 4  # requests the confirming pool is made to hold
@@ -85,7 +86,6 @@ class FolderRun:
     engine_bytes: int | None = None  # device memory og.Engine's creation took (CUDA)
     confirm: str | None = None
     points: list = dataclasses.field(default_factory=list)
-    error: str | None = None
 
     def header(self) -> str:
         l = self.layout
@@ -139,7 +139,10 @@ def main(args) -> int:
             return 2
     plan = Plan(args.device, points, args.new, pool, args.max_batch or max(args.concurrency), args.seed,
                 args.budget or None, args.confirm, min(l.vocab for l in layouts if l.vocab) if any(l.vocab for l in layouts) else 32000)
-    runs = []
+    from .engine_report import NOTES, folder_table, labels
+
+    names = labels([l.folder for l in layouts])
+    runs: list[FolderRun] = []
     for layout in layouts:
         _log(f"{layout.folder}: {layout.cache}, pool {plan.pool_bytes / 1e9:.2f} GB = {layout.blocks_in(pool)} blocks")
         if args.isolate:
@@ -147,12 +150,15 @@ def main(args) -> int:
                 try:
                     runs.append(ex.submit(run_folder, layout, plan).result())
                 except Exception as e:  # noqa: BLE001 - the process died (killed for memory, say): the folder failed
-                    runs.append(FolderRun(layout, layout.blocks_in(pool), pool, error=f"{type(e).__name__}: {e}"))
+                    why = f"its process failed: {type(e).__name__}: {e}"
+                    runs.append(FolderRun(layout, layout.blocks_in(pool), pool,
+                                          points=[PointResult(layout.folder, c, s, plan.new, error=why) for c, s in points]))
         else:
             runs.append(run_folder(layout, plan))
-    from .engine_report import report
-
-    print(report([(r.header(), r.points) for r in runs]))
+        base = {(r.concurrency, r.context): r for r in runs[0].points if not r.error}
+        # each folder's table as soon as it is done: a run stopped later keeps the folders it finished
+        print(folder_table(f"### {names[layout.folder]}: {runs[-1].header()}", runs[-1].points, base) + "\n", flush=True)
+    print(NOTES, flush=True)
     if args.json is not None:
         import json
 
@@ -164,6 +170,15 @@ def main(args) -> int:
     return 1 if all(p.error for r in runs for p in r.points) else 0
 
 
+def _why(e: Exception, longest: int = 300) -> str:
+    """One line for an exception; a long one keeps its start and its end (ONNX Runtime's invalid-graph
+    messages name the node first and the reason last)."""
+    text = " ".join(str(e).split())
+    if len(text) > longest:
+        text = f"{text[:100]} ... {text[-(longest - 105):]}"
+    return f"{type(e).__name__}: {text}"
+
+
 def _log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -171,7 +186,6 @@ def _log(text: str) -> None:
 def run_folder(layout: PoolLayout, plan: Plan) -> FolderRun:
     """Every point of the plan through one og.Engine over `layout`'s folder with a pool of plan.pool_bytes."""
     from . import engine, memory
-    from .engine import PointResult
 
     run = FolderRun(layout, layout.blocks_in(plan.pool_bytes), plan.pool_bytes)
     if plan.confirm:
@@ -182,7 +196,7 @@ def run_folder(layout: PoolLayout, plan: Plan) -> FolderRun:
     try:
         model, eng = engine.open_engine(layout.folder, plan.device, overlay)
     except Exception as e:  # noqa: BLE001 - a folder the Engine cannot open is reported in its rows
-        why = f"og.Engine could not open it: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        why = f"og.Engine could not open it: {_why(e)}"
         run.points = [PointResult(layout.folder, c, s, plan.new, error=why) for c, s in plan.points]
         _log(f"  {why}")
         return run
@@ -197,7 +211,7 @@ def run_folder(layout: PoolLayout, plan: Plan) -> FolderRun:
                 r = engine.run_point(eng, layout.folder, plan.vocab, c, s, plan.new, plan.seed, plan.budget,
                                      fits=layout.fits(plan.pool_bytes, s, plan.new))
             except Exception as e:  # noqa: BLE001 - one point failing (out of memory, say) is reported
-                r = PointResult(layout.folder, c, s, plan.new, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                r = PointResult(layout.folder, c, s, plan.new, error=_why(e))
             _log(f"  {r.tokens_per_s or 0:.1f} tok/s, ttft p50 {r.ttft_p50_ms or 0:.0f} ms, peak decoding "
                  f"{r.peak_decoding}{', ' + r.error if r.error else ''}")
             run.points.append(r)
@@ -219,7 +233,7 @@ def confirm(layout: PoolLayout, plan: Plan) -> str:
     try:
         model, eng = engine.open_engine(layout.folder, plan.device, overlay)
     except Exception as e:  # noqa: BLE001 - reported in the header
-        return f"not run: og.Engine could not open it: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return f"not run: og.Engine could not open it: {_why(e)}"
     try:
         expected = layout.fits(blocks * layout.block_bytes, context, new)
         times, peak, blocked, _ = engine.serve(eng, engine.prompts(plan.vocab, CONFIRM_REQUESTS + 2, context, plan.seed), new)

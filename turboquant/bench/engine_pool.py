@@ -133,10 +133,10 @@ def _cache_words(node, pool_type: str) -> str:
         v = attrs.get(key, b"")
         return (v.decode() if isinstance(v, bytes) else str(v)).lower()
 
-    dtype = text("k_cache_dtype")
-    if not dtype:
+    quant = text("k_quant_type")
+    if not quant:
         return f"{pool_type.lower()}, not quantized"
-    words = f"{dtype} {text('k_quant_type').replace('_', ' ')}".strip()
+    words = f"{text('k_cache_dtype') or pool_type.lower()} {quant.replace('_', ' ')}"
     if text("qk_rotation") and text("qk_rotation") != "none":
         words += f", {text('qk_rotation').capitalize()}"
     return words

@@ -46,16 +46,7 @@ NOTES = ("output tok/s: every request's generated tokens over the time from subm
          "x columns: against the first folder at the same point, above 1x is better")
 
 
-def report(sections: list[tuple[str, list[PointResult]]]) -> str:
-    """sections: (header, rows) per folder, the first the baseline."""
-    base = {(r.concurrency, r.context): r for r in sections[0][1] if not r.error} if sections else {}
-    labels = _labels([rows[0].model for _, rows in sections if rows])
-    out = [folder_table(f"### {labels.get(rows[0].model, rows[0].model) if rows else '?'}: {header}", rows, base)
-           for header, rows in sections]
-    return "\n\n".join(out + [NOTES])
-
-
-def _labels(names: list[str]) -> dict[str, str]:
+def labels(names: list[str]) -> dict[str, str]:
     """Folder paths without the folder they all share."""
     if len(names) < 2:
         return {n: n for n in names}

@@ -22,6 +22,22 @@ def test_int4_blocks_count_their_scales(tmp_path):
     assert layout.cache == "int4 per token, Hadamard"
 
 
+def test_int8_per_token(tmp_path):
+    layout = read_layout(paged_folder(tmp_path / "q", layers=3, heads=2, head_dim=64, int8=True))
+    assert layout.bytes_per_token == 3 * 2 * (2 * 64 + 2 * 2) and layout.cache == "int8 per token"
+
+
+def test_the_3b_anchor_shape(tmp_path):
+    """Llama-3.2-3B's caches (28 layers, 8 KV heads of 128) in blocks of 256, 40 GB pools: requests of
+    4096 and 32768 tokens (+ 32 new) each format holds."""
+    fits = {}
+    for kind in ("fp16", "int8", "int4"):
+        layout = read_layout(paged_folder(tmp_path / kind, layers=28, heads=8, head_dim=128, block_size=256,
+                                          int4=kind == "int4", int8=kind == "int8"))
+        fits[kind] = [layout.fits(40 * 10**9, s, 32) for s in (4096, 32768)]
+    assert fits == {"fp16": [80, 10], "int8": [157, 20], "int4": [310, 40]}
+
+
 def test_requests_in_a_pool(tmp_path):
     layout = read_layout(paged_folder(tmp_path / "f", block_size=16))
     pool = 100 * layout.block_bytes + layout.block_bytes - 1  # a part block holds nothing
