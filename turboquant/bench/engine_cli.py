@@ -221,13 +221,15 @@ def run_folder(layout: PoolLayout, plan: Plan) -> FolderRun:
     return run
 
 
-def confirm(layout: PoolLayout, plan: Plan) -> str:
+def confirm(layout: PoolLayout, plan: Plan, budget: float = 60.0) -> str:
     """Serves CONFIRM_REQUESTS + 2 requests from a pool of exactly CONFIRM_REQUESTS requests' blocks
-    (prompts of 1.5 blocks, whose prefills all fit one step: every admitted request decodes at once)
-    and says how many decoded at once: the Engine's admission against PoolLayout.fits."""
+    and says how many decoded at once: the Engine's admission against PoolLayout.fits. The prompts
+    take 1.25 blocks and the tokens generated stay within their second block, so a request holds as
+    many blocks when it is admitted as when it is done, and all prefills fit one step."""
     from . import engine
 
-    context, new = layout.block_size + layout.block_size // 2, 16
+    b = layout.block_size
+    context, new = b + b // 4, max(1, min(16, b - b // 4 - 1))
     blocks = CONFIRM_REQUESTS * layout.blocks_per_request(context, new)
     overlay = {"engine": {"dynamic_batching": {"num_blocks": blocks, "max_batch_size": CONFIRM_REQUESTS + 2}}}
     try:
@@ -236,7 +238,8 @@ def confirm(layout: PoolLayout, plan: Plan) -> str:
         return f"not run: og.Engine could not open it: {_why(e)}"
     try:
         expected = layout.fits(blocks * layout.block_bytes, context, new)
-        times, peak, blocked, _ = engine.serve(eng, engine.prompts(plan.vocab, CONFIRM_REQUESTS + 2, context, plan.seed), new)
+        times, peak, blocked, cut = engine.serve(
+            eng, engine.prompts(plan.vocab, CONFIRM_REQUESTS + 2, context, plan.seed), new, budget)
         done = sum(t.tokens == new for t in times)
     finally:
         del eng, model
@@ -244,4 +247,4 @@ def confirm(layout: PoolLayout, plan: Plan) -> str:
     verdict = "as the block arithmetic says" if peak == expected else "NOT what the block arithmetic says"
     return (f"a pool of {blocks} blocks (for {expected} requests of {context} + {new} tokens) served "
             f"{CONFIRM_REQUESTS + 2} such requests with at most {peak} decoding at once, {verdict}; "
-            f"{done} finished all {new} tokens, {blocked} CAPACITY_BLOCKED events")
+            f"{done} finished all {new} tokens, {blocked} CAPACITY_BLOCKED events{'; ' + cut if cut else ''}")

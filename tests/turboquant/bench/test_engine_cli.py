@@ -97,14 +97,14 @@ def test_paged_folders_served_on_cuda(tmp_path, capsys, cuda_ready):
     out = tmp_path / "r.json"
     # 64 blocks of 16 tokens hold 5 requests of 180 + 8 tokens (12 blocks each): 8 submitted
     rc = bench.main(["engine", *folders, "--concurrency", "2,8", "--context", "180", "--new", "8", "--confirm",
-                     "--json", str(out)])
+                     "--budget", "120", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     doc = json.loads(out.read_text())
     for d in doc:
         assert "as the block arithmetic says" in d["confirm"], d["confirm"]
         for p in d["points"]:
-            assert p["error"] is None and p["tokens"] == p["concurrency"] * 8 and p["failed"] == 0
+            assert p["error"] is None and p["cut"] is None and p["tokens"] == p["concurrency"] * 8 and p["failed"] == 0
             assert p["peak_decoding"] <= min(p["concurrency"], p["fits"])
     assert doc[0]["points"][1]["fits"] == 5
     assert re.search(r"\| 8 \| 180 \| 8 \| [0-9.]+ \| 1\.00x \|", text)
