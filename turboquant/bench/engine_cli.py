@@ -84,6 +84,7 @@ class FolderRun:
     num_blocks: int
     pool_bytes: int
     engine_bytes: int | None = None  # device memory og.Engine's creation took (CUDA)
+    limits: str | None = None  # the Engine's own batch and step limits (og.EngineCapabilities)
     confirm: str | None = None
     points: list = dataclasses.field(default_factory=list)
 
@@ -93,6 +94,8 @@ class FolderRun:
                  f"pool {self.pool_bytes / 1e9:.2f} GB = {self.num_blocks} blocks")
         if self.engine_bytes is not None:
             words += f" (og.Engine took {self.engine_bytes / 1e9:.2f} GB of the device's memory)"
+        if self.limits:
+            words += f"; {self.limits}"
         if self.confirm:
             words += f"; confirm: {self.confirm}"
         return words
@@ -203,6 +206,9 @@ def run_folder(layout: PoolLayout, plan: Plan) -> FolderRun:
     after = memory.device_free() if plan.device == "cuda" else None
     if free is not None and after is not None:
         run.engine_bytes = free - after
+    caps = eng.get_capabilities()
+    run.limits = (f"Engine max_batch_size {caps.configured_max_batch_size}, max_scheduled_tokens "
+                  f"{caps.max_scheduled_tokens or 'default'} (prompt tokens one step takes)")
     try:
         engine.warm_up(eng, plan.vocab, layout.block_size)
         for c, s in plan.points:
