@@ -16,7 +16,9 @@
 # reuses them). Every stage has a time limit cut to what is left of DEADLINE seconds, stages in the
 # order that keeps the most comparisons: all three folders at 4096 tokens (with --confirm: each folder's
 # Engine admission against the pool's block arithmetic), then at 32768 with 8 and 32 requests, then 64.
-# A stage cut by its limit keeps the folders it finished (each table is printed when its folder is done).
+# A stage cut by its limit keeps the folders it finished (each table is printed when its folder is done);
+# a point cut by its --budget says so in its row. What one call leaves undone, a second call on the same
+# (still warm) machine runs with the models kept: STAGES="32768x64" bash scripts/gpu_engine_anchor.sh bench.
 # Logs, tables and JSON go to $OUT; summary.log has each stage's exit status and time.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -104,10 +106,10 @@ if [ "$step" = all ] || [ "$step" = bench ]; then
     case $st in
       4096) stage 170 engine_4096 "$PY" -m turboquant.bench engine $folders --concurrency 8,32,64 --context 4096 $common \
               --confirm --budget 50 --json "$OUT/engine_4096.json" ;;
-      32768) stage 170 engine_32768 "$PY" -m turboquant.bench engine $folders --concurrency 8,32 --context 32768 $common \
-              --budget 50 --json "$OUT/engine_32768.json" ;;
-      32768x64) stage 200 engine_32768x64 "$PY" -m turboquant.bench engine $folders --concurrency 64 --context 32768 \
-              $common --budget 60 --json "$OUT/engine_32768x64.json" ;;
+      32768) stage 200 engine_32768 "$PY" -m turboquant.bench engine $folders --concurrency 8,32 --context 32768 $common \
+              --budget 90 --json "$OUT/engine_32768.json" ;;
+      32768x64) stage 240 engine_32768x64 "$PY" -m turboquant.bench engine $folders --concurrency 64 --context 32768 \
+              $common --budget 180 --json "$OUT/engine_32768x64.json" ;;
       *) echo "== unknown stage $st (4096, 32768, 32768x64)" | tee -a "$OUT/summary.log" ;;
     esac
   done
