@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = _check_models(args.original, args.rewritten, args.shared_buffer)
         if args.sensitivity:  # refuse a bad layer choice before the long run
             choose_layers(args.original, args.sensitivity_mode, args.layers, args.boundary)
+        _check_simulate(args.original, args.simulate or [])
         ids, source = load_tokens(args.text, args.tokenizer, vocab=vocab)
         windows = Windows(args.context, args.prefill, args.stride, args.max_tokens or None, args.batch)
         windows.check()
@@ -175,6 +176,21 @@ def _check_models(original: str, rewritten: list[str], shared_buffer: bool) -> i
                 raise ValueError(f"--shared-buffer runs models the way onnxruntime-genai does, on (TQ)GroupQueryAttention's "
                                  f"shared buffers; {path} has no such node (run it without --shared-buffer)")
     return vocab
+
+
+def _check_simulate(original: str, schemes: list[str]) -> None:
+    """Refuses, before anything runs, a Hadamard-rotated format where the original's head size is no
+    power of two (the rotation's order)."""
+    from turboquant.bench.cache_layout import inspect
+
+    from .simulated import SCHEMES
+
+    widths = {c.width for c in inspect(original).caches}
+    for scheme in schemes:
+        bad = sorted(w for w in widths if SCHEMES[scheme][1] and (w < 1 or w & (w - 1)))
+        if bad:
+            raise ValueError(f"--simulate {scheme}: the Hadamard rotation needs a power-of-two head size; "
+                             f"{original} has {bad[0]}")
 
 
 def _label(path: str, paths: list[str]) -> str:

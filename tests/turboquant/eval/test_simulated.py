@@ -63,3 +63,15 @@ def test_cli_row(tiny, capsys):
                  "--simulate", "int4_per_token_hadamard", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "original, int4 per token + Hadamard (simulated)" in out
+
+
+def test_hadamard_on_a_head_size_not_a_power_of_two_refused_first(tmp_path, tiny, capsys, monkeypatch):
+    from turboquant import random_decoders
+    from turboquant.eval import runner
+
+    cfg = random_decoders.TinyConfig(layers=1, hidden=96, heads=4, kv_heads=2, head_dim=24, vocab=256)
+    src = random_decoders.export(cfg, tmp_path / "hd24.onnx")
+    monkeypatch.setattr(runner.Evaluator, "__init__", lambda *a, **k: pytest.fail("the original ran"))
+    assert main([str(src), "--text", str(tiny[2]), "--simulate", "int4_per_token_hadamard", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs a power-of-two head size" in err[0] and "has 24" in err[0]
