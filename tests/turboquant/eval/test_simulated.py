@@ -75,3 +75,19 @@ def test_hadamard_on_a_head_size_not_a_power_of_two_refused_first(tmp_path, tiny
     assert main([str(src), "--text", str(tiny[2]), "--simulate", "int4_per_token_hadamard", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs a power-of-two head size" in err[0] and "has 24" in err[0]
+
+
+@pytest.mark.gpu
+def test_simulated_on_device_caches(tmp_path, cuda_ready):
+    """genai's fp16 CUDA model through the shared buffers on the device: the rows go through a host
+    copy and back, and more bits still diverge less."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes the model)")
+    from turboquant import random_decoders
+
+    cfg = random_decoders.TinyConfig(layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, vocab=512)
+    src = random_decoders.export_genai(cfg, tmp_path / "g", "fp16", "cuda")
+    ids = np.random.default_rng(2).integers(3, 512, 400)
+    ev = Evaluator(src, ids, Windows(context=96, prefill=48, max_tokens=96, batch=2), progress=False,
+                   providers=["CUDAExecutionProvider"], shared_buffer=True)
+    r8, r4 = (ev.compare(src, s, simulate=s) for s in ("int8_per_token", "int4_per_token_hadamard"))
+    assert 0 < r8.mean_kl < r4.mean_kl
