@@ -210,7 +210,13 @@ def run_folder(layout: PoolLayout, plan: Plan) -> FolderRun:
     run.limits = (f"Engine max_batch_size {caps.configured_max_batch_size}, max_scheduled_tokens "
                   f"{caps.max_scheduled_tokens or 'default'} (prompt tokens one step takes)")
     try:
-        engine.warm_up(eng, plan.vocab, layout.block_size)
+        try:
+            engine.warm_up(eng, plan.vocab, layout.block_size)
+        except Exception as e:  # noqa: BLE001 - an Engine that cannot serve two short requests serves no point
+            why = f"the warm-up's requests failed: {_why(e)}"
+            run.points = [PointResult(layout.folder, c, s, plan.new, error=why) for c, s in plan.points]
+            _log(f"  {why}")
+            return run
         for c, s in plan.points:
             _log(f"  {c} requests of {s} tokens, {plan.new} new ...")
             try:
