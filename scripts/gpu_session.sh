@@ -8,7 +8,8 @@
 # again in a process of its own (repeat), TQPack's developer variants against the default kernels in
 # the pack probe (pack-ab; pack-ab-build builds its probes alone, e.g. in the background), the wheel built
 # on the CPU machine installed without building and its CUDA and genai tests (wheel). One step
-# per call of the device tool.
+# per call of the device tool. The serving anchor (onnxruntime-genai's Engine over paged folders) is
+# scripts/gpu_engine_anchor.sh, after `ort`.
 # pack-ab's PACK_VARIANTS: NAME:FLAGS ... as in scripts/build_probe.sh; PACK_BASELINE: a source tree
 # under the repo root whose pack probe joins the rounds (e.g. `git archive COMMIT ops scripts`
 # extracted into .carry/baseline and carried with pack-ab-build's call).

@@ -1,10 +1,11 @@
-"""python -m turboquant.bench attention|report|pack|prefill|decode|models --device cpu|cuda [options]
+"""python -m turboquant.bench attention|report|pack|prefill|decode|models|engine --device cpu|cuda [options]
 
 Times one decode step (one new token) of TQAttention for each preset and of ONNX Runtime's own
 attention (GroupQueryAttention on fp32, fp16 and its own int8/int4/fp8 caches, ONNX Attention-23)
 on the same shape, with the same thread count, in one process, and prints each preset's speed-up
 over each baseline; `pack` times TQPack against a copy; `prefill` first prompts and continuation
-chunks; `decode` whole models, original against rewritten; `models` builds the benchmark models.
+chunks; `decode` whole models, original against rewritten; `models` builds the benchmark models;
+`engine` serves paged onnxruntime-genai folders through its continuous-batching Engine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..arguments import at_most, threads
 from ..arguments import positive as _positive
 from ..config import TQ_PRESETS
 from ..saving import OutputExists, write_new_text
-from . import attention, checks, decode_cli, prefill
+from . import attention, checks, decode_cli, engine_cli, prefill
 from ..boundary import Parser, boundary
 
 _repeat = at_most(10**6)  # timed calls per candidate
@@ -64,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--plot", help="write a PNG of each format's fraction of the copy rate against the vectors per call here")
     decode_cli.add_parsers(sub)
     prefill.add_parser(sub)
+    engine_cli.add_parser(sub)
     args = p.parse_args(argv)
     if args.what in decode_cli.COMMANDS:  # their own checks (decode_cli)
         return decode_cli.main(args)
+    if args.what == "engine":  # its own checks (engine_cli)
+        return engine_cli.main(args)
     _check(p, args)
     try:
         _refuse(args)

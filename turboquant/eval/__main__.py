@@ -12,6 +12,7 @@ import numpy as np
 from turboquant.arguments import check_output_file, check_output_folder, cuda_missing, non_negative, positive, read_onnx, threads
 from turboquant.saving import write_new_text
 from turboquant.config import TQ_PRESETS
+from turboquant.eval.simulated import SCHEMES, words
 from turboquant.boundary import Parser, boundary
 
 
@@ -50,14 +51,18 @@ def parse(argv):
     p.add_argument("--layers", type=_layers, help="with --sensitivity, only these layers")
     p.add_argument("--boundary", type=non_negative, default=2, help="with --sensitivity: the first and last N layers the rewrite keeps (default 2); all-but-one keeps them, "
                    "only names the 2N costliest layers to keep instead")
+    p.add_argument("--simulate", nargs="+", metavar="FORMAT", choices=list(SCHEMES),
+                   help="also score the original with its caches held in these formats, simulated (onnxruntime-genai's "
+                   f"per-token PagedAttention caches, whose models give no logits: {', '.join(SCHEMES)}; see "
+                   "turboquant.eval.simulated for the form assumed)")
     p.add_argument("--cache-dir", metavar="DIR", help="where the original's log-probabilities are kept for later runs "
                    "on the same original, text and settings (default $TURBOQUANT_CACHE/eval, else ~/.cache/turboquant/eval)")
     p.add_argument("--no-cache", action="store_true", help="run the original and keep nothing")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if not args.rewritten and not args.sensitivity:
-        p.error("give at least one rewritten model, or --sensitivity PRESET")
+    if not args.rewritten and not args.sensitivity and not args.simulate:
+        p.error("give at least one rewritten model, --simulate FORMAT or --sensitivity PRESET")
     if args.json is not None and args.json != "-":  # the results come after the whole run: refuse a bad path now
         try:
             check_output_file(args.json, "--json")
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = _check_models(args.original, args.rewritten, args.shared_buffer)
         if args.sensitivity:  # refuse a bad layer choice before the long run
             choose_layers(args.original, args.sensitivity_mode, args.layers, args.boundary)
+        _check_simulate(args.original, args.simulate or [])
         ids, source = load_tokens(args.text, args.tokenizer, vocab=vocab)
         windows = Windows(args.context, args.prefill, args.stride, args.max_tokens or None, args.batch)
         windows.check()
@@ -110,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         print(header)
         for path in args.rewritten:
             results.append(ev.compare(path, _label(path, args.rewritten)))
+            _row(results[-1])
+        for scheme in args.simulate or []:
+            results.append(ev.compare(args.original, f"original, {words(scheme)}", simulate=scheme))
             _row(results[-1])
         keep = None
         if args.sensitivity:
@@ -167,6 +176,21 @@ def _check_models(original: str, rewritten: list[str], shared_buffer: bool) -> i
                 raise ValueError(f"--shared-buffer runs models the way onnxruntime-genai does, on (TQ)GroupQueryAttention's "
                                  f"shared buffers; {path} has no such node (run it without --shared-buffer)")
     return vocab
+
+
+def _check_simulate(original: str, schemes: list[str]) -> None:
+    """Refuses, before anything runs, a Hadamard-rotated format where the original's head size is no
+    power of two (the rotation's order)."""
+    from turboquant.bench.cache_layout import inspect
+
+    from .simulated import SCHEMES
+
+    widths = {c.width for c in inspect(original).caches}
+    for scheme in schemes:
+        bad = sorted(w for w in widths if SCHEMES[scheme][1] and (w < 1 or w & (w - 1)))
+        if bad:
+            raise ValueError(f"--simulate {scheme}: the Hadamard rotation needs a power-of-two head size; "
+                             f"{original} has {bad[0]}")
 
 
 def _label(path: str, paths: list[str]) -> str:

@@ -101,13 +101,14 @@ class Evaluator:
     def scored_tokens(self) -> int:
         return self.original.tokens
 
-    def compare(self, model: str | os.PathLike, name: str | None = None) -> Comparison:
+    def compare(self, model: str | os.PathLike, name: str | None = None, simulate: str | None = None) -> Comparison:
+        """simulate: run `model` with its caches held in that format (turboquant.eval.simulated.SCHEMES)."""
         result = Comparison(name or os.fspath(model), self.original)
-        for (batch, logp), ref in zip(self._run(model, name or os.path.basename(model)), self._ref):
+        for (batch, logp), ref in zip(self._run(model, name or os.path.basename(model), simulate), self._ref):
             result.add(ref, logp, batch[:, self.windows.prefill:])
         return result
 
-    def _run(self, model, label: str):
+    def _run(self, model, label: str, simulate: str | None = None):
         """Yields (window ids [B, context], log-probs [B, context - prefill, V]) per batch."""
         from tqdm import tqdm
 
@@ -119,6 +120,10 @@ class Evaluator:
             sess = SharedBufferDecoder(model, self.windows.context, providers=self.providers, threads=self.threads)
         else:  # the loop each model's caches take
             sess = open_decoder(model, self.windows.context, providers=self.providers, threads=self.threads)
+        if simulate is not None:
+            from .simulated import SimulatedCache
+
+            sess = SimulatedCache(sess, simulate)
         steps = sum(len(b) for b in self.batches) * (self.windows.context - self.windows.prefill)
         with tqdm(total=steps, desc=label[:40], unit="tok", disable=not self.progress, leave=False) as bar:
             for batch in self.batches:
