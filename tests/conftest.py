@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 
 import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (a worker per core), each worker's torch and ONNX Runtime sessions on one
+    thread, so that the workers do not contend for each other's cores (ORT's pool spins as it waits)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import onnxruntime as ort
+    import torch
+
+    torch.set_num_threads(1)
+    real = ort.InferenceSession
+
+    class OneThreadSession(real):
+        def __init__(self, path_or_bytes, sess_options=None, *args, **kwargs):
+            if sess_options is None:
+                sess_options = ort.SessionOptions()
+            if sess_options.intra_op_num_threads == 0:  # the default: one thread a core
+                sess_options.intra_op_num_threads = 1
+            super().__init__(path_or_bytes, sess_options, *args, **kwargs)
+
+    ort.InferenceSession = OneThreadSession
 
 
 @pytest.fixture
