@@ -8,17 +8,8 @@ import os
 import pathlib
 
 from ..saving import OutputExists, save_new_figure, staging, write_new_text
+from .cells import number, ratio
 from .decode import Record
-
-
-def _f(v, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def _ratio(a, b, invert: bool = False) -> str:
-    if a is None or b is None or a == 0 or b == 0:
-        return "-"
-    return f"{(b / a if invert else a / b):.2f}x"
 
 
 GPU_NOTE = ("the device's busy time per step (kernels and copies, their union, from CUPTI) over as many steps again "
@@ -41,7 +32,7 @@ def _labels(records: list[Record]) -> dict[str, str]:
 def _ms(r: Record, note) -> str:
     """ms/step; over rounds, the median with the rounds' range and how they ran."""
     if not r.round_ms:
-        return _f(r.ms_per_step, ".2f")
+        return number(r.ms_per_step, ".2f")
     done = [v for v in r.round_ms if v is not None]
     return f"{r.ms_per_step:.2f} ({min(done):.2f}-{max(done):.2f}) {note(r.rounds_how)}"
 
@@ -73,13 +64,13 @@ def point_table(records: list[Record]) -> str:
         if r.error:
             lines.append(f"| {name(r)} | failed: {r.error} |" + " |" * (len(head) - 2))
             continue
-        row = [name(r), _ms(r, note), _f(r.tokens_per_s, ".1f"), _ratio(r.tokens_per_s, first.tokens_per_s),
-               f"{_f(r.ttft_ms, '.0f')} {note(r.ttft_how)}", _ratio(r.ttft_ms, first.ttft_ms, invert=True),
-               f"{r.kv_bytes / 1e6:.1f}", _ratio(r.kv_bytes, first.kv_bytes, invert=True),
-               f"{_f(r.peak_bytes and r.peak_bytes / 1e6, '.0f')} {note(r.peak_how)}", r.fill.split(" ")[0] + (f" {note(r.fill)}" if " " in r.fill else "")]
+        row = [name(r), _ms(r, note), number(r.tokens_per_s, ".1f"), ratio(r.tokens_per_s, first.tokens_per_s),
+               f"{number(r.ttft_ms, '.0f')} {note(r.ttft_how)}", ratio(r.ttft_ms, first.ttft_ms, invert=True),
+               f"{r.kv_bytes / 1e6:.1f}", ratio(r.kv_bytes, first.kv_bytes, invert=True),
+               f"{number(r.peak_bytes and r.peak_bytes / 1e6, '.0f')} {note(r.peak_how)}", r.fill.split(" ")[0] + (f" {note(r.fill)}" if " " in r.fill else "")]
         if cap:
-            row[9:9] = [f"{_f(r.capacity_batch, 'd')} {note(r.capacity_check or '')}", _f(r.capacity_context, "d"),
-                        _ratio(r.capacity_batch, first.capacity_batch)]
+            row[9:9] = [f"{number(r.capacity_batch, 'd')} {note(r.capacity_check or '')}", number(r.capacity_context, "d"),
+                        ratio(r.capacity_batch, first.capacity_batch)]
         if gpu:
             row[2:2] = [f"{r.gpu_ms_per_step:.2f} {note(GPU_NOTE)}" if r.gpu_ms_per_step else "-"]
         lines.append("| " + " | ".join(row) + " |")

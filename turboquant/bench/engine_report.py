@@ -5,18 +5,8 @@ from __future__ import annotations
 
 import os
 
+from .cells import number, ratio
 from .engine import PointResult
-
-
-def _f(v, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def _x(a, b, invert: bool = False) -> str:
-    """a against b: a / b, or b / a where smaller is better; '-' where either is missing."""
-    if a is None or b is None or a == 0 or b == 0:
-        return "-"
-    return f"{(b / a if invert else a / b):.2f}x"
 
 
 def folder_table(header: str, rows: list[PointResult], base: dict[tuple[int, int], PointResult]) -> str:
@@ -30,10 +20,10 @@ def folder_table(header: str, rows: list[PointResult], base: dict[tuple[int, int
             continue
         note = "; ".join(x for x in (r.cut, f"{r.failed} failed" if r.failed else None) if x)
         lines.append("| " + " | ".join([
-            str(r.concurrency), str(r.context), str(r.new), _f(r.tokens_per_s, ".1f"),
-            _x(r.tokens_per_s, b and b.tokens_per_s), _f(r.ttft_p50_ms, ".0f"), _f(r.ttft_p90_ms, ".0f"),
-            _x(r.ttft_p50_ms, b and b.ttft_p50_ms, invert=True), _f(r.tpot_ms, ".2f"), str(r.peak_decoding),
-            _f(r.fits, "d"), _x(r.fits, b and b.fits), str(r.capacity_blocked), note or ""]) + " |")
+            str(r.concurrency), str(r.context), str(r.new), number(r.tokens_per_s, ".1f"),
+            ratio(r.tokens_per_s, b and b.tokens_per_s), number(r.ttft_p50_ms, ".0f"), number(r.ttft_p90_ms, ".0f"),
+            ratio(r.ttft_p50_ms, b and b.ttft_p50_ms, invert=True), number(r.tpot_ms, ".2f"), str(r.peak_decoding),
+            number(r.fits, "d"), ratio(r.fits, b and b.fits), str(r.capacity_blocked), note or ""]) + " |")
     return "\n".join(lines)
 
 
