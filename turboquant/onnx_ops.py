@@ -112,8 +112,8 @@ def _infer_gqa(ctx):
         if isinstance(q[2], int) and hq:
             d = q[2] // (hq if ctx.has_input(1) else hq + 2 * hkv)
         y = [q[0], q[1], hq * d if d else None]
-    if past is not None:
-        present = [past[0], past[1], None, past[3]]
+    if past is not None:  # a window-sized buffer's present has its rows, C
+        present = [past[0], past[1], past[2] if _attr(ctx, "sliding_window_cache", 0) else None, past[3]]
     _set(ctx, 0, ctx.get_input_type(0).tensor_type.elem_type, y)
     _set(ctx, 1, TensorProto.UINT8, present)
     _set(ctx, 2, TensorProto.UINT8, present)
@@ -190,8 +190,10 @@ def _schemas() -> list[defs.OpSchema]:
                 _P("key_scale", "tensor(float)", "[Hkv, D] (do_rotary), after the rotary: Q multiplied, K divided",
                    param_option=_OPT)],
         outputs=[_P("output", "T", "[B, S, Hq*D]"),
-                 _P("present_key", "tensor(uint8)", "[B, Hkv, max(max_length, total), W]; may be past_key's buffer"),
-                 _P("present_value", "tensor(uint8)", "[B, Hkv, max(max_length, total), W]; may be past_value's buffer")],
+                 _P("present_key", "tensor(uint8)",
+                    "[B, Hkv, max(max_length, total) (sliding_window_cache: C), W]; may be past_key's buffer"),
+                 _P("present_value", "tensor(uint8)",
+                    "[B, Hkv, max(max_length, total) (sliding_window_cache: C), W]; may be past_value's buffer")],
         type_constraints=[("T", FLOAT_TYPES, "float types")],
         attributes=[*cache_formats,
                     _A("num_heads", _ATTR.INT, "Hq", required=True),
@@ -203,7 +205,10 @@ def _schemas() -> list[defs.OpSchema]:
                        required=False),
                     _A("softcap", _ATTR.FLOAT, "0: none; c > 0: scores become c * tanh(score / c)", required=False),
                     _A("smooth_softmax", _ATTR.INT, "must be 0", required=False),
-                    _A("qk_output", _ATTR.INT, "must be 0", required=False)],
+                    _A("qk_output", _ATTR.INT, "must be 0", required=False),
+                    _A("sliding_window_cache", _ATTR.INT,
+                       "1: past_key's C >= W rows are a window-sized buffer (ORT's layout); present has C rows",
+                       required=False)],
     )
     gqa.set_type_and_shape_inference_function(_infer_gqa)
     pack.set_type_and_shape_inference_function(_infer_pack)
@@ -280,7 +285,8 @@ class TQGroupQueryAttention(OpRun):
              total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None, attention_bias=None,
              head_sink=None, key_offset=None, value_offset=None, key_scale=None, key_format=None, value_format=None,
              norm_correction=None, num_heads=None, kv_num_heads=None, scale=None, do_rotary=None,
-             rotary_interleaved=None, local_window_size=None, softcap=None, smooth_softmax=None, qk_output=None):
+             rotary_interleaved=None, local_window_size=None, softcap=None, smooth_softmax=None, qk_output=None,
+             sliding_window_cache=None):
         refused = {"attention_bias": attention_bias is not None, "smooth_softmax": bool(smooth_softmax),
                    "qk_output": bool(qk_output)}
         if any(refused.values()):
@@ -293,7 +299,7 @@ class TQGroupQueryAttention(OpRun):
             num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale or None, do_rotary=bool(do_rotary),
             rotary_interleaved=bool(rotary_interleaved),
             local_window_size=-1 if local_window_size is None else int(local_window_size),
-            softcap=float(softcap or 0.0), head_sink=head_sink)
+            softcap=float(softcap or 0.0), head_sink=head_sink, sliding_window_cache=bool(sliding_window_cache))
 
 
 REFERENCE_OPS = [TQPack, TQUnpack, TQAttention, TQGroupQueryAttention]

@@ -41,6 +41,7 @@ void GqaAttrs::validate() const {
   if (!(softcap >= 0.f) || !std::isfinite(softcap)) fail("attribute 'softcap' must be finite and >= 0, got ", softcap);
   if (smooth_softmax) fail("smooth_softmax is not supported");
   if (qk_output != 0) fail("qk_output = ", qk_output, " is not supported");
+  if (sliding_window_cache && local_window_size <= 0) fail("sliding_window_cache=1 requires local_window_size > 0.");
 }
 
 GqaSetup setup_gqa(const GqaAttrs& a, const GqaShapes& s, DType dtype, int64_t total) {
@@ -115,6 +116,13 @@ GqaSetup setup_gqa(const GqaAttrs& a, const GqaShapes& s, DType dtype, int64_t t
   r.v_first = r.packed_qkv ? (hq + hkv) * d : 0;
   p.past_rows = s.past_key[2];
   p.present_rows = std::max(s.past_key[2], total);
+  if (a.sliding_window_cache) {  // ORT's text; no bound involves S: a longer step runs on a staging copy
+    if (s.past_key[2] < a.local_window_size) {
+      fail("sliding_window_cache: KV cache capacity (", s.past_key[2], ") must be at least local_window_size (",
+           a.local_window_size, ").");
+    }
+    p.present_rows = p.window_cache = s.past_key[2];
+  }
   p.key_row_bytes = p.value_row_bytes = s.past_key[3];
   r.first_prompt = sq == total;
 
@@ -152,12 +160,14 @@ std::vector<int32_t> gqa_past_lengths(const GqaSetup& r, const int32_t* seqlens_
     if (k < 0 || k >= total) {
       fail("seqlens_k[", b, "] = ", k, " must be in [0, total_sequence_length - 1 = ", total - 1, "]");
     }
-    const int64_t n = r.first_prompt ? 0 : k + 1 - p.q_len;
+    // a window-sized buffer's first prompt takes the sequence's length as it is: no right padding
+    const int64_t n = r.first_prompt && !p.window_cache ? 0 : k + 1 - p.q_len;
     if (n < 0) fail("seqlens_k[", b, "] = ", k, " is shorter than the ", p.q_len, " new tokens");
-    if (n > p.past_rows) {
+    // a window-sized buffer is shorter than the sequence: its rows are gqa_attention's to map
+    if (!p.window_cache && n > p.past_rows) {
       fail("seqlens_k[", b, "] = ", k, " puts ", n, " past tokens in a past buffer of ", p.past_rows, " rows");
     }
-    if (n + p.q_len > p.present_rows) {
+    if (!p.window_cache && n + p.q_len > p.present_rows) {
       fail("seqlens_k[", b, "] = ", k, ": ", n + p.q_len, " tokens do not fit the ", p.present_rows, "-row buffer");
     }
     if (r.rotary.rotary_dim > 0 && !r.position_ids && n + p.q_len > r.rotary.max_positions) {

@@ -26,6 +26,15 @@ GqaKernel::GqaKernel(const OrtKernelInfo* info, ONNXTensorElementDataType t, Dev
   attrs.softcap = attr_float(kOp, info, "softcap", 0.0f);
   attrs.smooth_softmax = attr_bool(kOp, info, "smooth_softmax", false);
   attrs.qk_output = attr_int(kOp, info, "qk_output", 0);
+  const int64_t window_cache = attr_int(kOp, info, "sliding_window_cache", 0);
+  if (window_cache != 0 && window_cache != 1) {
+    fail(kOp, "attribute 'sliding_window_cache' must be 0 or 1, got ", window_cache);
+  }
+  attrs.sliding_window_cache = window_cache == 1;
+  if (attrs.sliding_window_cache && device == Device::kCuda) {
+    fail(kOp, "sliding_window_cache = 1 (a window-sized cache) is not implemented for the CUDA execution provider; "
+              "rewrite the model with full-length caches for CUDA");
+  }
   attrs.validate();
 }
 

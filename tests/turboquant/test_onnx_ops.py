@@ -101,3 +101,34 @@ def test_group_query_attention_schema_and_reference_evaluator(rng, ort_session, 
     np.testing.assert_allclose(got[0], want[0], rtol=2e-4, atol=2e-4)
     for g, w in zip(got[1:], want[1:]):
         np.testing.assert_array_equal(g, w)
+
+
+def test_window_sized_cache_in_the_reference_evaluator(rng, ort_session):
+    """sliding_window_cache = 1: shape inference gives present past's row count (a window-sized
+    buffer's C, not the total), and ReferenceEvaluator runs it, past the buffer's 16 rows, with the
+    results of the ORT kernel."""
+    m = node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4",
+                              local_window_size=6, sliding_window_cache=1)
+    for i in (3, 4):
+        m.graph.input[i].type.tensor_type.shape.dim[2].dim_param = "past_sliding_length"
+    del m.graph.output[1:]
+    inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    present = next(v for v in inferred.graph.value_info if v.name == "present_key")
+    assert present.type.tensor_type.shape.dim[2].dim_param == "past_sliding_length"
+    m = node_models.gqa_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4",
+                              local_window_size=6, sliding_window_cache=1)
+    width = formats.packed_size("uint4", 64)
+    feeds = {"query": rng.standard_normal((2, 1, 4 * 64)).astype(np.float32),
+             "key": rng.standard_normal((2, 1, 2 * 64)).astype(np.float32),
+             "value": rng.standard_normal((2, 1, 2 * 64)).astype(np.float32),
+             "past_key": np.zeros((2, 2, 16, width), np.uint8), "past_value": np.zeros((2, 2, 16, width), np.uint8),
+             "seqlens_k": np.array([16, 20], np.int32), "total_sequence_length": np.array(21, np.int32)}
+    keys, values = (rng.standard_normal((2, 2, 16, 64)).astype(np.float32) for _ in range(2))
+    feeds["past_key"][..., :formats.packed_size("mse4", 64)] = formats.pack(keys, "mse4")
+    feeds["past_value"][...] = formats.pack(values, "uint4")
+    got = ReferenceEvaluator(m, new_ops=onnx_ops.REFERENCE_OPS).run(None, feeds)
+    want = ort_session(m).run(None, feeds)
+    assert want[1].shape[2] == 16
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-4, atol=2e-4)
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(g, w)

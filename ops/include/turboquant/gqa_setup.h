@@ -20,6 +20,9 @@ struct GqaAttrs {
   bool do_rotary = false, rotary_interleaved = false;
   int64_t local_window_size = -1;  // -1: none; > 0: the window W (AttentionParams::window)
   float softcap = 0.f;              // 0: none
+  // ORT's sliding_window_cache: past_key's rows are a window-sized buffer of capacity C >= W in the
+  // layout of turboquant/window_cache.h, and present has C rows
+  bool sliding_window_cache = false;
   // GroupQueryAttention features this op does not implement; validate() refuses other values.
   int64_t qk_output = 0;
   bool smooth_softmax = false;
@@ -50,7 +53,8 @@ struct GqaSetup {
 GqaSetup setup_gqa(const GqaAttrs& attrs, const GqaShapes& shapes, DType dtype, int64_t total_sequence_length);
 
 // Each sequence's past length from seqlens_k (host memory): 0 for a first prompt, else
-// seqlens_k[b] + 1 - S; checked against the buffers and the rotary table. Throws InvalidArgument.
+// seqlens_k[b] + 1 - S; checked against the buffers and the rotary table (a window-sized buffer is
+// shorter than the sequence it serves: its rows are gqa_attention's to map). Throws InvalidArgument.
 std::vector<int32_t> gqa_past_lengths(const GqaSetup& setup, const int32_t* seqlens_k);
 
 // position_ids (host memory, [B, S]) inside the rotary table. Throws InvalidArgument.

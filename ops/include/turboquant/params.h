@@ -67,6 +67,10 @@ struct AttentionParams {
   int64_t key_row_bytes = 0, value_row_bytes = 0;
   const int32_t* past_lens = nullptr;  // [batch]: host memory for the CPU kernels, device for CUDA
   int64_t past_lens_bias = 0;          // added to each past_lens[b]
+  // TQGroupQueryAttention's sliding_window_cache: C, the rows of a window-sized buffer
+  // (turboquant/window_cache.h), 0 when the buffer is full-length. past_lens are then the absolute
+  // pasts the rotary turns by; gqa_attention maps them to rows before the attention kernels run.
+  int64_t window_cache = 0;
 
   TQ_HD int64_t past_rows_or_len() const { return past_rows ? past_rows : past_len; }
   TQ_HD int64_t present_rows_or_total() const { return present_rows ? present_rows : past_len + new_len; }
@@ -74,8 +78,9 @@ struct AttentionParams {
   TQ_HD int64_t value_row() const { return value_row_bytes ? value_row_bytes : packed_size(value_format, v_head_dim); }
   // sequence b's past length, within past_len and the past buffer's rows (lengths read on the device
   // are clamped, not checked: no row past the buffer is read)
+  // (a window-sized buffer's absolute past is bounded by past_len alone)
   TQ_HD int64_t past_of(int64_t b) const {
-    const int64_t rows = past_rows_or_len();
+    const int64_t rows = window_cache ? past_len : past_rows_or_len();
     return sequence_past(past_lens, b, past_len < rows ? past_len : rows, past_lens_bias);
   }
   // The first row of each (b, h) that a fresh present (not past's buffer) of the preallocated
