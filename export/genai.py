@@ -28,6 +28,9 @@ from .plan import RewriteResult
 
 CONFIG = "genai_config.json"
 PER_LAYER_SHAPES_SINCE = (0, 14, 0)
+# genai_config.json's sliding_window section with `layers` (the windowed layers' window-sized buffers,
+# for GroupQueryAttention's sliding_window_cache) and `cache_slack`: microsoft/onnxruntime-genai #2334
+WINDOW_CACHE_SINCE = (0, 18, 0)
 # onnxruntime-genai is published under one name per execution provider
 DISTRIBUTIONS = ("onnxruntime-genai", "onnxruntime-genai-cuda", "onnxruntime-genai-directml", "onnxruntime-genai-winml")
 
@@ -62,6 +65,31 @@ def reads_per_layer_shapes(version: str | None = None) -> tuple[bool, str]:
         return True, f"onnxruntime-genai {version} ({where}) allocates each layer's cache from its inputs' shape"
     return False, (f"onnxruntime-genai {version} ({where}) allocates every layer's cache with one shape (per-layer "
                    f"shapes from {since}), so every layer's rows are as wide as the widest")
+
+
+def keeps_window_cache(decoder: dict, version: str | None = None) -> tuple[bool, str | None]:
+    """Whether the rewrite keeps the windowed layers' window-sized caches (export/gqa.py) for this
+    decoder, and a line for the summary where the answer needs one: where genai_config.json has a
+    sliding_window section naming its layers, the decoder runs on the CPU provider (the CUDA op
+    takes full-length caches only) and genai (the installed one, or `version`) reads the section's
+    layers. Without genai installed: assumed, and said."""
+    section = decoder.get("sliding_window")
+    if not isinstance(section, dict) or not section.get("layers") or not (section.get("window_size") or 0) > 0:
+        return False, None
+    entries = decoder.get("session_options", {}).get("provider_options", [])
+    providers = sorted({k for e in entries if isinstance(e, dict) for k in e} - {"cpu"})
+    if providers:
+        return False, (f"window-sized caches made full-length: the decoder runs on {', '.join(providers)}, where "
+                       "TQGroupQueryAttention takes full-length caches only")
+    since = ".".join(map(str, WINDOW_CACHE_SINCE))
+    where = "given" if version is not None else "installed"
+    version = version if version is not None else installed_version()
+    if version is None:
+        return True, f"window-sized caches kept: onnxruntime-genai allocates them from {since}"
+    if _release(version) >= WINDOW_CACHE_SINCE:
+        return True, None
+    return False, (f"window-sized caches made full-length: onnxruntime-genai {version} ({where}) does not allocate "
+                   f"them (from {since})")
 
 
 def check_output_folder(src: pathlib.Path, out: pathlib.Path) -> None:
@@ -155,7 +183,7 @@ def stage_folder(folder: Folder, out: pathlib.Path, result: RewriteResult, tmp: 
     folder.decoder["filename"] = out.name
     # the uint8 caches' head_size is a row width in bytes: the widest layer's (module docstring)
     folder.decoder["head_size"] = result.row_bytes
-    dropped = drop_sliding_window_section(folder.decoder, result)
+    dropped = None if result.window_cache else drop_sliding_window_section(folder.decoder, result)
     if dropped:
         result.notes.append(dropped)
     folder.decoder.setdefault("session_options", {})["custom_ops_library"] = folder.library.name
@@ -166,11 +194,10 @@ def stage_folder(folder: Folder, out: pathlib.Path, result: RewriteResult, tmp: 
 
 
 def drop_sliding_window_section(decoder: dict, result: RewriteResult) -> str | None:
-    """genai_config.json's sliding_window section, dropped: it tells onnxruntime-genai (0.18) to give
-    its layers window-sized buffers (window_size plus a slack, for GroupQueryAttention's
-    sliding_window_cache), while the rewrite makes every cache full-length, rows by position
-    (export/gqa.py), so genai must allocate max_length rows for every layer; with per-layer row widths
-    0.18 also binds a zero-length present to the narrower layers where the section is. The ops keep
+    """genai_config.json's sliding_window section, dropped where the rewrite made every cache
+    full-length (export/gqa.py, keeps_window_cache): the section tells onnxruntime-genai (0.18) to
+    give its layers window-sized buffers (window_size plus a slack, for GroupQueryAttention's
+    sliding_window_cache), while caches of rows by position need max_length rows for every layer. The ops keep
     their local_window_size and read only each window's rows. Returns the summary's line, or None
     where there was no section."""
     section = decoder.get("sliding_window")

@@ -5,7 +5,8 @@ reads genai_config.json and the custom-op library) and generated CHECK_TOKENS gr
 a short prompt, in a subprocess (a crash inside genai is a failed check, not a dead rewrite).
 Without it, "checked" means what can be known without genai: genai_config.json agrees with the
 model (head_size is the widest layer's row, num_key_value_heads each layer's heads; no
-sliding_window section, which would give window-sized buffers to caches that hold every position),
+sliding_window section, which would give window-sized buffers to caches that hold every position,
+unless the ops keep window-sized caches),
 and ONNX Runtime runs the model over shared buffers of the shapes genai would allocate
 (turboquant.shared_buffer, max_length rows) for the same prompt and tokens. A folder that fails
 either is not published: the rewrite ends with the reason, exit status 2. Models no generator runs
@@ -27,10 +28,10 @@ TIMEOUT_S = 600
 
 _GENAI_RUN = """
 import sys, numpy as np, onnxruntime_genai as og
-folder, prompt, steps, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+folder, prompt, steps, vocab, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 model = og.Model(folder)
 params = og.GeneratorParams(model)
-params.set_search_options(max_length=prompt + steps, do_sample=False)
+params.set_search_options(max_length=length, do_sample=False)
 gen = og.Generator(model, params)
 gen.append_tokens((3 + np.arange(prompt, dtype=np.int32) % max(1, vocab - 3))[None])
 for _ in range(steps - 1):
@@ -52,7 +53,8 @@ def _vocab(config: dict) -> int:
 def run_with_genai(folder: pathlib.Path) -> str | None:
     """None where genai generated tokens from folder, else its error's last line."""
     config = json.loads((folder / "genai_config.json").read_text())
-    cmd = [sys.executable, "-c", _GENAI_RUN, str(folder), str(PROMPT_TOKENS), str(CHECK_TOKENS), str(_vocab(config))]
+    cmd = [sys.executable, "-c", _GENAI_RUN, str(folder), str(PROMPT_TOKENS), str(CHECK_TOKENS), str(_vocab(config)),
+           str(check_length(config))]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -84,11 +86,24 @@ def config_problems(model_path: pathlib.Path, config: dict) -> list[str]:
     kv = {h for h in heads.values() if h}
     if kv and decoder.get("num_key_value_heads") not in kv:
         problems.append(f"num_key_value_heads {decoder.get('num_key_value_heads')} is none of the caches' {sorted(kv)}")
-    if decoder.get("sliding_window"):
+    section = decoder.get("sliding_window")
+    if section and not _window_sized(m):
         problems.append("a sliding_window section (onnxruntime-genai 0.18 would give its layers window-sized buffers, "
-                        "and with per-layer cache widths a zero-length present, where the rewritten caches hold every "
-                        "position)")
+                        "where the rewritten caches hold every position)")
     return problems
+
+
+def _window_sized(m) -> bool:
+    """Whether the model's attention ops keep window-sized caches (sliding_window_cache)."""
+    return any(a.name == "sliding_window_cache" and a.i for n in m.graph.node if n.op_type == "TQGroupQueryAttention"
+               for a in n.attribute)
+
+
+def check_length(config: dict) -> int:
+    """The check's max_length: its prompt and tokens, and at least the window and one token more, as a
+    window-sized buffer (genai's window plus a slack, clamped to max_length) holds at least the window."""
+    section = config.get("model", {}).get("decoder", {}).get("sliding_window") or {}
+    return max(PROMPT_TOKENS + CHECK_TOKENS, int(section.get("window_size") or 0) + 1)
 
 
 def run_with_onnxruntime(model_path: pathlib.Path, config: dict) -> str | None:
@@ -97,7 +112,7 @@ def run_with_onnxruntime(model_path: pathlib.Path, config: dict) -> str | None:
 
     from turboquant.shared_buffer import SharedBufferDecoder
 
-    max_length = PROMPT_TOKENS + CHECK_TOKENS
+    max_length = check_length(config)
     try:
         dec = SharedBufferDecoder(model_path, max_length)
         prompt = 3 + np.arange(PROMPT_TOKENS)[None] % max(1, _vocab(config) - 3)

@@ -14,11 +14,14 @@ the summary says so.
 onnxruntime-genai takes one dtype for every cache (that of the first past input), so all of them
 are uint8. Sliding windows (local_window_size), softcap and head sinks (input 11) are kept: the op
 takes them as GroupQueryAttention does. Window-sized caches (sliding_window_cache = 1, what genai
-0.18's builder writes for windowed layers on the CPU and CUDA: a buffer of the window's rows that
-the op compacts as the window moves) become full-length ones, rows by position as in every other
-layer: the attribute dropped and the layer's cache length named as the full layers' (export/genai.py
-drops genai_config.json's sliding_window section, so genai allocates max_length rows for every
-layer); the op still reads only the window's rows. Nodes with features the op lacks (smooth softmax,
+0.18's builder writes for windowed layers on the CPU and CUDA: a buffer of C >= W rows that the op
+compacts as the window moves) stay window-sized with window_cache (the op keeps the attribute, the
+cache inputs their `*sliding*` length axis, and export/genai.py genai_config.json's sliding_window
+section, so genai allocates those layers C rows of the packed width); without it (an older genai, a
+CUDA build, TensorRT) they become full-length ones, rows by position as in every other layer: the
+attribute dropped and the layer's cache length named as the full layers' (export/genai.py drops the
+section, so genai allocates max_length rows for every layer); the op still reads only the window's
+rows. Nodes with features the op lacks (smooth softmax,
 attention bias, QK output, quantized caches) are refused, or with unsupported="leave" kept as they
 are (the model then mixes cache dtypes and is no longer loadable by onnxruntime-genai, which the
 summary says).
@@ -182,13 +185,13 @@ def row_width(key_format: str, value_format: str, head_dim: int) -> int:
 
 
 def _replace(graph: ir.Graph, old: ir.Node, key_format: str, value_format: str, norm_correction: bool,
-             extra: list | None = None) -> ir.Node:
-    """extra: the inputs to append after GroupQueryAttention's (key_offset, value_offset, key_scale)."""
+             extra: list | None = None, window_cache: bool = False) -> ir.Node:
+    """extra: the inputs to append after GroupQueryAttention's (key_offset, value_offset, key_scale).
+    window_cache: window-sized buffers stay so, else they become full-length ones (module docstring)."""
     inputs = list(old.inputs)[:_NUM_INPUTS]
     if extra:
         inputs += [None] * (_NUM_INPUTS - len(inputs)) + list(extra)
-    # window-sized buffers become full-length ones (module docstring)
-    attrs = {name: a.value for name, a in old.attributes.items() if name != "sliding_window_cache"}
+    attrs = {name: a.value for name, a in old.attributes.items() if window_cache or name != "sliding_window_cache"}
     attrs.update(key_format=key_format, value_format=value_format, norm_correction=int(norm_correction))
     new = ir.node("TQGroupQueryAttention", inputs, attrs, domain=turboquant.DOMAIN, num_outputs=3,
                   name=f"{old.name}/turboquant")
@@ -285,7 +288,8 @@ def refuse_mixed_genai_folder(left: dict[int, list[str]]) -> None:
 
 def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_layers=None, keep_layers=None,
                       unsupported: str = "refuse", per_layer: bool | None = None, calibration=None,
-                      value_offsets: bool = False, key_scales: bool = True, plan: tuple | None = None) -> RewriteResult:
+                      value_offsets: bool = False, key_scales: bool = True, plan: tuple | None = None,
+                      window_cache: bool = False) -> RewriteResult:
     """Rewrites a GroupQueryAttention model in place (module docstring); returns what was done.
 
     calibration (export.calibrate.Calibration, from export/calibrate_gqa.py): per compressed layer
@@ -294,7 +298,9 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
 
     per_layer: give each layer its own row width (True) or every layer the widest (False); None
     decides by the installed onnxruntime-genai (export/genai.py reads_per_layer_shapes).
-    plan: plan_gqa_layers of `model` with these options, where the caller has it (None: planned here)."""
+    plan: plan_gqa_layers of `model` with these options, where the caller has it (None: planned here).
+    window_cache: window-sized caches (sliding_window_cache) stay window-sized, else they become
+    full-length (module docstring; export/genai.py keeps_window_cache decides for genai folders)."""
     if unsupported not in ("refuse", "leave"):
         raise RewriteError(f"unsupported must be 'refuse' or 'leave', got {unsupported!r}")
     plans, layers, nodes = plan or plan_gqa_layers(model, preset, boundary, skip_layers, keep_layers)
@@ -333,12 +339,12 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
         plan.row_bytes = widths[plan.index]
         node = nodes[plan.index]
         heads = _attr(node, "kv_num_heads", 0)
-        full = plan.index in windowed
+        full = plan.index in windowed and not window_cache
         plan.kv_heads = plan.kv_heads or heads or None  # the op's attribute where the cache inputs leave it symbolic
         extra = None
         if calibration is not None and plan.compressed and plan.index in calibration.keys:
             extra = calibrated_inputs(model, plan.index, calibration, value_offsets=value_offsets, key_scales=key_scales)
-        node = _replace(graph, node, plan.key_format, plan.value_format, cfg["norm_correction"], extra)
+        node = _replace(graph, node, plan.key_format, plan.value_format, cfg["norm_correction"], extra, window_cache)
         layer = layers[plan.index]
         for v in (layer.past_key, layer.past_value):
             _retype(v, heads, plan.row_bytes, past_length if full else None)
@@ -346,7 +352,11 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
             _retype(v, heads, plan.row_bytes, present_length if full else None)
     model.opset_imports[turboquant.DOMAIN] = turboquant.OPSET_VERSION
     notes.append("cache rows (bytes per token and KV head, for K and for V): " + _describe_widths(rewritten))
-    if windowed:
+    if windowed and window_cache:
+        notes.append(f"layers {_ranges(windowed)}: window-sized caches (sliding_window_cache) kept: onnxruntime-genai "
+                     "allocates them C rows of the packed width (the window plus a slack, whatever the context); the "
+                     "per-token sizes above are per row")
+    elif windowed:
         notes.append(f"layers {_ranges(windowed)}: window-sized caches (sliding_window_cache) made full-length, rows by "
                      "position; the op reads only each window's rows, but their memory grows with the context (the "
                      "per-token sizes above count them as full-length in the original too)")
@@ -374,7 +384,8 @@ def rewrite_gqa_model(model: ir.Model, preset: str, *, boundary: int = 2, skip_l
     from .calibrate import calibration_metadata
 
     model.metadata_props.update(calibration_metadata(calibration, value_offsets, key_scales))
-    return RewriteResult(preset, plans, None, notes, row_bytes=max(widths.values()), left=left)
+    return RewriteResult(preset, plans, None, notes, row_bytes=max(widths.values()), left=left,
+                         window_cache=sorted(windowed) if window_cache else [])
 
 
 def _describe_widths(plans) -> str:

@@ -35,11 +35,12 @@ class TurboQuantRewrite(ir.passes.InPlacePass):
                  calibration=None, value_offsets: bool = False, key_scales: bool = True, q_heads: dict | None = None,
                  kept_raw16: bool = False, rotary_positions: int | None = None, flat_outputs: dict | None = None,
                  unsupported: str = "refuse",
-                 per_layer: bool | None = None, progress: bool | None = None, plan: tuple | None = None):
+                 per_layer: bool | None = None, progress: bool | None = None, plan: tuple | None = None,
+                 window_cache: bool = False):
         """cache: "concat" (export.concat.rewrite_model) or "in-place" (export.in_place; q_heads for
         graphs that do not say their query heads, kept_raw16 for TensorRT, rotary_positions for the
         rotary inside the ops, flat_outputs from export.mask_probe); onnxruntime-genai models
-        take export.gqa whatever it says (unsupported, per_layer are its options). plan: the layer plan
+        take export.gqa whatever it says (unsupported, per_layer, window_cache are its options). plan: the layer plan
         of the model the pass will be called on, as plan_layers (plan_gqa_layers for onnxruntime-genai
         models) returns it, when the caller has made it already; None: planned in the call."""
         super().__init__()
@@ -49,7 +50,7 @@ class TurboQuantRewrite(ir.passes.InPlacePass):
         self.q_heads, self.kept_raw16, self.rotary_positions = q_heads or {}, kept_raw16, rotary_positions
         self.flat_outputs = flat_outputs or {}
         self.unsupported, self.per_layer, self.progress = unsupported, per_layer, progress
-        self.plan = plan
+        self.plan, self.window_cache = plan, window_cache
         self.result = None  # the RewriteResult of the last call
 
     def requires(self, model: ir.Model) -> None:
@@ -71,7 +72,7 @@ class TurboQuantRewrite(ir.passes.InPlacePass):
                     plan=self.plan, **self.plan_args)
         if uses_gqa(model):
             self.result = rewrite_gqa_model(model, self.preset, unsupported=self.unsupported, per_layer=self.per_layer,
-                                            **opts)
+                                            window_cache=self.window_cache, **opts)
         elif self.cache == "in-place":
             from .in_place import rewrite_in_place
 

@@ -48,6 +48,7 @@ class RewriteResult:
     notes: list[str] = dataclasses.field(default_factory=list)  # printed after the summary
     row_bytes: int | None = None  # GroupQueryAttention models: the widest layer's cache rows (genai's head_size)
     left: list[int] = dataclasses.field(default_factory=list)  # genai models: layers left as they were
+    window_cache: list[int] = dataclasses.field(default_factory=list)  # genai models: layers kept window-sized
 
     @property
     def compressed(self) -> list[int]:

@@ -394,9 +394,9 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, options: 
     from . import genai
 
     genai_folder = target == "onnxruntime" and (src.parent / genai.CONFIG).is_file()  # genai runs ONNX Runtime only
-    folder = None
+    folder, window_cache, window_note = None, False, None
     if genai_folder:  # its config read and every name the output folder gets refused before any work
-        genai.read_config(src.parent / genai.CONFIG)
+        window_cache, window_note = genai.keeps_window_cache(genai.read_config(src.parent / genai.CONFIG)[1])
         if not dry_run:
             folder = genai.plan_folder(src, out, library or _ort_library(), cuda_graph)
     if genai_folder and unsupported == "leave":  # before the calibration: a folder genai could not run is refused
@@ -439,10 +439,13 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, options: 
     # TensorRT takes each cache's shape as declared: every layer gets its own row width
     rewrite = TurboQuantRewrite(preset, boundary=boundary, skip_layers=skip_layers, keep_layers=keep_layers,
                                 unsupported=unsupported, per_layer=True if target == "tensorrt" else None,
-                                calibration=calibration, value_offsets=value_offsets, key_scales=key_scales, plan=plan)
+                                calibration=calibration, value_offsets=value_offsets, key_scales=key_scales, plan=plan,
+                                window_cache=window_cache)
     rewrite(model)
     result = rewrite.result
     result.notes += notes
+    if window_note and any("window-sized caches" in n for n in result.notes):
+        result.notes.append(f"  {window_note}")
     if target == "tensorrt":
         from .tensorrt import for_tensorrt, foreign_ops
 

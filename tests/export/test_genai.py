@@ -524,12 +524,11 @@ def test_missing_library_refused_before_the_save(built, tmp_path, capsys, monkey
     assert list(tmp_path.iterdir()) == []
 
 
-def test_windows_softcap_and_sinks_are_kept(built, tmp_path):
-    """GroupQueryAttention with local_window_size, softcap, a head_sink input and a window-sized cache
-    (sliding_window_cache, as genai 0.18's builder writes Gemma 3 and gpt-oss for the CPU): rewritten to
-    TQGroupQueryAttention with the window, the softcap and the sink (input 11) kept, the calibration's
-    inputs after it, the cache made full-length (the attribute dropped, the full layers' length axis),
-    and genai_config.json's sliding_window section dropped; genai runs the folder."""
+def _windowed_folder(built, tmp_path):
+    """genai's llama build with layers 1 and 2 as genai 0.18's builder writes Gemma 3's and gpt-oss's
+    windowed layers for the CPU: local_window_size, softcap, a head_sink input and a window-sized
+    cache (sliding_window_cache, the `*sliding*` length axis, genai_config.json's sliding_window
+    section naming the layers)."""
     src_model = built("llama")
     m = onnx.load(src_model)
     nodes = [n for n in m.graph.node if n.op_type == "GroupQueryAttention"]
@@ -545,32 +544,89 @@ def test_windows_softcap_and_sinks_are_kept(built, tmp_path):
         m.graph.initializer.append(sink)
         node.input.extend([""] * (12 - len(node.input)))
         node.input[11] = sink.name
-        for v in m.graph.input:
-            if v.name.startswith(f"past_key_values.{i}."):
-                v.type.tensor_type.shape.dim[2].dim_param = "past_sliding_length"
+        for v in [*m.graph.input, *m.graph.output]:
+            if v.name.startswith((f"past_key_values.{i}.", f"present.{i}.")):
+                v.type.tensor_type.shape.dim[2].dim_param = v.type.tensor_type.shape.dim[2].dim_param.replace(
+                    "sequence", "sliding")
     src = tmp_path / "src" / "model.onnx"
     src.parent.mkdir()
     onnx.save(m, src, save_as_external_data=True, location="model.onnx.data")
     config = json.loads((src_model.parent / "genai_config.json").read_text())
     config["model"]["decoder"]["sliding_window"] = {"window_size": 4, "slide_key_value_cache": False,
-                                                    "slide_inputs": False, "layers": [1, 2]}
+                                                    "slide_inputs": False, "layers": [1, 2], "cache_slack": 0}
     for f in src_model.parent.iterdir():
         if not f.name.startswith("model.onnx"):
             shutil.copy2(f, src.parent / f.name)
     (src.parent / "genai_config.json").write_text(json.dumps(config))
-    result = export(src, "turboquant_4bit_nc", tmp_path / "out" / "model.onnx", boundary=1, calibrate="random",
-                    progress=False)
-    assert {1, 2} <= set(result.compressed) and not result.left
+    return src
+
+
+def _rewritten_windows(result):
     out = onnx.load(result.output, load_external_data=False)
     tq = [n for n in out.graph.node if n.op_type == "TQGroupQueryAttention"]
     for i in (1, 2):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in tq[i].attribute}
-        assert attrs["local_window_size"] == 4 and attrs["softcap"] == 20.0 and "sliding_window_cache" not in attrs
+        assert attrs["local_window_size"] == 4 and attrs["softcap"] == 20.0
         assert tq[i].input[11] == f"sinks_{i}" and tq[i].input[12] == f"tq_key_offset_{i}"
     lengths = {v.name: v.type.tensor_type.shape.dim[2].dim_param for v in out.graph.input if "past_key_values" in v.name}
-    assert set(lengths.values()) == {"past_sequence_length"}, lengths
+    attrs = {i: {a.name: onnx.helper.get_attribute_value(a) for a in tq[i].attribute} for i in range(len(tq))}
+    return out, attrs, lengths
+
+
+def test_windows_softcap_and_sinks_are_kept_with_window_sized_caches(built, tmp_path):
+    """The window, the softcap and the sink (input 11) kept, the calibration's inputs after it, and
+    (onnxruntime-genai 0.18 installed, a CPU build) the window-sized caches too: the attribute, the
+    `*sliding*` length axis and genai_config.json's sliding_window section, so genai gives those
+    layers C = W + 16 rows (clamped to max_length) of the packed width, which its run binds."""
+    import onnxruntime_genai as og
+
+    result = export(_windowed_folder(built, tmp_path), "turboquant_4bit_nc", tmp_path / "out" / "model.onnx",
+                    boundary=1, calibrate="random", progress=False)
+    assert {1, 2} <= set(result.compressed) and not result.left and result.window_cache == [1, 2]
+    out, attrs, lengths = _rewritten_windows(result)
+    assert [i for i in attrs if attrs[i].get("sliding_window_cache", 0)] == [1, 2]
+    assert {n: "sliding" in d for n, d in lengths.items()} == {n: n.startswith(("past_key_values.1.", "past_key_values.2."))
+                                                               for n in lengths}, lengths
     decoder = json.loads((tmp_path / "out" / "genai_config.json").read_text())["model"]["decoder"]
-    assert "sliding_window" not in decoder
+    assert decoder["sliding_window"]["layers"] == [1, 2]
+    summary = result.summary()
+    assert "layers 1-2: window-sized caches (sliding_window_cache) kept" in summary
+    assert "checked: onnxruntime-genai loaded the folder and generated 4 tokens" in summary
+    # genai's own buffers: the windowed layers' present is [1, kv heads, W + 16, packed width] from the first
+    # step on, the others' max_length rows; 40 tokens drive the windowed ones through compactions
+    model = og.Model(str(tmp_path / "out"))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=48, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.arange(3, 11, dtype=np.int32)[None])
+    while not gen.is_done():
+        gen.generate_next_token()
+        assert gen.get_output("present.1.key").shape[2:] == (4 + 16, result.layers[1].row_bytes)
+        assert gen.get_output("present.0.key").shape[2:] == (48, result.layers[0].row_bytes)
+    assert len(gen.get_sequence(0)) == 48
+
+
+def test_an_older_genai_gets_full_length_caches(built, tmp_path):
+    """With onnxruntime-genai older than 0.18 (which does not read the section's layers) the window-sized
+    caches become full-length: the attribute dropped, the full layers' length axis, the section
+    dropped, and the summary says why."""
+    from turboquant.export import genai as genai_folder
+
+    with mock.patch.object(genai_folder, "installed_version", return_value="0.17.0"):
+        result = export(_windowed_folder(built, tmp_path), "turboquant_4bit_nc", tmp_path / "out" / "model.onnx",
+                        boundary=1, calibrate="random", progress=False, dry_run=True)
+    assert result.window_cache == []
     summary = result.summary()
     assert "layers 1-2: window-sized caches (sliding_window_cache) made full-length" in summary
-    assert "checked: onnxruntime-genai loaded the folder and generated 4 tokens" in summary
+    assert "onnxruntime-genai 0.17.0 (installed) does not allocate them (from 0.18.0)" in summary
+
+
+def test_a_cuda_build_gets_full_length_caches():
+    from turboquant.export.genai import keeps_window_cache
+
+    section = {"sliding_window": {"window_size": 16, "layers": [0, 2]}}
+    assert keeps_window_cache(section, "0.18.0") == (True, None)
+    cuda = {**section, "session_options": {"provider_options": [{"cuda": {}}]}}
+    kept, why = keeps_window_cache(cuda, "0.18.0")
+    assert not kept and "runs on cuda" in why
+    assert keeps_window_cache({"sliding_window": {"window_size": 16, "layers": []}}, "0.18.0") == (False, None)
