@@ -107,11 +107,37 @@ cudaError_t rotate(const AttentionParams& p, const RotaryParams& rot, const Rota
 }  // namespace
 
 size_t gqa_workspace_bytes(const AttentionParams& p, const RotaryParams& rot, int num_sms) {
+  if (p.window_cache > 0) return window_cache_workspace_bytes(p, rot, num_sms);
   // enough for the replayable plan too: a capture then finds the block its warm-up runs were given
   const size_t now = carve(p, rot, num_sms, nullptr).bytes;
   const size_t replay = carve(replayable(p, false), rot, num_sms, nullptr).bytes;
   return now > replay ? now : replay;
 }
+
+namespace {
+
+// The rotary (fused into a decode step's kernels, or a launch into workspace), then the attention,
+// with p.past_lens set.
+cudaError_t attend(AttentionParams p, const AttentionParams& p0, const RotaryParams& rot, const Workspace& w,
+                   const void* q, const void* k, const void* v, const uint8_t* past_key, const uint8_t* past_value,
+                   void* y, uint8_t* present_key, uint8_t* present_value, int num_sms, cudaStream_t stream) {
+  if (rot.rotary_dim > 0 && fuses_rotary(p, past_key, past_value)) {  // a decode step: no rotary launch
+    return attention(p, q, k, v, nullptr, past_key, past_value, y, present_key, present_value, w.attention, num_sms,
+                     stream, &rot);
+  }
+  if (rot.rotary_dim > 0) {
+    const RotaryJob jq = rotary_job(p, p.q_heads, p0.q, q, w.q_rot), jk = rotary_job(p, p.kv_heads, p0.k, k, w.k_rot);
+    cudaError_t e = rotate(p, rot, jq, jk, stream);
+    if (e != cudaSuccess) return e;
+    p.q = jq.dense, p.k = jk.dense;
+    q = w.q_rot;
+    k = w.k_rot;
+  }
+  return attention(p, q, k, v, nullptr, past_key, past_value, y, present_key, present_value, w.attention, num_sms,
+                   stream);
+}
+
+}  // namespace
 
 cudaError_t gqa_attention(const AttentionParams& p0, const RotaryParams& rot, const int32_t* seqlens_k,
                           bool first_prompt, const void* q, const void* k, const void* v, const uint8_t* past_key,
@@ -119,6 +145,10 @@ cudaError_t gqa_attention(const AttentionParams& p0, const RotaryParams& rot, co
                           void* workspace, int num_sms, cudaStream_t stream) {
   if (!caches_aligned(past_key, past_value, present_key, present_value)) return cudaErrorMisalignedAddress;
   if (p0.batch == 0) return cudaSuccess;
+  if (p0.window_cache > 0) {
+    return window_cache_attention(p0, rot, seqlens_k, q, k, v, past_key, past_value, y, present_key, present_value,
+                                  workspace, num_sms, stream);
+  }
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t e = cudaStreamIsCapturing(stream, &capture);
   if (e != cudaSuccess) return e;
@@ -131,19 +161,19 @@ cudaError_t gqa_attention(const AttentionParams& p0, const RotaryParams& rot, co
     p.past_lens = seqlens_k;
     p.past_lens_bias = 1 - p.q_len;
   }
-  if (rot.rotary_dim > 0 && fuses_rotary(p, past_key, past_value)) {  // a decode step: no rotary launch
-    return attention(p, q, k, v, nullptr, past_key, past_value, y, present_key, present_value, w.attention, num_sms,
-                     stream, &rot);
-  }
-  if (rot.rotary_dim > 0) {
-    const RotaryJob jq = rotary_job(p, p.q_heads, p0.q, q, w.q_rot), jk = rotary_job(p, p.kv_heads, p0.k, k, w.k_rot);
-    if ((e = rotate(p, rot, jq, jk, stream)) != cudaSuccess) return e;
-    p.q = jq.dense, p.k = jk.dense;
-    q = w.q_rot;
-    k = w.k_rot;
-  }
-  return attention(p, q, k, v, nullptr, past_key, past_value, y, present_key, present_value, w.attention, num_sms,
-                   stream);
+  return attend(p, p0, rot, w, q, k, v, past_key, past_value, y, present_key, present_value, num_sms, stream);
+}
+
+cudaError_t gqa_attention_with_lengths(const AttentionParams& p0, const RotaryParams& rot, const void* q,
+                                       const void* k, const void* v, const uint8_t* past_key,
+                                       const uint8_t* past_value, void* y, uint8_t* present_key,
+                                       uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+  if (e != cudaSuccess) return e;
+  const AttentionParams p = capture == cudaStreamCaptureStatusActive ? replayable(p0, false) : p0;
+  const Workspace w = carve(p, rot, num_sms, workspace);
+  return attend(p, p0, rot, w, q, k, v, past_key, past_value, y, present_key, present_value, num_sms, stream);
 }
 
 }  // namespace turboquant::cuda

@@ -31,10 +31,6 @@ GqaKernel::GqaKernel(const OrtKernelInfo* info, ONNXTensorElementDataType t, Dev
     fail(kOp, "attribute 'sliding_window_cache' must be 0 or 1, got ", window_cache);
   }
   attrs.sliding_window_cache = window_cache == 1;
-  if (attrs.sliding_window_cache && device == Device::kCuda) {
-    fail(kOp, "sliding_window_cache = 1 (a window-sized cache) is not implemented for the CUDA execution provider; "
-              "rewrite the model with full-length caches for CUDA");
-  }
   attrs.validate();
 }
 

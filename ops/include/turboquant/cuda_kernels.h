@@ -81,4 +81,20 @@ cudaError_t gqa_attention(const AttentionParams& p, const RotaryParams& rot, con
                           const uint8_t* past_value, void* y, uint8_t* present_key, uint8_t* present_value,
                           void* workspace, int num_sms, cudaStream_t stream);
 
+// gqa_attention's rotary and attention with p.past_lens (device memory) already set: the rows of each
+// sequence's past, positions from them or rot.position_ids. workspace: gqa_workspace_bytes(p, ...).
+cudaError_t gqa_attention_with_lengths(const AttentionParams& p, const RotaryParams& rot, const void* q,
+                                       const void* k, const void* v, const uint8_t* past_key,
+                                       const uint8_t* past_value, void* y, uint8_t* present_key,
+                                       uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream);
+
+// gqa_attention over a window-sized buffer (p.window_cache = C > 0, turboquant/window_cache.h), which
+// gqa_attention hands such calls to: lengths from seqlens_k on the device, the kept rows moved to the
+// front (a decode step, in place) or the step run on a staging copy (several tokens). Any C >= W.
+size_t window_cache_workspace_bytes(const AttentionParams& p, const RotaryParams& rot, int num_sms);
+cudaError_t window_cache_attention(const AttentionParams& p, const RotaryParams& rot, const int32_t* seqlens_k,
+                                   const void* q, const void* k, const void* v, const uint8_t* past_key,
+                                   const uint8_t* past_value, void* y, uint8_t* present_key, uint8_t* present_value,
+                                   void* workspace, int num_sms, cudaStream_t stream);
+
 }  // namespace turboquant::cuda

@@ -1,7 +1,8 @@
 """TQGroupQueryAttention's sliding_window_cache (ORT's window-sized layout, turboquant/window_cache.h):
 runs of calls as genai drives them (a first prompt, decode steps across the fill and several
 compactions, continuation chunks) against the numpy reference, against the same op over a
-full-length buffer, and (raw16) against ONNX Runtime's own GroupQueryAttention; the refusals."""
+full-length buffer, and (raw16, CPU) against ONNX Runtime's own GroupQueryAttention; decode steps
+replayed from a CUDA graph; the refusals. Tests taking `device` run on the GPU too (the gpu mark)."""
 
 import numpy as np
 import onnxruntime as ort
@@ -17,7 +18,6 @@ PRESETS = [("mse4", "uint4"), ("mse3", "uint3"), ("fp8", "uint4"), ("raw16", "ra
 B, D, HKV, GROUP, WINDOW = 2, 64, 2, 2, 8
 HQ = HKV * GROUP
 TOL = 4e-3
-CUDA = [pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def model_for(formats_, cap_attr=1, window=WINDOW, rotary=D, dtype=TensorProto.FLOAT16):
@@ -130,40 +130,44 @@ def check_run(session, formats_, cap, run_steps, shared, device="cpu"):
     return staged
 
 
-# capacities C = W (G = 1), W + 5 (G = 6: compactions by 6 rows) and W + 16 (genai's CPU default)
+# capacities C = W (G = 1), W + 5 (G = 6: compactions by 6 rows) and W + 16 (genai's CPU default);
+# the CUDA op takes C > W too (ONNX Runtime's own CUDA kernel does not)
 CAPACITIES = [WINDOW, WINDOW + 5, WINDOW + 16]
 
 
 @pytest.mark.parametrize("formats_", PRESETS)
 @pytest.mark.parametrize("cap", CAPACITIES)
-def test_a_run_of_calls_matches_the_reference(ort_session, formats_, cap):
+def test_a_run_of_calls_matches_the_reference(ort_session, device, formats_, cap):
     """A first prompt of 5, decode steps through the fill and at least three compactions, an
     in-place chunk of 2 and a chunk of C tokens (staged: it evicts rows its first query reads), in a
     shared buffer of C rows."""
     decode = cap + 3 * (cap - WINDOW + 1) + 2
-    staged = check_run(ort_session(model_for(formats_)), formats_, cap, steps(5, decode, [2, cap]), shared=True)
+    staged = check_run(ort_session(model_for(formats_), 2, device), formats_, cap, steps(5, decode, [2, cap]),
+                       shared=True, device=device)
     assert all(staged[-B:]) and not any(staged[:B * (1 + decode)])  # decode steps never stage
 
 
 @pytest.mark.parametrize("cap", CAPACITIES)
-def test_a_first_prompt_longer_than_the_buffer_then_fresh_presents(ort_session, cap):
+def test_a_first_prompt_longer_than_the_buffer_then_fresh_presents(ort_session, device, cap):
     """A first prompt of C + 7 tokens (staged), decode steps and a chunk, each call's present a
     fresh buffer: rows [L, C) and the new rows' padding are zeros."""
     run_steps = steps(cap + 7, 2 * (cap - WINDOW + 1) + 1, [3])
     formats_ = ("mse4", "uint4")
-    staged = check_run(ort_session(model_for(formats_)), formats_, cap, run_steps, shared=False)
+    staged = check_run(ort_session(model_for(formats_), 2, device), formats_, cap, run_steps, shared=False,
+                       device=device)
     assert staged[0]
 
 
 @pytest.mark.parametrize("formats_", PRESETS)
-def test_window_sized_buffer_holds_the_full_buffers_last_rows(ort_session, formats_):
+def test_window_sized_buffer_holds_the_full_buffers_last_rows(ort_session, device, formats_):
     """The same calls on a window-sized buffer of W + 5 rows and on a full-length one with the same
     local_window_size: outputs within tolerance, rows [0, L) of the first the packed bytes of rows
     [T - L, T) of the second (packing is deterministic per row)."""
     cap, total = WINDOW + 5, 80
     run_steps = steps(6, 40, [4, cap + 2])
-    windowed = Driver(ort_session(model_for(formats_)), cap, width_of(formats_), shared=True)
-    full = Driver(ort_session(model_for(formats_, cap_attr=0)), total, width_of(formats_), shared=True)
+    windowed = Driver(ort_session(model_for(formats_), 2, device), cap, width_of(formats_), shared=True, device=device)
+    full = Driver(ort_session(model_for(formats_, cap_attr=0), 2, device), total, width_of(formats_), shared=True,
+                  device=device)
     tables = rotary_tables(200)
     for feeds, lengths in calls(run_steps, seed=3):
         feeds.update(tables)
@@ -178,12 +182,12 @@ def test_window_sized_buffer_holds_the_full_buffers_last_rows(ort_session, forma
                 np.testing.assert_array_equal(got, exp)
 
 
-def test_sequences_of_different_lengths(ort_session):
+def test_sequences_of_different_lengths(ort_session, device):
     """Two sequences 9 tokens apart (their pasts in different phases of the compaction) through
     decode steps and a chunk of 3, a shared buffer of W + 5 rows."""
     formats_, cap = ("fp8", "uint4"), WINDOW + 5
     rng = np.random.default_rng(11)
-    drive = Driver(ort_session(model_for(formats_)), cap, width_of(formats_), shared=True)
+    drive = Driver(ort_session(model_for(formats_), 2, device), cap, width_of(formats_), shared=True, device=device)
     lengths0 = (20, 29)
     for name, fmt in (("past_key", formats_[0]), ("past_value", formats_[1])):  # rows [0, L(P)) packed, as resident
         buf = drive.values[name].numpy()
@@ -300,3 +304,57 @@ def test_a_right_padded_first_prompt_is_refused(ort_session):
     feeds["seqlens_k"] = np.array([3, 1], np.int32)  # sequence 1 padded: 2 tokens of the 4
     refused(ort_session, model_for(("mse4", "uint4")), feeds, r"seqlens_k\[1\] = 1 is shorter than the 4 new tokens")
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("formats_", [("mse4", "uint4"), ("raw16", "raw16")])
+@pytest.mark.parametrize("cap", [WINDOW, WINDOW + 16])
+def test_decode_steps_replayed_from_a_cuda_graph(cuda_ready, formats_, cap):
+    """ORT's CUDA graphs (enable_cuda_graph): decode steps of two sequences 5 tokens apart replayed
+    from the graph captured at the first step, across the fill and several compactions of a shared
+    buffer of C rows, each equal to the reference on the buffer as it was (every length the moves
+    and the attention use is read on the device)."""
+    from turboquant.ort import session_options
+
+    so = session_options()
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    session = ort.InferenceSession(model_for(formats_).SerializeToString(), so,
+                                   providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
+    rng = np.random.default_rng(13)
+    lengths = np.array([3, 8], np.int64)
+    width = width_of(formats_)
+    feeds = {**tokens(rng, 1, B), **rotary_tables(200)}
+    feeds["seqlens_k"] = (lengths - 1).astype(np.int32)
+    on_gpu = {n: ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0) for n, x in feeds.items()}
+    for n, fmt in (("past_key", formats_[0]), ("past_value", formats_[1])):  # resident rows [0, L(P)) packed
+        buf = np.zeros((B, HKV, cap, width), np.uint8)
+        data = formats.pack(rng.standard_normal((B, HKV, cap, D)).astype(np.float32), fmt, True)
+        buf[..., :data.shape[-1]] = data
+        on_gpu[n] = ort.OrtValue.ortvalue_from_numpy(buf, "cuda", 0)
+    total = ort.OrtValue.ortvalue_from_numpy(np.array(lengths.max(), np.int32))
+    y = ort.OrtValue.ortvalue_from_shape_and_type((B, 1, HQ * D), TensorProto.FLOAT16, "cuda", 0)
+    io = session.io_binding()  # bound once: a replay reads and writes the addresses it was captured with
+    for n, v in on_gpu.items():
+        io.bind_ortvalue_input(n, v)
+    io.bind_ortvalue_input("total_sequence_length", total)
+    io.bind_ortvalue_output("output", y)
+    io.bind_ortvalue_output("present_key", on_gpu["past_key"])
+    io.bind_ortvalue_output("present_value", on_gpu["past_value"])
+    for _ in range(3 * cap):
+        lengths = lengths + 1
+        step = tokens(rng, 1, B)
+        feeds.update(step, seqlens_k=(lengths - 1).astype(np.int32),
+                     total_sequence_length=np.array(lengths.max(), np.int32))
+        for n in (*step, "seqlens_k"):
+            on_gpu[n].update_inplace(feeds[n])
+        total.update_inplace(feeds["total_sequence_length"])
+        before = {n: on_gpu[n].numpy() for n in ("past_key", "past_value")}
+        want = reference(formats_, feeds, before)
+        session.run_with_iobinding(io)
+        np.testing.assert_allclose(y.numpy().astype(np.float32), want[0].astype(np.float32), atol=TOL, rtol=TOL)
+        pk, pv = on_gpu["past_key"].numpy(), on_gpu["past_value"].numpy()
+        for b in range(B):
+            rows = slice(0, window_cache_end(int(lengths[b]), cap, WINDOW))
+            for got, exp in zip(packed(formats_, pk[b:b + 1], pv[b:b + 1], rows),
+                                packed(formats_, want[1][b:b + 1], want[2][b:b + 1], rows)):
+                np.testing.assert_array_equal(got, exp)
