@@ -614,7 +614,7 @@ def test_an_older_genai_gets_full_length_caches(built, tmp_path):
 
     with mock.patch.object(genai_folder, "installed_version", return_value="0.17.0"):
         result = export(_windowed_folder(built, tmp_path), "turboquant_4bit_nc", tmp_path / "out" / "model.onnx",
-                        boundary=1, calibrate="random", progress=False, dry_run=True)
+                        boundary=1, calibrate=False, progress=False, dry_run=True)
     assert result.window_cache == []
     summary = result.summary()
     assert "layers 1-2: window-sized caches (sliding_window_cache) made full-length" in summary
