@@ -128,6 +128,9 @@ bool chunk_takes(const AttentionParams& p, const DeviceProps& dev) {
   if (p.is_causal && p.new_len < p.q_len) return false;
   if (p.softcap > 0.0f) return false;  // (its scores are of the keys minus key_offset, which the tanh sees)
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
+  // (at head size 256 its 128 accumulators per thread beside the tiles' per-token scales spill,
+  // whichever way the tile's bytes are fetched: those chunks keep the bulk or CUDA-core kernel, their
+  // new tokens still on prefill.cu)
   if ((p.head_dim != 64 && p.head_dim != 128) || p.v_head_dim != p.head_dim) return false;
   if (p.key_row() % 2 != 0 || p.value_row() % 2 != 0) return false;
   const int64_t group = p.kv_heads > 0 ? p.q_heads / p.kv_heads : 1;
