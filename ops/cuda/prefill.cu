@@ -43,7 +43,7 @@ constexpr int block_rows() {
 
 // one_buffer (head size 256 only: elsewhere both buffers always fit): one buffer each of K and V,
 // the next tile copied after this one is used, on devices whose shared memory holds no second
-// (prefill_buffers)
+// (one_buffer_at_256)
 template <int D, typename T, bool kMask>
 __global__ void __launch_bounds__(kWarps * 32)
     prefill_kernel(AttentionParams p, const T* q, const T* k, const T* v, const void* mask, T* y, float* part,
