@@ -3,7 +3,8 @@ that the installed onnxruntime-genai builder and transformers take, built for th
 with the default preset and run through og.Generator against its original (teacher-forced top-1
 >= 85%); the CUDA build's rewrite as a dry run where it differs (the fused Q/K norm). What each
 gets is asserted: every attention layer compressed (boundary layers raw16), the windows, softcaps
-and sinks of Gemma 2, Gemma 3 and gpt-oss kept in the rewritten ops. The table is printed
+and sinks of Gemma 2, Gemma 3 and gpt-oss kept in the rewritten ops, the state layers of LFM2
+and Qwen3.5 (conv, recurrent) left as they were. The table is printed
 (pytest -s; docs/usage.md holds a copy)."""
 
 import pytest
@@ -20,8 +21,16 @@ FEATURES = {
     "Gemma 3 (5 of 6 layers windowed)": "window 16: layers 0-4",
     "gpt-oss (window, sinks, MoE)": "window 16: layers 0, 2; sinks: layers 0-3",
 }
-# the CUDA build differs from the CPU one (the Q/K norm fused into the op): its rewrite is dry-run too
-CUDA = {"Qwen3", "LFM2 (conv + attention)"}
+# the state layers of the hybrids, which the rewrite leaves untouched
+STATES = {
+    "LFM2 (conv + attention)": "conv: layers 0-1, 3-4",
+    "Qwen3.5 (gated DeltaNet + attention)": "conv: layers 0-1, 3-4; recurrent: layers 0-1, 3-4",
+}
+# the CUDA build differs from the CPU one (the Q/K norm fused into the op; Qwen3.5's MRoPE in fp32
+# between casts): its rewrite is dry-run too
+CUDA = {"Qwen3", "LFM2 (conv + attention)", "Qwen3.5 (gated DeltaNet + attention)"}
+# no key scales: the builder rotates outside the op (HunYuan: before its Q/K norm; Qwen3.5: MRoPE)
+UNSCALED = {"HunYuan dense", "Qwen3.5 (gated DeltaNet + attention)"}
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +49,16 @@ def test_architecture(arch, rows, tmp_path):
         pytest.skip(row.error)
     assert not row.error, row.error
     assert row.features == FEATURES.get(arch.name, ""), row.features
+    assert row.states == STATES.get(arch.name, ""), row.states
     if row.features.startswith("window"):  # genai's window-sized buffers, made full-length
         assert any("made full-length" in n for n in row.notes), row.notes
     assert row.compressed and not row.left
     assert row.top1 >= coverage.MIN_TOP1, row.top1
     # key scales for every compressed layer whose op applies the rotary, LongRoPE's computed tables included
-    # (read off each window's run); HunYuan's builder rotates outside the op (its Q/K norm comes after)
+    # (read off each window's run)
     unscaled = [n for n in row.notes if "no key scales" in n]
     assert all("no rotary inside the op" in n for n in unscaled), unscaled
-    assert bool(unscaled) == (arch.name == "HunYuan dense"), unscaled
+    assert bool(unscaled) == (arch.name in UNSCALED), unscaled
     assert any(n.startswith("checked: onnxruntime-genai loaded the folder") for n in row.notes), row.notes
     if arch.name in CUDA:
         assert row.cuda.startswith("dry run: compressed ") and "none" not in row.cuda, row.cuda
