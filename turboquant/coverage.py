@@ -185,7 +185,7 @@ def cover(arch: Architecture, work: pathlib.Path, cuda: bool = True, torch_expor
     from turboquant.export import RewriteError, export
 
     row = Row(arch.name)
-    folder = work / "".join(c if c.isalnum() else "_" for c in arch.name)
+    folder = folder_of(arch, work)
     if torch_exporters and arch.torch_export:
         row.torch_forms = torch_forms(arch, folder, torch_exporters)
     try:
@@ -211,6 +211,12 @@ def cover(arch: Architecture, work: pathlib.Path, cuda: bool = True, torch_expor
     if cuda:
         row.cuda = cuda_dry_run(arch, folder)
     return row
+
+
+def folder_of(arch: Architecture, work: pathlib.Path) -> pathlib.Path:
+    """Where cover() builds the architecture: its Hugging Face folder hf/, the CPU build cpu-fp32/,
+    the rewrite tq/."""
+    return work / "".join(c if c.isalnum() else "_" for c in arch.name)
 
 
 def torch_forms(arch: Architecture, folder: pathlib.Path, exporters=("torchscript", "dynamo")) -> dict[str, str]:

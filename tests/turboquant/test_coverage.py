@@ -62,6 +62,23 @@ def test_architecture(arch, rows, tmp_path):
     assert any(n.startswith("checked: onnxruntime-genai loaded the folder") for n in row.notes), row.notes
     if arch.name in CUDA:
         assert row.cuda.startswith("dry run: compressed ") and "none" not in row.cuda, row.cuda
+    if arch.name in STATES:
+        folder = coverage.folder_of(arch, tmp_path)
+        for model in (folder / "cpu-fp32", folder / "tq"):
+            _decode_loop_follows_genai(model, arch.config_kwargs()["vocab_size"])
+
+
+def _decode_loop_follows_genai(folder, vocab):
+    """turboquant's decode loop (SharedBufferDecoder, which the self-generated calibration and the
+    evals run) carries a hybrid's states from step to step: its greedy tokens are og.Generator's."""
+    import numpy as np
+
+    from turboquant.decode_loop import open_decoder
+
+    ids = np.random.default_rng(0).integers(3, vocab, coverage.PROMPT)
+    tokens, _ = coverage.greedy_and_logits(folder, ids, coverage.PROMPT)
+    loop = open_decoder(folder / "model.onnx", coverage.PROMPT + coverage.STEPS)
+    np.testing.assert_array_equal(loop.generate(ids[None], coverage.STEPS)[0], tokens)
 
 
 # the torch.onnx rows: architectures whose attention torch.onnx writes differently (q/k biases, q/k
