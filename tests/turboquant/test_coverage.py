@@ -79,6 +79,14 @@ def _decode_loop_follows_genai(folder, vocab):
     tokens, _ = coverage.greedy_and_logits(folder, ids, coverage.PROMPT)
     loop = open_decoder(folder / "model.onnx", coverage.PROMPT + coverage.STEPS)
     np.testing.assert_array_equal(loop.generate(ids[None], coverage.STEPS)[0], tokens)
+    # lengths (MRoPE's positions made 3-D) where no sequence is padded; padding would pass through the states
+    two = np.stack([ids, ids])
+    logits, _ = loop.step(two, loop.empty_cache(2), 0, lengths=[coverage.PROMPT] * 2)
+    assert (logits[:, -1].argmax(-1) == tokens[0]).all()
+    with pytest.raises(ValueError, match="padding through the model's states"):
+        loop.step(two, loop.empty_cache(2), 0, lengths=[coverage.PROMPT, coverage.PROMPT - 1])
+    with pytest.raises(ValueError, match="static shapes bind the KV caches only"):
+        open_decoder(folder / "model.onnx", coverage.PROMPT + coverage.STEPS, static_shapes=True)
 
 
 # the torch.onnx rows: architectures whose attention torch.onnx writes differently (q/k biases, q/k
