@@ -68,7 +68,7 @@ def test_architecture(arch, rows, tmp_path):
             _decode_loop_follows_genai(model, arch.config_kwargs()["vocab_size"])
 
 
-def _decode_loop_follows_genai(folder, vocab):
+def _decode_loop_follows_genai(folder, vocab, providers=("CPUExecutionProvider",)):
     """turboquant's decode loop (SharedBufferDecoder, which the self-generated calibration and the
     evals run) carries a hybrid's states from step to step: its greedy tokens are og.Generator's."""
     import numpy as np
@@ -77,7 +77,7 @@ def _decode_loop_follows_genai(folder, vocab):
 
     ids = np.random.default_rng(0).integers(3, vocab, coverage.PROMPT)
     tokens, _ = coverage.greedy_and_logits(folder, ids, coverage.PROMPT)
-    loop = open_decoder(folder / "model.onnx", coverage.PROMPT + coverage.STEPS)
+    loop = open_decoder(folder / "model.onnx", coverage.PROMPT + coverage.STEPS, providers=providers)
     np.testing.assert_array_equal(loop.generate(ids[None], coverage.STEPS)[0], tokens)
     # lengths (MRoPE's positions made 3-D) where no sequence is padded; padding would pass through the states
     two = np.stack([ids, ids])
@@ -86,7 +86,7 @@ def _decode_loop_follows_genai(folder, vocab):
     with pytest.raises(ValueError, match="padding through the model's states"):
         loop.step(two, loop.empty_cache(2), 0, lengths=[coverage.PROMPT, coverage.PROMPT - 1])
     with pytest.raises(ValueError, match="static shapes bind the KV caches only"):
-        open_decoder(folder / "model.onnx", coverage.PROMPT + coverage.STEPS, static_shapes=True)
+        open_decoder(folder / "model.onnx", coverage.PROMPT + coverage.STEPS, providers=providers, static_shapes=True)
 
 
 # the torch.onnx rows: architectures whose attention torch.onnx writes differently (q/k biases, q/k
@@ -102,3 +102,31 @@ def test_torch_exports_take_the_in_place_form(name, exporter, tmp_path):
     cache form (no window: nothing in them needs the exporter's masks)."""
     forms = coverage.torch_forms(by_name(name), tmp_path, (exporter,))
     assert forms == {exporter: "in-place"}, forms
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(STATES))
+def test_hybrid_cuda_build_rewritten_and_run_on_cuda(cuda_ready, name, tmp_path):
+    """The hybrids' CUDA builds (fp16) rewritten in full (calibrated, the folder checked by
+    onnxruntime-genai on CUDA) and run through og.Generator on CUDA against the original:
+    teacher-forced top-1 >= 85%, the state layers untouched; turboquant's decode loop on the CUDA
+    provider carries the states on the device: its greedy tokens are genai's."""
+    import onnxruntime_genai as og
+    from turboquant.export import export
+
+    if not og.is_cuda_available():
+        pytest.skip("CUDA test skipped: the installed onnxruntime-genai has no CUDA (install onnxruntime-genai-cuda)")
+    arch = by_name(name)
+    folder = coverage.folder_of(arch, tmp_path)
+    src = coverage.build(arch, folder, "fp16", "cuda")
+    result = export(src, coverage.PRESET, folder / "tq-cuda" / "model.onnx", boundary=arch.boundary,
+                    calibrate="random", progress=False)
+    assert result.compressed == [2, 5], result.compressed
+    assert any(n.startswith("checked: onnxruntime-genai loaded the folder") for n in result.notes), result.notes
+    assert coverage.state_layers(src, result.output) == (STATES[name], "")
+    vocab = arch.config_kwargs()["vocab_size"]
+    top1 = coverage.teacher_forced_top1(src.parent, result.output.parent, vocab)
+    print(f"{name}, CUDA fp16: teacher-forced top-1 {top1:.0%}")
+    assert top1 >= coverage.MIN_TOP1, top1
+    _decode_loop_follows_genai(src.parent, vocab, providers=["CUDAExecutionProvider"])
+    _decode_loop_follows_genai(result.output.parent, vocab, providers=["CUDAExecutionProvider"])
