@@ -103,7 +103,13 @@ def build(arch: Architecture, folder: pathlib.Path, precision: str = "fp32", pro
 
     hf = folder / "hf"
     if not (hf / "config.json").is_file():
-        hf_model(arch).save_pretrained(hf)
+        try:
+            model = hf_model(arch)
+        except (ValueError, AttributeError) as e:  # an unknown model_type or class: the row's answer
+            import transformers
+
+            raise RuntimeError(f"transformers {transformers.__version__} cannot make it: {e}") from None
+        model.save_pretrained(hf)
         random_decoders.save_tokenizer(hf, arch.config_kwargs()["vocab_size"])
     return build_in_process(hf, folder / f"{provider}-{precision}", precision, provider, folder / "cache")
 
@@ -191,7 +197,8 @@ def cover(arch: Architecture, work: pathlib.Path, cuda: bool = True, torch_expor
     try:
         src = build(arch, folder)
     except RuntimeError as e:
-        row.builder, row.error = "none", f"the builder refused it: {str(e).strip().splitlines()[-1][:160]}"
+        why = str(e).strip().splitlines()[-1][:160]
+        row.builder, row.error = "none", why if why.startswith("transformers ") else f"the builder refused it: {why}"
         return row
     row.builder = _builder_class(src)
     row.features = attention_features(src)
