@@ -4,6 +4,8 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DTQ_SM90A=1 --expt-relaxed-constexpr -Iops/include \
 //        scripts/cuda_prefill_probe.cu ops/cuda/prefill.cu ops/cuda/prefill_sm90.cu ops/cuda/split_plan.cpp -o /tmp/prefill_probe
 //   /tmp/prefill_probe B Hq Hkv S D [bf16] [causal] [iters] [mma|wgmma|both]     (Q, K, V as [B, S, H * D])
+// D: 64 or 128 (both kernels), 256 (the mma kernel only; TURBOQUANT_PREFILL_ONE_BUFFER=1 in the
+// environment runs its single-buffered variant, sm_86/sm_89's).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -59,7 +61,7 @@ int main(int argc, char** argv) {
   const std::string which = argc > 9 ? argv[9] : "both";
   std::vector<cuda::PrefillKernel> kernels;
   if (which != "wgmma") kernels.push_back(cuda::PrefillKernel::kMma);
-  if (which != "mma") kernels.push_back(cuda::PrefillKernel::kWgmma);
+  if (which != "mma" && D != 256) kernels.push_back(cuda::PrefillKernel::kWgmma);  // (at 256 it would take the mma kernel)
 
   AttentionParams p;
   p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = S, p.new_len = S, p.past_len = 0;

@@ -116,6 +116,15 @@ if [ "$step" = prefill ] || [ "$step" = probe ]; then  # the first-prompt kernel
     timeout 60 /tmp/prefill_probe.default $a
     [ $? = 124 ] && { echo "probe $a: timed out, the rest not run"; break; }
   done 2>&1 | tee -a "$OUT/prefill_probe.log"
+  # head size 256 (Gemma 3's 8 query heads on 4): the mma kernel, with two buffers and (one=1) with the
+  # single one of sm_86/sm_89
+  for one in 0 1; do
+    for a in "1 8 4 4096 256 0 1 20" "1 8 4 16384 256 0 1 5" "8 8 4 4096 256 1 1 5" "2 8 4 300 256 1 1 3" "2 4 4 129 256 0 0 3"; do
+      echo "one buffer: $one"
+      TURBOQUANT_PREFILL_ONE_BUFFER=$one timeout 60 /tmp/prefill_probe.default $a mma
+      [ $? = 124 ] && { echo "probe $a: timed out, the rest not run"; break 2; }
+    done
+  done 2>&1 | tee -a "$OUT/prefill_probe.log"
   # the variants against the default, alternating, on the prompts of the op bench's rows
   for round in 1 2; do
     for a in "1 32 8 8192 128 0 1 20" "8 32 8 8192 128 0 1 5" "8 32 8 2048 128 0 1 20" "1 24 8 16384 128 0 1 10"; do

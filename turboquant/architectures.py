@@ -23,6 +23,9 @@ class Architecture:
     window: bool = False  # some layers attend through a sliding window
     torch_export: bool = True  # exported by torch.onnx too (the coverage's TorchScript and dynamo rows)
     boundary: int = 1  # the rewrite's --boundary (0 where the model has only two attention layers)
+    # a vision config's kwargs where genai's builder takes the architecture only as its vision-language
+    # class (kwargs then the text config's); the builder builds the text decoder alone
+    vision: dict | None = None
 
     def config_kwargs(self) -> dict:
         kw = {**COMMON, **self.kwargs}
@@ -64,7 +67,7 @@ ARCHITECTURES = [
     Architecture("Ernie 4.5", "ernie4_5", "Ernie4_5ForCausalLM"),
     Architecture("HunYuan dense", "hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     # not here: SmolLM3 (genai 0.18's builder stops on transformers 5's config: KeyError 'position_ids'),
-    # ChatGLM and InternLM2 (remote code), Qwen3.5 and the vision-language and MoE-hybrid classes
+    # ChatGLM and InternLM2 (remote code), the vision-language and MoE-hybrid classes
     # YaRN at factor 1: the checkpoint's factor 32 (of 4096 positions) on a 1024-position config scales the
     # rotary tables by YaRN's mscale, every score by 1.8, and a random model's attention then rests on
     # single keys, where 4-bit keys move its top-1 (67% teacher-forced, against 89% at factor 1)
@@ -76,6 +79,19 @@ ARCHITECTURES = [
     Architecture("LFM2 (conv + attention)", "lfm2", "Lfm2ForCausalLM",
                  dict(num_hidden_layers=6, full_attn_idxs=[2, 5], block_dim=256, block_ff_dim=512, conv_L_cache=3,
                       head_dim=None), torch_export=False, boundary=0),
+    # Qwen3.5's text shape: gated DeltaNet (linear attention: conv and recurrent states) with a full
+    # attention layer every third (the checkpoints have one every fourth: 6 layers would hold one), partial
+    # interleaved MRoPE (a quarter of the head, its sections scaled to 8 frequencies); genai 0.18
+    # builds it only from the vision-language class, whose vision tower is made as small as it goes
+    Architecture("Qwen3.5 (gated DeltaNet + attention)", "qwen3_5", "Qwen3_5ForConditionalGeneration",
+                 dict(num_hidden_layers=6, layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                      linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                       "mrope_section": [3, 3, 2], "mrope_interleaved": True}),
+                 torch_export=False, boundary=0,
+                 vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=256,
+                             num_position_embeddings=16)),
 ]
 
 

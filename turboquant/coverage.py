@@ -36,6 +36,7 @@ class Row:
     kept: list = dataclasses.field(default_factory=list)
     left: list = dataclasses.field(default_factory=list)  # left as GroupQueryAttention (features the op lacks)
     features: str = ""  # the source's windows, softcap and sinks, which the rewrite keeps
+    states: str = ""  # the source's state layers (conv, recurrent), which the rewrite leaves as they were
     top1: float | None = None
     cuda: str = ""  # the CUDA build's dry run
     torch_forms: dict = dataclasses.field(default_factory=dict)  # exporter -> cache form
@@ -47,6 +48,7 @@ class Row:
         kept = _ranges(self.kept) or "none"
         left = _ranges(self.left)
         what = f"compressed {comp}; raw16 {kept}" + (f"; left as they were {left}" if left else "")
+        what += f"; state layers untouched ({self.states})" if self.states else ""
         top1 = "" if self.top1 is None else f"{self.top1:.0%}"
         forms = ", ".join(f"{k}: {v}" for k, v in self.torch_forms.items())
         return [self.name, self.builder, self.features or "none", self.error or what, top1, self.cuda, forms]
@@ -65,10 +67,15 @@ def hf_model(arch: Architecture, seed: int = 0, head_scale: float = 6.0):
 
     kw = arch.config_kwargs()
     longrope = kw.pop("_longrope", False)
-    cfg = transformers.AutoConfig.for_model(arch.model_type, **kw)
+    if arch.vision is None:
+        cfg = text = transformers.AutoConfig.for_model(arch.model_type, **kw)
+    else:  # the vision-language class: kw is its text config
+        cfg = transformers.AutoConfig.for_model(arch.model_type, text_config=kw, vision_config=arch.vision,
+                                                tie_word_embeddings=kw["tie_word_embeddings"])
+        text = cfg.text_config
     for k, v in kw.items():  # what this transformers' config class no longer keeps, genai's builder may read
-        if not hasattr(cfg, k):
-            setattr(cfg, k, v)
+        if not hasattr(text, k):
+            setattr(text, k, v)
     if longrope:
         head = cfg.hidden_size // cfg.num_attention_heads
         factor = kw.get("partial_rotary_factor", 1.0)
@@ -79,9 +86,13 @@ def hf_model(arch: Architecture, seed: int = 0, head_scale: float = 6.0):
         # per-layer-type rotary (transformers 5's Gemma 3): genai 0.18's builder reads a top-level rope_type
         cfg.rope_parameters = {**rope, "rope_type": "default", "rope_theta": rope.get("full_attention", {}).get("rope_theta")}
     cfg.architectures = [arch.architecture]
-    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = 1, 2, 2
+    for c in (cfg, text):
+        c.bos_token_id, c.eos_token_id, c.pad_token_id = 1, 2, 2
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    if arch.vision is None:
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    else:  # the class the builder loads (AutoModelForCausalLM's text-only class names its weights otherwise)
+        model = getattr(transformers, arch.architecture)(cfg).eval()
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(head_scale)
     return model
@@ -92,7 +103,13 @@ def build(arch: Architecture, folder: pathlib.Path, precision: str = "fp32", pro
 
     hf = folder / "hf"
     if not (hf / "config.json").is_file():
-        hf_model(arch).save_pretrained(hf)
+        try:
+            model = hf_model(arch)
+        except (ValueError, AttributeError) as e:  # an unknown model_type or class: the row's answer
+            import transformers
+
+            raise RuntimeError(f"transformers {transformers.__version__} cannot make it: {e}") from None
+        model.save_pretrained(hf)
         random_decoders.save_tokenizer(hf, arch.config_kwargs()["vocab_size"])
     return build_in_process(hf, folder / f"{provider}-{precision}", precision, provider, folder / "cache")
 
@@ -174,13 +191,14 @@ def cover(arch: Architecture, work: pathlib.Path, cuda: bool = True, torch_expor
     from turboquant.export import RewriteError, export
 
     row = Row(arch.name)
-    folder = work / "".join(c if c.isalnum() else "_" for c in arch.name)
+    folder = folder_of(arch, work)
     if torch_exporters and arch.torch_export:
         row.torch_forms = torch_forms(arch, folder, torch_exporters)
     try:
         src = build(arch, folder)
     except RuntimeError as e:
-        row.builder, row.error = "none", f"the builder refused it: {str(e).strip().splitlines()[-1][:160]}"
+        why = str(e).strip().splitlines()[-1][:160]
+        row.builder, row.error = "none", why if why.startswith("transformers ") else f"the builder refused it: {why}"
         return row
     row.builder = _builder_class(src)
     row.features = attention_features(src)
@@ -192,10 +210,20 @@ def cover(arch: Architecture, work: pathlib.Path, cuda: bool = True, torch_expor
         return row
     row.compressed, row.kept, row.left = result.compressed, [i for i in result.kept if i not in result.left], result.left
     row.notes = list(result.notes)
+    row.states, changed = state_layers(src, result.output)
+    if changed:
+        row.error = changed
+        return row
     row.top1 = teacher_forced_top1(src.parent, result.output.parent, arch.config_kwargs()["vocab_size"])
     if cuda:
         row.cuda = cuda_dry_run(arch, folder)
     return row
+
+
+def folder_of(arch: Architecture, work: pathlib.Path) -> pathlib.Path:
+    """Where cover() builds the architecture: its Hugging Face folder hf/, the CPU build cpu-fp32/,
+    the rewrite tq/."""
+    return work / "".join(c if c.isalnum() else "_" for c in arch.name)
 
 
 def torch_forms(arch: Architecture, folder: pathlib.Path, exporters=("torchscript", "dynamo")) -> dict[str, str]:
@@ -238,6 +266,40 @@ def cuda_dry_run(arch: Architecture, folder: pathlib.Path) -> str:
         return f"refused: {e}"
     notes = " (Q/K norm unfused)" if any("unfused" in (p.form or "") for p in r.layers) else ""
     return f"dry run: compressed {_ranges(r.compressed) or 'none'}{notes}"
+
+
+def state_layers(src: pathlib.Path, rewritten: pathlib.Path) -> tuple[str, str]:
+    """('conv: layers 0-1, 3-4; recurrent: layers 0-1, 3-4', '') for a genai folder's state inputs
+    (its genai_config.json's past_*_names other than the KV cache's), each checked untouched by the
+    rewrite: the same input and present output, the same nodes (ops, attributes, inputs, outputs)
+    reading the one and writing the other; else the second item names the first difference."""
+    import re
+
+    import onnx
+
+    decoder = json.loads((src.parent / "genai_config.json").read_text())["model"]["decoder"]
+    kinds = [k[len("past_"):-len("_names")] for k in decoder["inputs"]
+             if k.startswith("past_") and k.endswith("_names") and k not in ("past_key_names", "past_value_names")]
+    graphs = [onnx.load(str(p), load_external_data=False).graph for p in (src, rewritten)]
+
+    def seen(graph, name):  # the value as a graph input or output, and the nodes reading or writing it
+        nodes = [(n.op_type, n.domain, list(n.input), list(n.output),
+                  sorted((a.name, str(onnx.helper.get_attribute_value(a))) for a in n.attribute))
+                 for n in graph.node if name in n.input or name in n.output]
+        return [v.SerializeToString() for v in [*graph.input, *graph.output] if v.name == name], nodes
+
+    parts = []
+    for kind in kinds:
+        past, present = decoder["inputs"][f"past_{kind}_names"], decoder["outputs"].get(f"present_{kind}_names", "")
+        regex = re.compile("^" + re.escape(past).replace("%d", r"(\d+)") + "$")
+        layers = sorted(int(m[1]) for v in graphs[0].input if (m := regex.match(v.name)))
+        for i in layers:
+            for name in (past % i, present % i if present else None):
+                if name and seen(graphs[0], name) != seen(graphs[1], name):
+                    return "", f"the rewrite changed state layer {i}: {name!r} or the nodes on it"
+        if layers:
+            parts.append(f"{kind}: layers {_ranges(layers)}")
+    return "; ".join(parts), ""
 
 
 def attention_features(src: pathlib.Path) -> str:

@@ -81,19 +81,24 @@ class DecoderSession:
         self._masks = StepMasks()
         known = {"input_ids", "attention_mask", "position_ids", "use_cache_branch"} | {a.name for a in self.cache_inputs.values()}
         # hybrid models' other state inputs (LFM2's past.N.conv, Qwen3.5's recurrent states): fed their
-        # initial state, zeros, where the model starts from none (past_len 0)
+        # initial state, zeros, where the model starts from none (past_len 0), then carried in the cache
+        # from the output named like them (present for past)
         self.state_inputs = {i.name: i for i in self.session.get_inputs() if i.name not in known and i.type in _NP}
+        self.state_outputs = {n: o for n in self.state_inputs
+                              if (o := re.sub(r"^past", "present", n)) != n and o in self.output_names}
         positions = next((i for i in self.session.get_inputs() if i.name == "position_ids"), None)
         self._mrope = positions is not None and len(positions.shape) == 3  # MRoPE's [3, batch, seq]
 
-    @staticmethod
-    def initial_state(arg: ort.NodeArg, batch: int, past_len: int) -> np.ndarray:
+    def initial_state(self, arg: ort.NodeArg, batch: int, past_len: int) -> np.ndarray:
         """Zeros of a state input's shape (batch first, its other dims static): the state before any
-        token. After a step the state is the model's to carry, which this loop does not."""
+        token. Later steps take the state the last one output, carried in the cache."""
         dims = list(arg.shape)[1:]
-        if past_len or not all(isinstance(d, int) for d in dims):
-            raise ValueError(f"state input {arg.name} {arg.shape}: DecoderSession feeds state inputs only their "
-                             "initial (zero) state, before the first token")
+        if not all(isinstance(d, int) for d in dims):
+            raise ValueError(f"state input {arg.name} {arg.shape}: its initial state needs static dims after the batch")
+        if past_len:
+            why = ("the cache given does not carry it" if arg.name in self.state_outputs
+                   else "no output named like it (present for past) carries its next state")
+            raise ValueError(f"state input {arg.name}: {past_len} tokens in, {why}")
         return np.zeros((batch, *dims), _NP[arg.type])
 
     def empty_cache(self, batch: int = 1) -> dict:
@@ -141,8 +146,11 @@ class DecoderSession:
         if self.on_cuda:
             return self._step_cuda(feeds)
         outs = dict(zip(self.output_names, self.session.run(None, feeds)))
+        return outs[self.logits_name], self._next_cache(outs)
+
+    def _next_cache(self, outs: dict) -> dict:
         nxt = {self.cache_inputs[k].name: outs[self.cache_outputs[k]] for k in self.cache_inputs}
-        return outs[self.logits_name], nxt
+        return {**nxt, **{n: outs[o] for n, o in self.state_outputs.items()}}
 
     def _step_cuda(self, feeds: dict) -> tuple[np.ndarray, dict]:
         io = self.session.io_binding()
@@ -155,8 +163,7 @@ class DecoderSession:
             io.bind_output(name, "cpu" if name == self.logits_name else "cuda")
         self.session.run_with_iobinding(io)
         outs = dict(zip(self.output_names, io.get_outputs()))
-        nxt = {self.cache_inputs[k].name: outs[self.cache_outputs[k]] for k in self.cache_inputs}
-        return outs[self.logits_name].numpy(), nxt
+        return outs[self.logits_name].numpy(), self._next_cache(outs)
 
     def generate(self, prompt_ids: np.ndarray, max_new_tokens: int = 16) -> np.ndarray:
         """Greedy decoding: returns the new token ids [B, max_new_tokens]. Runs the prompt and then

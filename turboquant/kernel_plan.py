@@ -8,8 +8,9 @@ names: "tc_bulk" (the tensor-core kernel of ops/cuda/attention_tc.cu), "tc_mma" 
 (past_chunk_sm90.cu: chosen only where TURBOQUANT_CHUNK_WGMMA=1 until measured on the GPU) and "none"
 (no past or no query rows: no split kernel). `plan_prefill` and `last_prefill_kernel` do the same for the kernel
 that attends a call's new tokens when it has several query rows (a first prompt, a continuation
-chunk): "wgmma" (ops/cuda/prefill_sm90.cu, Hopper's warpgroup products), "mma" (prefill.cu) or "none"
-(the finish kernel attends each row). `cpu_instruction_set` names the copy of the CPU kernels in use.
+chunk): "wgmma" (ops/cuda/prefill_sm90.cu, Hopper's warpgroup products; head sizes 64 and 128),
+"mma" (prefill.cu; head sizes 64, 128 and 256) or "none" (the finish kernel attends each row).
+`cpu_instruction_set` names the copy of the CPU kernels in use.
 """
 
 from __future__ import annotations

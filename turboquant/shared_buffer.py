@@ -118,6 +118,9 @@ class SharedBufferDecoder(DecoderSession):
         if logits.type not in _NP or not isinstance(logits.shape[-1], int):
             raise ValueError(f"{self.model_name}: static shapes need logits of a fixed vocabulary and float type; "
                              f"{logits.name} is {logits.type} {logits.shape}")
+        if self.state_inputs:  # bound once, a state input would read its first value every step
+            raise ValueError(f"{self.model_name}: static shapes bind the KV caches only; the model also takes the "
+                             f"states {sorted(self.state_inputs)[:4]}")
         other = [n for n in outs if n != self.logits_name and n not in self.cache_outputs.values()]
         if other and self.cuda_graph:  # a replay writes only buffers bound before the capture
             raise ValueError(f"{self.model_name}: cuda_graph binds logits and the caches only; the model also "
@@ -153,23 +156,36 @@ class SharedBufferDecoder(DecoderSession):
         a first prompt's rows past its length are padding, and a later step's tokens go to rows
         lengths - S of their sequence (GroupQueryAttention's convention, as onnxruntime-genai feeds it).
         With static shapes a one-token step after a prompt takes the static inputs; prompts and
-        chunks of several tokens take inputs of their own shapes."""
+        chunks of several tokens take inputs of their own shapes. A hybrid's state inputs (conv,
+        recurrent) are not shared buffers: each step writes new ones, which the cache then holds."""
         b, s = input_ids.shape
         if past_len + s > self.max_length:
             raise ValueError(f"{past_len + s} tokens do not fit the buffers' max_length {self.max_length}")
         if self.static_shapes and s == 1 and past_len > 0:
             return self._static_step(input_ids, cache, past_len, lengths), cache
-        feeds = self.feeds(input_ids, {}, past_len)
+        feeds = self.feeds(input_ids, {n: cache[n] for n in self.state_outputs if n in cache}, past_len)
         if lengths is not None:
+            if self.state_inputs and (np.asarray(lengths) != past_len + s).any():
+                raise ValueError(f"{self.model_name}: padded sequences would run their padding through the model's "
+                                 f"states {sorted(self.state_inputs)[:2]}")
             feeds.update(self._padded(np.asarray(lengths, np.int64), b, s, past_len))
         io = self._dynamic_binding(cache)
         for name, value in feeds.items():
-            io.bind_cpu_input(name, np.ascontiguousarray(value))
+            if isinstance(value, ort.OrtValue):  # a state the last step wrote
+                io.bind_ortvalue_input(name, value)
+            else:
+                io.bind_cpu_input(name, np.ascontiguousarray(value))
         io.bind_output(self.logits_name, "cpu")
+        states = {o: ort.OrtValue.ortvalue_from_shape_and_type((b, *self.state_inputs[n].shape[1:]),
+                                                                _NP[self.state_inputs[n].type], *self.device)
+                  for n, o in self.state_outputs.items()}
         for name in self.output_names:
-            if name != self.logits_name and name not in self.cache_outputs.values():
+            if name in states:
+                io.bind_ortvalue_output(name, states[name])
+            elif name != self.logits_name and name not in self.cache_outputs.values():
                 io.bind_output(name, self.device[0])
         self.session.run_with_iobinding(io, self._prompt_options)
+        cache.update({n: states[o] for n, o in self.state_outputs.items()})
         return io.get_outputs_as_ortvaluevector()[0].numpy(), cache  # (get_outputs wraps every cache output too)
 
     def _dynamic_binding(self, cache: dict) -> ort.IOBinding:
@@ -269,7 +285,8 @@ class SharedBufferDecoder(DecoderSession):
             feeds["attention_mask"] = self._masks.padded(lengths, width or total)
         if "position_ids" in self.input_names:
             start = np.zeros(b, np.int64) if past_len == 0 else lengths - s
-            feeds["position_ids"] = start[:, None] + np.arange(s, dtype=np.int64)[None]
+            positions = start[:, None] + np.arange(s, dtype=np.int64)[None]
+            feeds["position_ids"] = np.broadcast_to(positions, (3, b, s)).copy() if self._mrope else positions
         return feeds
 
     def buffers(self, cache: dict) -> dict[str, np.ndarray]:

@@ -12,6 +12,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "device_attributes.h"
 #include "flash_tile.cuh"
@@ -27,24 +29,32 @@ using flash::kWarps;
 using flash::Mma;
 using flash::tile_offset;
 // 16-row m-tiles per warp, which share each K and V fragment: two at head size 128 (fewer shared
-// memory reads per product), one at 64 and with a mask (whose indexing would spill the second's
-// registers); docs/performance.md, prefill
+// memory reads per product), one at 64, with a mask (whose indexing would spill the second's
+// registers) and at 256 (whose 128 accumulators per thread leave no room for a second);
+// docs/performance.md, prefill
 template <int D, bool kMask>
 constexpr int mtiles() {
-  return D >= 128 && !kMask ? 2 : 1;
+  return D == 128 && !kMask ? 2 : 1;
 }
 template <int D, bool kMask>
 constexpr int block_rows() {
   return 16 * mtiles<D, kMask>() * kWarps;
 }
 
+// one_buffer (head size 256 only: elsewhere both buffers always fit): one buffer each of K and V,
+// the next tile copied after this one is used, on devices whose shared memory holds no second
+// (one_buffer_at_256)
 template <int D, typename T, bool kMask>
 __global__ void __launch_bounds__(kWarps * 32)
-    prefill_kernel(AttentionParams p, const T* q, const T* k, const T* v, const void* mask, T* y, float* part) {
+    prefill_kernel(AttentionParams p, const T* q, const T* k, const T* v, const void* mask, T* y, float* part,
+                   bool one_buffer_arg) {
   extern __shared__ __align__(128) uint8_t smem[];
   constexpr int kMt = mtiles<D, kMask>(), kRows = block_rows<D, kMask>(), kTileBytes = kKeys * D * 2;
-  constexpr bool kQInRegisters = kMt == 1;  // two m-tiles' fragments would not fit beside their accumulators
-  const uint32_t q_at = smem_u32(smem), k_at = q_at + kRows * D * 2, v_at = k_at + 2 * kTileBytes;
+  // two m-tiles' fragments would not fit beside their accumulators, nor head size 256's beside its
+  // 128: those read Q from shared memory at each tile
+  constexpr bool kQInRegisters = kMt == 1 && D <= 128;
+  const bool one_buffer = D == 256 && one_buffer_arg;  // (a constant false at 64 and 128)
+  const uint32_t q_at = smem_u32(smem), k_at = q_at + kRows * D * 2, v_at = k_at + (one_buffer ? 1 : 2) * kTileBytes;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t b = blockIdx.z, hq = blockIdx.y, hkv = hq / (p.q_heads / p.kv_heads);
   // causal blocks in decreasing order of work, so that the longest start first
@@ -68,7 +78,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (tiles > tile0) {
     const int64_t t0 = static_cast<int64_t>(tile0) * kKeys;
     const int valid = static_cast<int>(std::min<int64_t>(kKeys, p.new_len - t0));
-    const uint32_t buf = (tile0 & 1) * kTileBytes;
+    const uint32_t buf = one_buffer ? 0u : (tile0 & 1) * kTileBytes;
     flash::load_tile<D>(k_at + buf, kg + t0 * p.k.s, p.k.s, kKeys, valid);
     flash::load_tile<D>(v_at + buf, vg + t0 * p.v.s, p.v.s, kKeys, valid);
   }
@@ -83,10 +93,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   uint32_t qf[kQInRegisters ? D / 16 : 1][4];
   const float cap = p.softcap * 1.4426950408889634f;  // softcap in the scores' log2 units
   for (int j = tile0; j < tiles; ++j) {
-    const int buf = j & 1;
+    const int buf = one_buffer ? 0 : j & 1;
     cp_async_wait<0>();
     __syncthreads();  // tile j has landed, and every warp is done with tile j - 1, whose buffer is refilled now
-    if (j + 1 < tiles) {
+    if (!one_buffer && j + 1 < tiles) {
       const int64_t t0 = static_cast<int64_t>(j + 1) * kKeys;
       const int valid = static_cast<int>(std::min<int64_t>(kKeys, p.new_len - t0));
       flash::load_tile<D>(k_at + (buf ^ 1) * kTileBytes, kg + t0 * p.k.s, p.k.s, kKeys, valid);
@@ -130,6 +140,14 @@ __global__ void __launch_bounds__(kWarps * 32)
     float alpha[kMt][2];
     flash::softmax_step<D, kMt>(s, m, l, o, alpha);
     flash::add_values<D, kMt, T>(o, s, vt, lane);
+    if (one_buffer && j + 1 < tiles) {
+      __syncthreads();  // every warp is done with tile j, whose buffers take tile j + 1 now
+      const int64_t t1 = static_cast<int64_t>(j + 1) * kKeys;
+      const int valid = static_cast<int>(std::min<int64_t>(kKeys, p.new_len - t1));
+      flash::load_tile<D>(k_at, kg + t1 * p.k.s, p.k.s, kKeys, valid);
+      flash::load_tile<D>(v_at, vg + t1 * p.v.s, p.v.s, kKeys, valid);
+      cp_async_commit();
+    }
   }
 
   cp_async_wait<0>();  // with no key tile (rows that see no key) the Q tile's copy is still in flight
@@ -165,9 +183,12 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 template <int D, bool kMask>
-constexpr int smem_bytes() {
-  return (block_rows<D, kMask>() + 4 * kKeys) * D * 2;  // Q, and two buffers each of K and V
+constexpr int smem_bytes(bool one_buffer = false) {
+  return (block_rows<D, kMask>() + (one_buffer ? 2 : 4) * kKeys) * D * 2;  // Q, and two buffers (or one) each of K and V
 }
+static_assert(smem_bytes<256, true>() == 160 * 1024 && smem_bytes<256, false>() == 160 * 1024 &&
+                  smem_bytes<256, true>(true) == 96 * 1024,
+              "head size 256: two buffers fit sm_80 and sm_90 (163 and 227 KiB), one sm_86 and sm_89 (99 KiB)");
 
 // The opt-in to more than 48 KiB of dynamic shared memory, per kernel (one `raised` per
 // instantiation: kernels of one signature must not share it) and device.
@@ -183,17 +204,30 @@ cudaError_t raise_shared(int bytes) {
   return e;
 }
 
+// Whether head size 256 runs with one buffer each of K and V: where the device's shared memory
+// holds no second (sm_86, sm_89), or where TURBOQUANT_PREFILL_ONE_BUFFER=1 asks for it (read at each
+// launch, so that a process's tests on a larger device can run this variant too).
+bool one_buffer_at_256(int smem_optin) {
+  if (smem_optin < smem_bytes<256, true>()) return true;
+  const char* env = std::getenv("TURBOQUANT_PREFILL_ONE_BUFFER");
+  return env != nullptr && std::strcmp(env, "1") == 0;
+}
+
 template <int D, typename T, bool kMask>
 cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const void* v, const void* mask, void* y,
                    float* part, cudaStream_t stream) {
   auto* kernel = prefill_kernel<D, T, kMask>;
-  constexpr int bytes = smem_bytes<D, kMask>();
-  cudaError_t e = raise_shared<D, T, kMask>(bytes);
+  const int optin = current_device_props().smem_optin;
+  const bool one_buffer = D == 256 && one_buffer_at_256(optin);
+  const int bytes = smem_bytes<D, kMask>(one_buffer);
+  if (bytes > optin) return cudaErrorNotSupported;  // (no device of compute capability 8.0 or newer has less)
+  // the opt-in to both buffers where they fit, so that either variant launches after it
+  cudaError_t e = raise_shared<D, T, kMask>(smem_bytes<D, kMask>() <= optin ? smem_bytes<D, kMask>() : bytes);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>((p.q_len + block_rows<D, kMask>() - 1) / block_rows<D, kMask>()), static_cast<unsigned>(p.q_heads),
                   static_cast<unsigned>(p.batch));
   kernel<<<grid, kWarps * 32, bytes, stream>>>(p, static_cast<const T*>(q), static_cast<const T*>(k),
-                                               static_cast<const T*>(v), mask, static_cast<T*>(y), part);
+                                               static_cast<const T*>(v), mask, static_cast<T*>(y), part, one_buffer);
   return cudaGetLastError();
 }
 
@@ -234,9 +268,11 @@ cudaError_t launch_prefill(const AttentionParams& p, const void* q, const void* 
   const bool features = p.window > 0 || p.softcap > 0.0f || p.head_sink != nullptr;
   if (mask != nullptr || features) {
     if (p.head_dim == 64) return bf16 ? launch<64, B, true>(p, q, k, v, mask, y, part, stream) : launch<64, H, true>(p, q, k, v, mask, y, part, stream);
+    if (p.head_dim == 256) return bf16 ? launch<256, B, true>(p, q, k, v, mask, y, part, stream) : launch<256, H, true>(p, q, k, v, mask, y, part, stream);
     return bf16 ? launch<128, B, true>(p, q, k, v, mask, y, part, stream) : launch<128, H, true>(p, q, k, v, mask, y, part, stream);
   }
   if (p.head_dim == 64) return bf16 ? launch<64, B, false>(p, q, k, v, mask, y, part, stream) : launch<64, H, false>(p, q, k, v, mask, y, part, stream);
+  if (p.head_dim == 256) return bf16 ? launch<256, B, false>(p, q, k, v, mask, y, part, stream) : launch<256, H, false>(p, q, k, v, mask, y, part, stream);
   return bf16 ? launch<128, B, false>(p, q, k, v, mask, y, part, stream) : launch<128, H, false>(p, q, k, v, mask, y, part, stream);
 }
 

@@ -263,6 +263,7 @@ cudaError_t launch(const AttentionParams& p, const void* q, const void* k, const
 cudaError_t launch_prefill_sm90(const AttentionParams& p, const void* q, const void* k, const void* v, void* y,
                                 float* part, cudaStream_t stream) {
   if (!(p.scale > 0.0f)) return cudaErrorNotSupported;  // the softmax takes the raw scores' maximum: launch_prefill takes the other kernel
+  if (p.head_dim != 64 && p.head_dim != 128) return cudaErrorNotSupported;  // (head size 256: plan_prefill's mma kernel)
   using H = __half;
   using B = __nv_bfloat16;
   const bool bf16 = p.dtype == DType::kBFloat16;

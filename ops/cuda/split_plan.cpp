@@ -128,6 +128,9 @@ bool chunk_takes(const AttentionParams& p, const DeviceProps& dev) {
   if (p.is_causal && p.new_len < p.q_len) return false;
   if (p.softcap > 0.0f) return false;  // (its scores are of the keys minus key_offset, which the tanh sees)
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
+  // (at head size 256 its 128 accumulators per thread beside the tiles' per-token scales spill,
+  // whichever way the tile's bytes are fetched: those chunks keep the bulk or CUDA-core kernel, their
+  // new tokens still on prefill.cu)
   if ((p.head_dim != 64 && p.head_dim != 128) || p.v_head_dim != p.head_dim) return false;
   if (p.key_row() % 2 != 0 || p.value_row() % 2 != 0) return false;
   const int64_t group = p.kv_heads > 0 ? p.q_heads / p.kv_heads : 1;
@@ -213,15 +216,19 @@ bool chunk_wgmma_enabled() {
 
 bool new_tokens_on_tensor_cores(const AttentionParams& p) {
   const bool half = p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16;
-  return half && (p.head_dim == 64 || p.head_dim == 128) && p.v_head_dim == p.head_dim && p.q_len > 1 && p.new_len > 0;
+  const bool head = p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256;
+  return half && head && p.v_head_dim == p.head_dim && p.q_len > 1 && p.new_len > 0;
 }
 
 PrefillKernel plan_prefill(const AttentionParams& p, const DeviceProps& dev) {
   if (!new_tokens_on_tensor_cores(p)) return PrefillKernel::kNone;
   const bool hopper = dev.sm90a && dev.cc_major == 9 && dev.cc_minor == 0;
-  // the wgmma kernel has no sliding window, softcap or sink (prefill.cu has)
+  // the wgmma kernel has no sliding window, softcap or sink (prefill.cu has), nor head size 256
+  // (prefill.cu's one m-tile per warp, its tiles in 160 KiB of shared memory, or 96 where the device
+  // has less: every device of compute capability 8.0 or newer has 99 KiB)
   const bool features = window_cuts(p) || p.softcap > 0.0f || p.head_sink != nullptr;
-  return hopper && p.mask_type == MaskType::kNone && !features ? PrefillKernel::kWgmma : PrefillKernel::kMma;
+  const bool wgmma = hopper && p.mask_type == MaskType::kNone && !features && p.head_dim <= 128;
+  return wgmma ? PrefillKernel::kWgmma : PrefillKernel::kMma;
 }
 
 const char* prefill_kernel_name(PrefillKernel k) {

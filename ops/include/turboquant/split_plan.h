@@ -57,7 +57,7 @@ struct SplitPlan {
 };
 
 // Whether the new tokens' own attention of a call runs on tensor cores (prefill.cu), by its shapes:
-// several query rows, fp16 or bf16, head size 64 or 128 for keys and values alike. (The launcher also
+// several query rows, fp16 or bf16, head size 64, 128 or 256 for keys and values alike. (The launcher also
 // needs the tensors' rows at 16-byte boundaries.)
 bool new_tokens_on_tensor_cores(const AttentionParams& p);
 

@@ -241,7 +241,7 @@ def test_every_plan_covers_the_past_in_whole_units(batch, kv_heads, group, q_len
     rows = q_len * group
     part_bytes = batch * kv_heads * rows * (2 + head_dim) * 4
     assert plan.row_blocks * plan.rows_per_block >= rows
-    assert plan.new_part == (q_len > 1 and dtype != "float32" and head_dim in (64, 128))
+    assert plan.new_part == (q_len > 1 and dtype != "float32" and head_dim in (64, 128, 256))
     if plan.new_part:  # the new tokens' part after the splits', at a 256-byte boundary
         assert plan.new_part_offset % 256 == 0 and plan.splits * part_bytes <= plan.new_part_offset < plan.splits * part_bytes + 256
         assert plan.workspace == plan.new_part_offset + part_bytes
@@ -267,11 +267,37 @@ def test_every_plan_covers_the_past_in_whole_units(batch, kv_heads, group, q_len
     (dict(q_len=4096, head_dim=128, dtype="float32"), H200, "none"),
     (dict(q_len=4096, head_dim=96), H200, "none"),
     (dict(q_len=4096, head_dim=128, v_head_dim=64), H200, "none"),
+    # head size 256 (Gemma 3): the mma.sync kernel everywhere (the wgmma kernel has no such tiles),
+    # its two buffers in 160 KiB of shared memory, or one in 96 on sm_86/sm_89's 99 KiB
+    (dict(q_len=4096, head_dim=256), H200, "mma"),
+    (dict(q_len=4096, head_dim=256, dtype="bfloat16"), H200, "mma"),
+    (dict(q_len=4096, head_dim=256, local_window_size=1024, softcap=50.0, head_sink=True), H200, "mma"),
+    (dict(q_len=4096, head_dim=256, mask="bool"), H200, "mma"),
+    (dict(q_len=300, new_len=300, head_dim=256, past_len=5000, local_window_size=1024), H200, "mma"),  # a chunk's new tokens
+    (dict(q_len=4096, head_dim=256), A100, "mma"),
+    (dict(q_len=4096, head_dim=256), L4, "mma"),
+    (dict(q_len=1, head_dim=256), H200, "none"),
+    (dict(q_len=4096, head_dim=256, dtype="float32"), H200, "none"),
+    (dict(q_len=4096, head_dim=256, v_head_dim=128), H200, "none"),
 ])
 def test_prefill_kernel_choice(call, dev, want):
-    """Several query rows of fp16/bf16 at head size 64 or 128 run on tensor cores: Hopper's warpgroup
-    products where the library holds sm_90a code and the call has no mask, else the mma.sync kernel."""
+    """Several query rows of fp16/bf16 at head size 64, 128 or 256 run on tensor cores: Hopper's
+    warpgroup products where the library holds sm_90a code, the call has no mask and the head size is
+    at most 128, else the mma.sync kernel."""
     assert plan_prefill(**call, device=dev) == want
+
+
+@pytest.mark.parametrize("dev", [H200, A100, L4])
+def test_a_head_size_256_chunk_writes_its_new_tokens_part(dev):
+    """A continuation chunk at head size 256 (Gemma 3's windowed layers): prefill.cu attends its new
+    tokens, so the workspace holds one more partial result per row after the splits'."""
+    chunk = dict(batch=1, q_heads=8, kv_heads=4, head_dim=256, key_format="mse3", value_format="uint3", dtype="float16",
+                 is_causal=True, q_len=512, past_len=4096, buffer_rows=4608, local_window_size=1024, device=dev)
+    plan = plan_split(**chunk)
+    part_bytes = 4 * 512 * 2 * (2 + 256) * 4
+    assert plan.new_part and plan.new_part_offset % 256 == 0
+    assert plan.workspace == plan.new_part_offset + part_bytes and plan.new_part_offset >= plan.splits * part_bytes
+    assert plan_prefill(q_len=512, head_dim=256, past_len=4096, local_window_size=1024, device=dev) == "mma"
 
 
 def test_prefill_plan_refuses_unknown_names():

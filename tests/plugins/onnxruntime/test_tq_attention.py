@@ -224,6 +224,33 @@ def test_continuation_chunk(ort_session, device, prefill_kernel_ran, sq, sp, d, 
         prefill_kernel_ran("mma" if mask else "wgmma", **planned_prefill(c))
 
 
+@pytest.mark.parametrize("sq, sp, dtype, layout, causal, kf, vf, mask, mask_shape", [
+    (300, 0, TensorProto.FLOAT16, "bsd", True, "mse4", "uint4", None, "full"),
+    (257, 0, TensorProto.BFLOAT16, "bhsd", True, "mse3", "uint3", None, "full"),
+    (130, 0, TensorProto.BFLOAT16, "bsd", False, "fp8", "uint4", None, "full"),
+    (200, 0, TensorProto.FLOAT16, "bsd", True, "mse4", "uint4", "float", "b1qk"),
+    (150, 0, TensorProto.FLOAT16, "bsd", False, "mse4", "uint4", "bool", "full"),
+    (129, 0, TensorProto.BFLOAT16, "bhsd", False, "raw16", "raw16", "float16", "k"),
+    (300, 777, TensorProto.FLOAT16, "bsd", True, "mse4", "uint4", None, "full"),
+    (200, 1000, TensorProto.FLOAT16, "bsd", True, "mse3", "uint3", "float", "b1qk"),
+    (129, 64, TensorProto.BFLOAT16, "bhsd", True, "raw16", "raw16", "float16", "k"),
+])
+@pytest.mark.parametrize("one_buffer", [False, True])
+@pytest.mark.parametrize("target", [pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_head_size_256_prompts(ort_session, target, prefill_kernel_ran, monkeypatch, one_buffer, sq, sp, dtype, layout,
+                               causal, kf, vf, mask, mask_shape):
+    """Head size 256 (Gemma 3) first prompts and continuation chunks (with key and value offsets) on
+    CUDA: their new tokens on prefill.cu's mma.sync kernel (the wgmma kernel has no such tiles), with
+    and without masks; with two buffers of keys and values, and with the one that devices of 99 KiB of
+    shared memory per block run (TURBOQUANT_PREFILL_ONE_BUFFER=1, read at each launch)."""
+    if one_buffer:
+        monkeypatch.setenv("TURBOQUANT_PREFILL_ONE_BUFFER", "1")
+    c = dict(b=2, hkv=2, group=4, sq=sq, sp=sp, d=256, kf=kf, vf=vf, dtype=dtype, layout=layout, mask=mask,
+             mask_shape=mask_shape, causal=causal, scale=None, offsets=sp > 0, nc=True, values="normal", seed=sq + sp)
+    check_case(ort_session, c, device=target)
+    prefill_kernel_ran("mma", **planned_prefill(c))
+
+
 @pytest.mark.parametrize("change, want", [
     ({}, "tc_bulk"),
     ({"kf": "mse3", "vf": "uint3", "d": 64, "dtype": TensorProto.BFLOAT16}, "tc_bulk"),

@@ -169,6 +169,15 @@ PROMPT = dict(BASE, s=200, first=True, lengths=[200, 150], capacity=200, d=64)
     ({"window": 50, "sink": True, "formats": ("raw16", "raw16")}, "mma"),
     ({"window": 40, "softcap": 1.5, "sink": True, "d": 80}, "none"),  # the finish kernel attends each row
     ({"window": 40, "sink": True, "dtype": TensorProto.FLOAT}, "none"),
+    # head size 256 (Gemma 3): one m-tile per warp, Q read from shared memory at each key tile
+    ({"window": 50, "d": 256}, "mma"),
+    ({"window": 200, "sink": True, "d": 256}, "mma"),
+    ({"window": 300, "softcap": 1.5, "d": 256, "dtype": TensorProto.BFLOAT16}, "mma"),
+    ({"window": 70, "softcap": 1.5, "sink": True, "d": 256, "formats": ("mse3", "uint3")}, "mma"),
+    ({"window": 64, "sink": True, "offsets": True, "rotary": 128, "d": 256, "formats": ("fp8", "uint4")}, "mma"),
+    ({"window": 50, "sink": True, "d": 256, "formats": ("raw16", "raw16")}, "mma"),
+    ({"b": 1, "s": 700, "lengths": [700], "capacity": 700, "window": 512, "d": 256, "hkv": 1}, "mma"),  # Gemma 3's ratio
+    ({"b": 3, "s": 333, "lengths": [333, 64, 200], "capacity": 333, "window": 100, "sink": True, "d": 256}, "mma"),
 ])
 @pytest.mark.parametrize("target", CUDA)
 def test_first_prompt_features(ort_session, cuda_ready, target, change, want, prefill_kernel_ran):
@@ -200,6 +209,39 @@ def test_chunk_features(ort_session, cuda_ready, target, change, want, split_ker
     c = dict(CHUNK, **change)
     run_case(ort_session, target, c)
     split_kernel_ran(want, **planned(c))
+
+
+# Head size 256 chunks: the new tokens' part on prefill.cu's mma kernel, the past's on the split
+# kernel the planner names (the chunk kernel has no head size 256).
+@pytest.mark.parametrize("change, want", [
+    ({"window": 100, "formats": ("mse3", "uint3")}, "cuda_core"),  # windows per row: the CUDA-core kernel
+    ({"window": 30, "softcap": 1.5, "sink": True}, "cuda_core"),  # windows inside the chunk
+    ({"window": 2000, "sink": True}, "tc_bulk"),  # cuts nothing: the sink in the finish kernel
+    ({"sink": True, "offsets": True, "dtype": TensorProto.BFLOAT16}, "tc_bulk"),
+    ({"window": 100, "formats": ("raw16", "raw16"), "softcap": 1.5}, "cuda_core"),
+])
+@pytest.mark.parametrize("target", CUDA)
+def test_head_size_256_chunks(ort_session, cuda_ready, target, change, want, split_kernel_ran, prefill_kernel_ran):
+    c = dict(CHUNK, d=256, **change)
+    run_case(ort_session, target, c)
+    split_kernel_ran(want, **planned(c))
+    prefill_kernel_ran("mma", q_len=c["s"], head_dim=256, dtype=DTYPE_NAMES[c["dtype"]], local_window_size=c["window"],
+                       softcap=c["softcap"], head_sink=c["sink"], past_len=max(c["lengths"]) - c["s"])
+
+
+@pytest.mark.parametrize("c", [
+    dict(PROMPT, d=256, window=50, softcap=1.5, sink=True),
+    dict(PROMPT, d=256, window=100, sink=True, dtype=TensorProto.BFLOAT16, formats=("mse3", "uint3")),
+    dict(CHUNK, d=256, window=100, sink=True, offsets=True),
+], ids=["prompt", "prompt-bf16", "chunk"])
+@pytest.mark.parametrize("target", CUDA)
+def test_head_size_256_one_buffer(ort_session, cuda_ready, target, c, monkeypatch, prefill_kernel_ran):
+    """prefill.cu's single-buffered variant at head size 256, which devices of 99 KiB of shared memory
+    per block (sm_86, sm_89) run: forced here by TURBOQUANT_PREFILL_ONE_BUFFER=1 (read at each launch)."""
+    monkeypatch.setenv("TURBOQUANT_PREFILL_ONE_BUFFER", "1")
+    run_case(ort_session, target, c)
+    prefill_kernel_ran("mma", q_len=c["s"], head_dim=256, dtype=DTYPE_NAMES[c["dtype"]], local_window_size=c["window"],
+                       softcap=c["softcap"], head_sink=c["sink"], past_len=0 if c["first"] else max(c["lengths"]) - c["s"])
 
 
 def test_model_declares_the_features():
