@@ -67,17 +67,22 @@ def reads_per_layer_shapes(version: str | None = None) -> tuple[bool, str]:
                    f"shapes from {since}), so every layer's rows are as wide as the widest")
 
 
+def _providers(decoder: dict) -> set[str]:
+    """The execution providers genai_config.json names for the decoder (none: the CPU)."""
+    entries = decoder.get("session_options", {}).get("provider_options", [])
+    return {k for e in entries if isinstance(e, dict) for k in e}
+
+
 def keeps_window_cache(decoder: dict, version: str | None = None) -> tuple[bool, str | None]:
     """Whether the rewrite keeps the windowed layers' window-sized caches (export/gqa.py) for this
     decoder, and a line for the summary where the answer needs one: where genai_config.json has a
-    sliding_window section naming its layers, the decoder runs on the CPU provider (the CUDA op
-    takes full-length caches only) and genai (the installed one, or `version`) reads the section's
+    sliding_window section naming its layers, the decoder runs on the CPU or CUDA provider (the
+    op's kernels for the others take full-length caches only) and genai (the installed one, or `version`) reads the section's
     layers. Without genai installed: assumed, and said."""
     section = decoder.get("sliding_window")
     if not isinstance(section, dict) or not section.get("layers") or not (section.get("window_size") or 0) > 0:
         return False, None
-    entries = decoder.get("session_options", {}).get("provider_options", [])
-    providers = sorted({k for e in entries if isinstance(e, dict) for k in e} - {"cpu"})
+    providers = sorted(_providers(decoder) - {"cpu", "cuda"})
     if providers:
         return False, (f"window-sized caches made full-length: the decoder runs on {', '.join(providers)}, where "
                        "TQGroupQueryAttention takes full-length caches only")
@@ -133,8 +138,7 @@ def check_cuda_graph(src: pathlib.Path) -> None:
         raise RewriteError(f"--genai-cuda-graph is for onnxruntime-genai folders, and {src.parent} has no {CONFIG}")
     _, decoder = read_config(path)
     if _cuda_options(decoder) is None:
-        entries = decoder.get("session_options", {}).get("provider_options", [])
-        providers = [k for e in entries if isinstance(e, dict) for k in e] or ["cpu"]
+        providers = sorted(_providers(decoder)) or ["cpu"]
         raise RewriteError(f"--genai-cuda-graph: {path} runs the decoder on {', '.join(providers)}, not on the cuda "
                            "provider whose graphs it would enable (build the model for cuda)")
 
@@ -186,11 +190,34 @@ def stage_folder(folder: Folder, out: pathlib.Path, result: RewriteResult, tmp: 
     dropped = None if result.window_cache else drop_sliding_window_section(folder.decoder, result)
     if dropped:
         result.notes.append(dropped)
+    elif result.window_cache and "cuda" in _providers(folder.decoder):
+        note = widen_cuda_window_cache(folder.decoder)
+        if note:
+            result.notes.append(note)
     folder.decoder.setdefault("session_options", {})["custom_ops_library"] = folder.library.name
     for f in (folder.library, *folder.copies):
         shutil.copy2(f, staged / f.name)
     (staged / CONFIG).write_text(json.dumps(folder.config, indent=4) + "\n")
     return [(staged / n, out.parent / n) for n in folder.names()]
+
+
+# Rows a CUDA folder's window-sized caches get beyond their window: genai's CUDA default is none
+# (ORT's CUDA kernel takes C == W only), which moves every kept row at each decode step once the
+# buffer is full; TQGroupQueryAttention takes C > W, and G = C - W + 1 rows free make those moves
+# one per G steps.
+CUDA_CACHE_SLACK = 64
+
+
+def widen_cuda_window_cache(decoder: dict) -> str | None:
+    """genai_config.json's sliding_window.cache_slack for a CUDA folder whose window-sized caches the
+    rewrite keeps, where the section leaves it at genai's default (0); the summary's line."""
+    section = decoder["sliding_window"]
+    if section.get("cache_slack"):
+        return None
+    section["cache_slack"] = CUDA_CACHE_SLACK
+    return (f"{CONFIG}: sliding_window.cache_slack {CUDA_CACHE_SLACK}: the window-sized caches get "
+            f"{CUDA_CACHE_SLACK} rows beyond the window, so their rows move once per {CUDA_CACHE_SLACK + 1} decode "
+            "steps rather than at every one")
 
 
 def drop_sliding_window_section(decoder: dict, result: RewriteResult) -> str | None:

@@ -621,12 +621,29 @@ def test_an_older_genai_gets_full_length_caches(built, tmp_path):
     assert "onnxruntime-genai 0.17.0 (installed) does not allocate them (from 0.18.0)" in summary
 
 
-def test_a_cuda_build_gets_full_length_caches():
+def test_which_providers_keep_window_sized_caches():
+    """The CPU and CUDA kernels take window-sized caches; a folder for another provider gets full-length
+    ones, and the summary says why."""
     from turboquant.export.genai import keeps_window_cache
 
     section = {"sliding_window": {"window_size": 16, "layers": [0, 2]}}
     assert keeps_window_cache(section, "0.18.0") == (True, None)
     cuda = {**section, "session_options": {"provider_options": [{"cuda": {}}]}}
-    kept, why = keeps_window_cache(cuda, "0.18.0")
-    assert not kept and "runs on cuda" in why
+    assert keeps_window_cache(cuda, "0.18.0") == (True, None)
+    dml = {**section, "session_options": {"provider_options": [{"dml": {}}]}}
+    kept, why = keeps_window_cache(dml, "0.18.0")
+    assert not kept and "runs on dml" in why
     assert keeps_window_cache({"sliding_window": {"window_size": 16, "layers": []}}, "0.18.0") == (False, None)
+
+
+def test_a_cuda_folder_gets_a_cache_slack():
+    """CUDA folders' window-sized caches get CUDA_CACHE_SLACK rows beyond the window (genai's CUDA
+    default is none, which would move the kept rows at every decode step); a slack the section sets
+    is kept."""
+    from turboquant.export.genai import CUDA_CACHE_SLACK, widen_cuda_window_cache
+
+    decoder = {"sliding_window": {"window_size": 16, "layers": [0, 2], "cache_slack": 0}}
+    assert "cache_slack 64" in widen_cuda_window_cache(decoder)
+    assert decoder["sliding_window"]["cache_slack"] == CUDA_CACHE_SLACK == 64
+    decoder = {"sliding_window": {"window_size": 16, "layers": [0, 2], "cache_slack": 8}}
+    assert widen_cuda_window_cache(decoder) is None and decoder["sliding_window"]["cache_slack"] == 8
