@@ -109,8 +109,10 @@ cudaError_t rotate(const AttentionParams& p, const RotaryParams& rot, const Rota
 size_t gqa_workspace_bytes(const AttentionParams& p, const RotaryParams& rot, int num_sms) {
   if (p.window_cache > 0) return window_cache_workspace_bytes(p, rot, num_sms);
   // enough for the replayable plan too: a capture then finds the block its warm-up runs were given
+  // (a first prompt's, no past, is its own: sized as a continuation it would hold partials for every
+  // query row)
   const size_t now = carve(p, rot, num_sms, nullptr).bytes;
-  const size_t replay = carve(replayable(p, false), rot, num_sms, nullptr).bytes;
+  const size_t replay = carve(replayable(p, p.past_len == 0), rot, num_sms, nullptr).bytes;
   return now > replay ? now : replay;
 }
 
