@@ -73,11 +73,15 @@ def _providers(decoder: dict) -> set[str]:
     return {k for e in entries if isinstance(e, dict) for k in e}
 
 
-def keeps_window_cache(decoder: dict, version: str | None = None) -> tuple[bool, str | None]:
+def keeps_window_cache(decoder: dict, version: str | None = None, cuda_graph: bool = False
+                       ) -> tuple[bool, str | None]:
     """Whether the rewrite keeps the windowed layers' window-sized caches (export/gqa.py) for this
     decoder, and a line for the summary where the answer needs one: where genai_config.json has a
     sliding_window section naming its layers, the decoder runs on the CPU or CUDA provider (the
-    op's kernels for the others take full-length caches only) and genai (the installed one, or `version`) reads the section's
+    op's kernels for the others take full-length caches only), its decode steps are not replayed
+    from CUDA graphs (cuda_graph, or enable_cuda_graph in the config: ONNX Runtime runs a graph's
+    first step more than once before it captures it, and a step that drops rows off a window-sized
+    cache cannot be run twice) and genai (the installed one, or `version`) reads the section's
     layers. Without genai installed: assumed, and said."""
     section = decoder.get("sliding_window")
     if not isinstance(section, dict) or not section.get("layers") or not (section.get("window_size") or 0) > 0:
@@ -86,6 +90,10 @@ def keeps_window_cache(decoder: dict, version: str | None = None) -> tuple[bool,
     if providers:
         return False, (f"window-sized caches made full-length: the decoder runs on {', '.join(providers)}, where "
                        "TQGroupQueryAttention takes full-length caches only")
+    if cuda_graph or str((_cuda_options(decoder) or {}).get("enable_cuda_graph", "0")) in ("1", "true", "True"):
+        return False, ("window-sized caches made full-length: decode steps replayed from CUDA graphs (ONNX Runtime "
+                       "runs a graph's first step more than once, and a step that drops rows off a window-sized cache "
+                       "cannot be repeated)")
     since = ".".join(map(str, WINDOW_CACHE_SINCE))
     where = "given" if version is not None else "installed"
     version = version if version is not None else installed_version()

@@ -396,7 +396,8 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, options: 
     genai_folder = target == "onnxruntime" and (src.parent / genai.CONFIG).is_file()  # genai runs ONNX Runtime only
     folder, window_cache, window_note = None, False, None
     if genai_folder:  # its config read and every name the output folder gets refused before any work
-        window_cache, window_note = genai.keeps_window_cache(genai.read_config(src.parent / genai.CONFIG)[1])
+        window_cache, window_note = genai.keeps_window_cache(genai.read_config(src.parent / genai.CONFIG)[1],
+                                                             cuda_graph=cuda_graph)
         if not dry_run:
             folder = genai.plan_folder(src, out, library or _ort_library(), cuda_graph)
     if genai_folder and unsupported == "leave":  # before the calibration: a folder genai could not run is refused

@@ -640,6 +640,11 @@ def test_which_providers_keep_window_sized_caches():
     kept, why = keeps_window_cache(dml, "0.18.0")
     assert not kept and "runs on dml" in why
     assert keeps_window_cache({"sliding_window": {"window_size": 16, "layers": []}}, "0.18.0") == (False, None)
+    # decode steps replayed from CUDA graphs: ONNX Runtime runs the first step more than once
+    kept, why = keeps_window_cache(cuda, "0.18.0", cuda_graph=True)
+    assert not kept and "CUDA graphs" in why
+    graphs = {**section, "session_options": {"provider_options": [{"cuda": {"enable_cuda_graph": "1"}}]}}
+    assert not keeps_window_cache(graphs, "0.18.0")[0]
 
 
 def test_a_cuda_folder_gets_a_cache_slack():

@@ -310,10 +310,12 @@ def test_a_right_padded_first_prompt_is_refused(ort_session):
 @pytest.mark.parametrize("formats_", [("mse4", "uint4"), ("raw16", "raw16")])
 @pytest.mark.parametrize("cap", [WINDOW, WINDOW + 16])
 def test_decode_steps_replayed_from_a_cuda_graph(cuda_ready, formats_, cap):
-    """ORT's CUDA graphs (enable_cuda_graph): decode steps of two sequences 5 tokens apart replayed
+    """ORT's CUDA graphs (enable_cuda_graph): decode steps of two sequences 2 tokens apart replayed
     from the graph captured at the first step, across the fill and several compactions of a shared
     buffer of C rows, each equal to the reference on the buffer as it was (every length the moves
-    and the attention use is read on the device)."""
+    and the attention use is read on the device). ONNX Runtime runs the first step more than once
+    before it captures it, so that step drops no row here (one that did would drop them again:
+    the rewrite keeps full-length caches where decode steps are replayed from graphs)."""
     from turboquant.ort import session_options
 
     so = session_options()
@@ -321,7 +323,7 @@ def test_decode_steps_replayed_from_a_cuda_graph(cuda_ready, formats_, cap):
     session = ort.InferenceSession(model_for(formats_).SerializeToString(), so,
                                    providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
     rng = np.random.default_rng(13)
-    lengths = np.array([3, 8], np.int64)
+    lengths = np.array([3, 5], np.int64)
     width = width_of(formats_)
     feeds = {**tokens(rng, 1, B), **rotary_tables(200)}
     feeds["seqlens_k"] = (lengths - 1).astype(np.int32)
