@@ -4,9 +4,9 @@ Two random-weight models made by transformers from a config (no download), built
 onnxruntime-genai's builder (python -m onnxruntime_genai.models.builder), rewritten by
 `turboquant export MODEL --preset turboquant_4bit_nc --boundary 1 --no-offsets` (calibration adds no decode work),
 then both folders run through og.Generator at each (batch, context) point: time to first token (the
-prompt in append_tokens calls of at most 65536 tokens of all sequences), ms per decode step and tokens/s (all sequences), and the KV cache
-bytes at the context (genai's window-sized layers at their rows, window_size plus cache_slack: the
-original's C = W, the rewrite's W + 64, packed).
+prompt in one append_tokens call, as genai takes it at batch sizes above 1), ms per decode step and
+tokens/s (all sequences), and the KV cache bytes at the context (genai's window-sized layers at
+their rows, window_size plus cache_slack: the original's C = W, the rewrite's W + 64, packed).
 
 - gemma3: Gemma-3-4B's attention and widths (hidden 2560, 8 query heads on 4 KV heads of 256, MLP
   10240) in 12 of its 34 layers, 5 of each 6 windowed (W = 1024) as in the model; vocabulary cut to 32000.
@@ -16,9 +16,10 @@ original's C = W, the rewrite's W + 64, packed).
 The rewrite keeps the first and last layer uncompressed (--boundary 1: the default 2 would keep a third
 of these shortened models).
 
-Each model's points run in one process of their own under a share of the time left (--budget, 450 s
-by default for everything, builds included), in the order given; a point that does not finish in it
-is reported as not measured, with the limit. Prints a table; --json writes the records.
+Each shape's two folders run side by side in one process of their own under a share of the time
+left (--budget, 450 s by default for everything, builds included): at each point, in the order given,
+each one's first token, then their decode steps in alternating rounds; a point that fails or does
+not finish is reported as not measured, with the reason. Prints a table; --json writes the records.
 
     PYTHONPATH=/tmp/site:/tmp/tqsite python3 scripts/gpu_window_bench.py --out /tmp/window-bench
     python scripts/gpu_window_bench.py --tiny --device cpu --precision fp32 --points 1x64 2x64   # the CPU check
@@ -37,9 +38,7 @@ import sys
 import time
 
 WARMUP = 2  # decode steps before the timed ones
-# tokens of all sequences per append_tokens call: a longer prompt goes in pieces (ONNX Runtime's CUDA
-# FastGelu refuses Gemma 3's MLP over 8 x 32768 tokens at once: more than 2^31 elements)
-PROMPT_PIECE = 65536
+ROUNDS = 4  # the timed steps in this many alternating rounds of the original's and the rewrite's
 
 
 def hf_config(shape: str, tiny: bool):
@@ -147,58 +146,80 @@ def build(shape: str, root: pathlib.Path, device: str, precision: str, tiny: boo
     return original, tq
 
 
-def _measure(folder: str, device: str, points: list[tuple[int, int]], steps: int, queue) -> None:
-    """In a process of its own: each point's ttft and decode step time through og.Generator, put on
-    the queue as it is measured (a process stopped at its time limit keeps the points before)."""
+def _measure(folders: dict[str, str], device: str, points: list[tuple[int, int]], steps: int, queue) -> None:
+    """In a process of its own, both folders (original, rewrite) loaded side by side: at each point,
+    each one's first token (the prompt, then one token), then their decode steps timed in alternating
+    rounds (ROUNDS of steps / ROUNDS steps each, so that a drift of the machine's speed meets both
+    alike) and each one's median step; records put on the queue as measured (a process stopped at its
+    time limit keeps the points before)."""
     import numpy as np
     import onnxruntime_genai as og
 
-    config = og.Config(folder)
-    config.clear_providers()
-    if device == "cuda":
-        config.append_provider("cuda")
-    model = og.Model(config)
-    vocab = json.loads((pathlib.Path(folder) / "genai_config.json").read_text())["model"]["vocab_size"]
+    models, vocab = {}, {}
+    for kind, folder in folders.items():
+        config = og.Config(folder)
+        config.clear_providers()
+        if device == "cuda":
+            config.append_provider("cuda")
+        models[kind] = og.Model(config)
+        vocab[kind] = json.loads((pathlib.Path(folder) / "genai_config.json").read_text())["model"]["vocab_size"]
     rng = np.random.default_rng(0)
+    per_round = max(1, steps // ROUNDS)
 
-    def generator(b: int, length: int):
-        params = og.GeneratorParams(model)
+    def generator(kind: str, b: int, length: int):
+        params = og.GeneratorParams(models[kind])
         params.set_search_options(max_length=length, batch_size=b, do_sample=False)
-        return og.Generator(model, params)
+        return og.Generator(models[kind], params)
 
-    # the process's first-call costs outside every timed prompt, in a cache as long as the shortest point's
-    # (a windowed original's sliding cache must hold its window)
-    warm = generator(1, min(s for _, s in points) + WARMUP + steps + 1)
-    warm.append_tokens(rng.integers(3, vocab, (1, 16)).astype(np.int32))
-    warm.generate_next_token()
-    del warm
-    for b, s in points:
-        gen = generator(b, s + WARMUP + steps + 1)
-        ids = rng.integers(3, vocab, (b, s)).astype(np.int32)
-        piece = max(1, PROMPT_PIECE // b)
+    def step(gen) -> float:
         t0 = time.perf_counter()
-        for i in range(0, s, piece):
-            gen.append_tokens(ids[:, i:i + piece])
         gen.generate_next_token()
         gen.get_next_tokens()
-        ttft = time.perf_counter() - t0
-        times = []
-        for i in range(WARMUP + steps):
-            t0 = time.perf_counter()
-            gen.generate_next_token()
-            gen.get_next_tokens()
-            if i >= WARMUP:
-                times.append(time.perf_counter() - t0)
-        ms = sorted(times)[len(times) // 2] * 1e3
-        queue.put({"batch": b, "context": s, "ttft_ms": ttft * 1e3, "ms_per_step": ms, "tokens_per_s": b * 1e3 / ms})
-        del gen
+        return time.perf_counter() - t0
+
+    # each model's first-call costs outside every timed prompt, in a cache as long as the shortest
+    # point's (a windowed original's sliding cache must hold its window)
+    for kind in models:
+        warm = generator(kind, 1, min(s for _, s in points) + WARMUP + ROUNDS * per_round + 1)
+        warm.append_tokens(rng.integers(3, vocab[kind], (1, 16)).astype(np.int32))
+        warm.generate_next_token()
+        del warm
+    for b, s in points:
+        ids = rng.integers(3, min(vocab.values()), (b, s)).astype(np.int32)
+        gens, ttft = {}, {}
+        try:
+            for kind in models:
+                gens[kind] = generator(kind, b, s + WARMUP + ROUNDS * per_round + 1)
+                t0 = time.perf_counter()
+                gens[kind].append_tokens(ids)
+                gens[kind].generate_next_token()
+                gens[kind].get_next_tokens()
+                ttft[kind] = time.perf_counter() - t0
+                for _ in range(WARMUP):
+                    step(gens[kind])
+            times = {kind: [] for kind in gens}
+            for _ in range(ROUNDS):
+                for kind, gen in gens.items():
+                    times[kind] += [step(gen) for _ in range(per_round)]
+        except Exception as e:  # noqa: BLE001 - a runtime's refusal at this point is its result
+            for kind in models:
+                queue.put({"model": kind, "batch": b, "context": s, "error": f"{type(e).__name__}: {str(e)[:300]}"
+                           + (f" (in the {next(k for k in models if k not in ttft)})" if len(ttft) < len(models) else "")})
+            gens.clear()
+            continue
+        for kind, t in times.items():
+            ms = sorted(t)[len(t) // 2] * 1e3
+            queue.put({"model": kind, "batch": b, "context": s, "ttft_ms": ttft[kind] * 1e3, "ms_per_step": ms,
+                       "tokens_per_s": b * 1e3 / ms})
+        del gens
 
 
-def measure(folder: pathlib.Path, device: str, points, steps: int, limit: float) -> dict[tuple[int, int], dict]:
-    """The points measured within `limit` seconds (a process of their own, stopped there)."""
+def measure(folders: dict[str, pathlib.Path], device: str, points, steps: int, limit: float) -> dict:
+    """The points measured within `limit` seconds (a process of their own, stopped there), keyed by
+    (model, batch, context)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_measure, args=(str(folder), device, list(points), steps, queue))
+    proc = ctx.Process(target=_measure, args=({k: str(f) for k, f in folders.items()}, device, list(points), steps, queue))
     proc.start()
     proc.join(limit)
     if proc.is_alive():
@@ -207,8 +228,8 @@ def measure(folder: pathlib.Path, device: str, points, steps: int, limit: float)
     got = {}
     while not queue.empty():
         r = queue.get()
-        got[(r["batch"], r["context"])] = r
-    if proc.exitcode not in (0, None) and len(got) < len(points):
+        got[(r["model"], r["batch"], r["context"])] = r
+    if proc.exitcode not in (0, None) and len(got) < len(points) * len(folders):
         got["error"] = f"exit {proc.exitcode}" + (" (stopped at its time limit)" if proc.exitcode == -9 else "")
     return got
 
@@ -278,21 +299,21 @@ def main(argv=None) -> int:
             folders[shape] = build(shape, args.out / shape, args.device, args.precision, args.tiny, log)
         except Exception as e:  # noqa: BLE001 - a builder's refusal is a result to report
             log(f"{shape}: not built: {type(e).__name__}: {str(e)[:1500]}")
-    runs = [(shape, kind, folder) for shape, (orig, tq) in folders.items() for kind, folder in (("original", orig), ("rewrite", tq))]
     records = []
-    for i, (shape, kind, folder) in enumerate(runs):
-        row = {"shape": shape, "model": kind, "folder": str(folder) if folder else None}
-        if folder is None:
-            records.append({**row, "error": "the rewrite refused the model (its log above)"})
+    for i, (shape, (orig, tq)) in enumerate(folders.items()):
+        if tq is None:
+            records.append({"shape": shape, "model": "rewrite", "error": "the rewrite refused the model (its log above)"})
             continue
-        row.update(cache_summary(folder))
-        limit = max(10.0, left() / (len(runs) - i))
-        log(f"{shape} {kind}: {len(args.points)} points within {limit:.0f} s")
-        got = measure(folder, args.device, args.points, args.steps, limit)
-        for b, s in args.points:
-            r = got.get((b, s))
-            rec = {**row, "batch": b, "context": s, "kv_bytes": kv_bytes(row, b, s)}
-            records.append({**rec, **r} if r else {**rec, "error": got.get("error", f"not reached within {limit:.0f} s")})
+        pair = {"original": orig, "rewrite": tq}
+        limit = max(10.0, left() / (len(folders) - i))
+        log(f"{shape}: {len(args.points)} points, original and rewrite side by side, within {limit:.0f} s")
+        got = measure(pair, args.device, args.points, args.steps, limit)
+        for kind, folder in pair.items():
+            row = {"shape": shape, "model": kind, "folder": str(folder), **cache_summary(folder)}
+            for b, s in args.points:
+                r = got.get((kind, b, s))
+                rec = {**row, "batch": b, "context": s, "kv_bytes": kv_bytes(row, b, s)}
+                records.append({**rec, **r} if r else {**rec, "error": got.get("error", f"not reached within {limit:.0f} s")})
     print()
     print(f"{'shape':7} {'model':9} {'B':>2} {'S':>6} {'ttft ms':>9} {'ms/step':>8} {'tok/s':>8} {'KV MB':>8}  compressed layers")
     for r in records:
