@@ -1,9 +1,9 @@
 // TQGroupQueryAttention over a window-sized buffer on the GPU (turboquant/window_cache.h, ONNX
 // Runtime's layout): every length comes from seqlens_k on the device and the launches have a fixed
 // geometry, so a decode step can be captured into a CUDA graph and replayed at later lengths. A decode
-// step moves the kept rows to the front in place, in two passes through the workspace (a direct left
-// shift would race between blocks), and appends its row; a step of several tokens runs on a staging
-// copy of the resident rows and copies the last L(T) rows back.
+// step moves the kept rows to the front in place (one block per head, so that the left shift cannot
+// race) and appends its row; a step of several tokens runs on a staging copy of the resident rows and
+// copies the last L(T) rows back.
 #include "split_common.cuh"
 #include "turboquant/cuda_kernels.h"
 #include "turboquant/window_cache.h"
@@ -39,8 +39,8 @@ __global__ void plan_kernel(const int32_t* seqlens_k, int64_t batch, int64_t new
 }
 
 // Rows [first[b], first[b] + count[b]) of each (b, h) block of src to rows [0, count[b]) of dst's; with
-// zero_rest, dst rows [count[b], dst_rows) zeroed too. first == nullptr: from row 0. skip (or null):
-// a (b) with skip[b] == 0 is left alone (an in-place move of nothing). src and dst never overlap.
+// zero_rest, dst rows [count[b], dst_rows) zeroed too. first == nullptr: from row 0. src and dst never
+// overlap.
 struct RowCopy {
   const uint8_t* src = nullptr;
   int64_t src_rows = 0;
@@ -49,14 +49,12 @@ struct RowCopy {
   int64_t row_bytes = 0, kv_heads = 1;
   const int32_t* first = nullptr;
   const int32_t* count = nullptr;
-  const int32_t* skip = nullptr;
   bool zero_rest = false;
 };
 
 template <typename Word>
 __global__ void row_copy_kernel(RowCopy c) {
   const int64_t bh = blockIdx.x, b = bh / c.kv_heads;
-  if (c.skip && c.skip[b] == 0) return;
   const int64_t words_per_row = c.row_bytes / static_cast<int64_t>(sizeof(Word));
   int64_t n = c.count[b];
   n = n < 0 ? 0 : (n > c.dst_rows ? c.dst_rows : n);
@@ -68,6 +66,55 @@ __global__ void row_copy_kernel(RowCopy c) {
   const int64_t step = static_cast<int64_t>(gridDim.y) * blockDim.x;
   for (int64_t i = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total; i += step) {
     dst[i] = i < copied ? src[i] : Word{0};
+  }
+}
+
+// A decode step's compaction of shared buffers, in place: rows [first[b], first[b] + count[b]) of
+// each (b, h) of cache blockIdx.y moved to rows [0, count[b]), one block per (b, h) and cache, in
+// ascending chunks each read whole before any of it is written (a left shift then never overwrites
+// a word a later chunk still reads); nothing to do where first[b] == 0, most steps.
+struct RowShift {
+  uint8_t* cache[2] = {nullptr, nullptr};  // key, value; null: not shared (moved by copy_rows)
+  int64_t row_bytes[2] = {0, 0};
+  int64_t rows = 0, kv_heads = 1;
+  const int32_t* first = nullptr;
+  const int32_t* count = nullptr;
+};
+
+constexpr int kShiftWords = 4;  // words a thread moves per chunk
+
+template <typename Word>
+__device__ void shift_left(Word* dst, const Word* src, int64_t words) {
+  const int64_t chunk = static_cast<int64_t>(blockDim.x) * kShiftWords;
+  for (int64_t at = 0; at < words; at += chunk) {
+    Word r[kShiftWords];
+#pragma unroll
+    for (int j = 0; j < kShiftWords; ++j) {
+      const int64_t i = at + j * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+      if (i < words) r[j] = src[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kShiftWords; ++j) {
+      const int64_t i = at + j * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+      if (i < words) dst[i] = r[j];
+    }
+  }
+}
+
+__global__ void shift_rows_kernel(RowShift s) {
+  const int c = blockIdx.y;
+  const int64_t bh = blockIdx.x, b = bh / s.kv_heads, from = s.first[b];
+  if (s.cache[c] == nullptr || from <= 0) return;
+  int64_t n = s.count[b];
+  n = n < 0 ? 0 : n;
+  if (from + n > s.rows) return;  // clamped lengths never read past the buffer
+  const int64_t rb = s.row_bytes[c];
+  uint8_t* head = s.cache[c] + bh * s.rows * rb;
+  if (rb % 4 == 0) {
+    shift_left(reinterpret_cast<uint32_t*>(head), reinterpret_cast<const uint32_t*>(head + from * rb), n * rb / 4);
+  } else {
+    shift_left(head, head + from * rb, n * rb);
   }
 }
 
@@ -89,7 +136,7 @@ cudaError_t copy_rows(const RowCopy& c, int64_t batch, cudaStream_t stream) {
 struct WindowLayout {
   AttentionParams attention;
   bool staged = false;
-  int64_t rows = 0;  // per (b, h) of the staging copy or the scratch of a move
+  int64_t rows = 0;  // per (b, h): the staging copy's, or the buffer's
   bool positions = false;
 };
 
@@ -115,7 +162,7 @@ WindowLayout layout(const AttentionParams& p, const RotaryParams& rot) {
 struct WindowWorkspace {
   int32_t *row_past = nullptr, *first = nullptr, *rows_after = nullptr;
   int64_t* positions = nullptr;
-  uint8_t *key_rows = nullptr, *value_rows = nullptr;  // the staging copy, or a move's scratch
+  uint8_t *key_rows = nullptr, *value_rows = nullptr;  // the staging copy (a step of several tokens)
   void* rest = nullptr;                                 // gqa_attention's own workspace
   size_t bytes = 0;
 };
@@ -133,9 +180,11 @@ WindowWorkspace carve(const AttentionParams& p, const WindowLayout& l, void* bas
   w.first = reinterpret_cast<int32_t*>(take(lens));
   w.rows_after = reinterpret_cast<int32_t*>(take(lens));
   if (l.positions) w.positions = reinterpret_cast<int64_t*>(take(static_cast<size_t>(p.batch * p.new_len) * 8));
-  const size_t heads_rows = static_cast<size_t>(p.batch * p.kv_heads * l.rows);
-  w.key_rows = take(heads_rows * static_cast<size_t>(p.key_row()));
-  w.value_rows = take(heads_rows * static_cast<size_t>(p.value_row()));
+  if (l.staged) {
+    const size_t heads_rows = static_cast<size_t>(p.batch * p.kv_heads * l.rows);
+    w.key_rows = take(heads_rows * static_cast<size_t>(p.key_row()));
+    w.value_rows = take(heads_rows * static_cast<size_t>(p.value_row()));
+  }
   w.rest = at ? at + w.bytes : nullptr;
   return w;
 }
@@ -173,31 +222,35 @@ cudaError_t window_cache_attention(const AttentionParams& p, const RotaryParams&
   const Cache caches[2] = {{past_key, present_key, w.key_rows, p.key_row()},
                            {past_value, present_value, w.value_rows, p.value_row()}};
   if (!l.staged) {
-    for (const Cache& c : caches) {
-      if (c.past != c.present) {  // a fresh present: the kept rows copied over, the rest zeroed
-        RowCopy m{c.past, cap, c.present, cap, c.row_bytes, p.kv_heads, w.first, a.past_lens, nullptr, true};
-        if ((e = copy_rows(m, p.batch, stream)) != cudaSuccess) return e;
+    RowShift shift;
+    shift.rows = cap, shift.kv_heads = p.kv_heads, shift.first = w.first, shift.count = a.past_lens;
+    for (int i = 0; i < 2; ++i) {
+      const Cache& c = caches[i];
+      if (c.past == c.present) {  // the shared buffer: its kept rows shifted to the front in place
+        shift.cache[i] = c.present, shift.row_bytes[i] = c.row_bytes;
         continue;
       }
-      // the shared buffer: its kept rows through the scratch and back, where the front is dropped
-      RowCopy out{c.past, cap, c.rows, cap, c.row_bytes, p.kv_heads, w.first, a.past_lens, w.first, false};
-      RowCopy back{c.rows, cap, c.present, cap, c.row_bytes, p.kv_heads, nullptr, a.past_lens, w.first, false};
-      if ((e = copy_rows(out, p.batch, stream)) != cudaSuccess) return e;
-      if ((e = copy_rows(back, p.batch, stream)) != cudaSuccess) return e;
+      // a fresh present: the kept rows copied over, the rest zeroed
+      RowCopy m{c.past, cap, c.present, cap, c.row_bytes, p.kv_heads, w.first, a.past_lens, true};
+      if ((e = copy_rows(m, p.batch, stream)) != cudaSuccess) return e;
+    }
+    if ((shift.cache[0] || shift.cache[1]) && p.batch * p.kv_heads > 0) {
+      if (p.batch * p.kv_heads > INT32_MAX) return cudaErrorInvalidValue;
+      shift_rows_kernel<<<dim3(static_cast<unsigned>(p.batch * p.kv_heads), 2), kThreads, 0, stream>>>(shift);
+      if ((e = cudaGetLastError()) != cudaSuccess) return e;
     }
     return gqa_attention_with_lengths(a, rot, q, k, v, present_key, present_value, y, present_key, present_value,
                                       w.rest, num_sms, stream);
   }
   for (const Cache& c : caches) {  // the resident rows into a zeroed staging copy (its new rows' padding zeros)
-    RowCopy in{c.past, cap, c.rows, l.rows, c.row_bytes, p.kv_heads, nullptr, a.past_lens, nullptr, true};
+    RowCopy in{c.past, cap, c.rows, l.rows, c.row_bytes, p.kv_heads, nullptr, a.past_lens, true};
     if ((e = copy_rows(in, p.batch, stream)) != cudaSuccess) return e;
   }
   e = gqa_attention_with_lengths(a, rot, q, k, v, w.key_rows, w.value_rows, y, w.key_rows, w.value_rows, w.rest,
                                  num_sms, stream);
   if (e != cudaSuccess) return e;
   for (const Cache& c : caches) {  // the last L(T) rows back; a fresh present's rows after them zeroed
-    RowCopy out{c.rows, l.rows, c.present, cap, c.row_bytes, p.kv_heads, w.first, w.rows_after, nullptr,
-                c.past != c.present};
+    RowCopy out{c.rows, l.rows, c.present, cap, c.row_bytes, p.kv_heads, w.first, w.rows_after, c.past != c.present};
     if ((e = copy_rows(out, p.batch, stream)) != cudaSuccess) return e;
   }
   return cudaSuccess;
