@@ -16,6 +16,7 @@ void paged_attention(const AttentionParams& p, const RotaryParams& rot, const in
   if (value_pool != value_cache) std::memcpy(value_pool, value_cache, static_cast<size_t>(slots * p.value_row()));
   const int64_t es = dtype_size(p.dtype);
   auto at = [es](const void* base, int64_t elements) { return static_cast<const uint8_t*>(base) + elements * es; };
+  auto* y_bytes = static_cast<uint8_t*>(y);
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t first = cumulative[b], count = cumulative[b + 1] - cumulative[b];
     if (count == 0) continue;  // a sequence with no new token has no output row and no new cache row
@@ -27,7 +28,7 @@ void paged_attention(const AttentionParams& p, const RotaryParams& rot, const in
     s.past_rows = s.present_rows = 0;
     s.block_table = p.block_table + b * p.max_blocks;
     gqa_attention(s, rot, at(q, first * p.q.s), at(k, first * p.k.s), at(v, first * p.v.s), key_pool, value_pool,
-                  const_cast<uint8_t*>(at(y, first * p.y.s)), key_pool, value_pool, pfor);
+                  y_bytes + first * p.y.s * es, key_pool, value_pool, pfor);
   }
 }
 

@@ -115,17 +115,16 @@ def reference(c, feeds):
 def run_in_place(session, feeds):
     """One run with key_cache_out/value_cache_out bound to the pools' own buffers (the Engine's way)."""
     io = session.io_binding()
-    pools = {}
+    # copies of the pools, the OrtValues' memory (an OrtValue shares its array's and does not keep it alive)
+    pools = {name: feeds[name].copy() for name in ("key_cache", "value_cache")}
+    io.bind_output("output", "cpu")  # first: get_outputs() follows the binding order
     for name, x in feeds.items():
-        v = ort.OrtValue.ortvalue_from_numpy(x)
-        if name in ("key_cache", "value_cache"):
-            pools[name] = v
+        v = ort.OrtValue.ortvalue_from_numpy(pools.get(name, x))
         io.bind_ortvalue_input(name, v)
-    io.bind_output("output", "cpu")
-    io.bind_ortvalue_output("key_cache_out", pools["key_cache"])
-    io.bind_ortvalue_output("value_cache_out", pools["value_cache"])
+        if name in pools:
+            io.bind_ortvalue_output(name + "_out", v)
     session.run_with_iobinding(io)
-    return io.get_outputs()[0].numpy(), pools["key_cache"].numpy(), pools["value_cache"].numpy()
+    return io.get_outputs()[0].numpy(), pools["key_cache"], pools["value_cache"]
 
 
 def check(c, feeds, new_slots, got, want):
@@ -154,10 +153,13 @@ def test_presets_match_reference(ort_session, preset, mode):
     pasts, news = MODES[mode]
     c = dict(BASE, formats=fmts, nc=nc, pasts=pasts, news=news, seed=len(preset) * 7 + len(mode))
     model, feeds, new_slots = make(c)
+    pools = feeds["key_cache"].copy(), feeds["value_cache"].copy()
     session = ort_session(model, 2)
     want = reference(c, feeds)
-    check(c, feeds, new_slots, run(session, feeds), want)
+    check(c, feeds, new_slots, run(session, feeds), want)  # fresh outputs: the pools copied into them first
     check(c, feeds, new_slots, run_in_place(session, feeds), want)
+    np.testing.assert_array_equal(feeds["key_cache"], pools[0])  # the fed pools themselves untouched
+    np.testing.assert_array_equal(feeds["value_cache"], pools[1])
 
 
 @pytest.mark.parametrize("formats_, block_size, dtype, rotary, packed", [
@@ -285,3 +287,19 @@ def test_cuda_refuses_until_its_kernels_take_block_tables(cuda_ready):
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     with pytest.raises(Exception, match="TQPagedAttention: no CUDA kernel yet"):
         inference_session(model, providers=["CUDAExecutionProvider"], options=so)
+
+
+def test_a_nan_key_stays_in_its_sequence(ort_session):
+    """A NaN in one new key (docs/ops.md, Non-finite input): its slot holds the format's NaN bytes as the
+    reference packs them, the queries that see it give NaN rows, the other sequences are unaffected."""
+    c = dict(BASE, formats=("mse4", "uint4"), nc=True, pasts=[6, 3, 13], news=[4, 2, 9], seed=8)
+    model, feeds, _ = make(c)
+    feeds["key"][1, 5] = np.nan  # sequence 0's second new token: seen by its last three queries
+    y, pk, pv = run(ort_session(model, 2), feeds)
+    wy, wk, wv = reference(c, feeds)
+    np.testing.assert_array_equal(pk, wk)
+    np.testing.assert_array_equal(pv, wv)
+    nan_rows = np.isnan(y).any(axis=1)
+    np.testing.assert_array_equal(nan_rows, np.isnan(wy).any(axis=1))
+    assert nan_rows.tolist() == [False, True, True, True] + [False] * 11
+    np.testing.assert_allclose(y[~nan_rows], wy[~nan_rows], rtol=2e-4, atol=2e-4 * max(1.0, float(np.abs(wy[~nan_rows]).max())))
