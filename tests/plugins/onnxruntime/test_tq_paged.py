@@ -224,7 +224,7 @@ def cases(draw):
                 rotary=draw(st.sampled_from([0, 16])), seed=draw(st.integers(0, 2**31)))
 
 
-@settings(max_examples=min(40, MAX_EXAMPLES), deadline=None)
+@settings(max_examples=min(100, MAX_EXAMPLES), deadline=None)
 @given(c=cases())
 def test_matches_reference(ort_session, c):
     if sum(c["news"]) == 0:
