@@ -1,7 +1,7 @@
 """The `turboquant` ONNX domain (version 1): op schemas for onnx.defs and onnx.reference kernels.
 
 `register_schemas()` (called on import) lets onnx.checker and onnx.shape_inference accept models
-that use TQPack, TQUnpack and TQAttention, with shape inference for their outputs.
+that use the domain's ops, with shape inference for their outputs.
 `REFERENCE_OPS` plugs the numpy reference into onnx.reference.ReferenceEvaluator:
 
     ReferenceEvaluator(model, new_ops=turboquant.onnx_ops.REFERENCE_OPS).run(None, feeds)
