@@ -303,3 +303,62 @@ def test_a_nan_key_stays_in_its_sequence(ort_session):
     np.testing.assert_array_equal(nan_rows, np.isnan(wy).any(axis=1))
     assert nan_rows.tolist() == [False, True, True, True] + [False] * 11
     np.testing.assert_allclose(y[~nan_rows], wy[~nan_rows], rtol=2e-4, atol=2e-4 * max(1.0, float(np.abs(wy[~nan_rows]).max())))
+
+
+def onnxruntime_paged_model(hq, hkv, d, rotary_dim):
+    """One com.microsoft PagedAttention node over float16 pools (ONNX Runtime's CUDA kernel)."""
+    from onnx import helper
+
+    f16, i32 = TensorProto.FLOAT16, TensorProto.INT32
+    pool = ["num_blocks", "block_size", hkv, d]
+    inputs = [("query", f16, ["T", hq * d]), ("key", f16, ["T", hkv * d]), ("value", f16, ["T", hkv * d]),
+              ("key_cache", f16, pool), ("value_cache", f16, pool), ("cumulative_sequence_length", i32, ["B1"]),
+              ("past_seqlens", i32, ["B"]), ("block_table", i32, ["B", "max_blocks"])]
+    if rotary_dim:
+        inputs += [("cos_cache", f16, ["M", rotary_dim // 2]), ("sin_cache", f16, ["M", rotary_dim // 2])]
+    outputs = [("output", f16, ["T", hq * d]), ("key_cache_out", f16, pool), ("value_cache_out", f16, pool)]
+    node = helper.make_node("PagedAttention", [n for n, _, _ in inputs], [n for n, _, _ in outputs],
+                            domain="com.microsoft", num_heads=hq, kv_num_heads=hkv, do_rotary=int(bool(rotary_dim)))
+    graph = helper.make_graph([node], "paged", [helper.make_tensor_value_info(*i) for i in inputs],
+                              [helper.make_tensor_value_info(*o) for o in outputs])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+                             ir_version=node_models.IR_VERSION)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("rotary", [0, 64])
+def test_raw16_agrees_with_onnxruntime_paged_attention(cuda_ready, ort_session, mode, rotary):
+    """The op's semantics against ONNX Runtime's own PagedAttention (CUDA, float16 pools): raw16 rows are
+    float16 values, so the same pools (viewed as bytes) give the same output and the same new rows."""
+    pasts, news = MODES[mode]
+    news = [n or 2 for n in news]  # a sequence without new tokens is this op's extension, not compared
+    c = dict(BASE, formats=("raw16", "raw16"), nc=True, pasts=pasts, news=news, pad=0, dtype=TensorProto.FLOAT16,
+             rotary=rotary, seed=21)
+    model, feeds, new_slots = make(c)
+    y, pk, pv = run_in_place(ort_session(model, 2), feeds)
+    f16 = {k: (x.view(np.float16) if k in ("key_cache", "value_cache") else x) for k, x in feeds.items()}
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    session = ort.InferenceSession(onnxruntime_paged_model(4, 2, 64, rotary).SerializeToString(), so,
+                                   providers=["CUDAExecutionProvider"])
+    io = session.io_binding()
+    io.bind_output("output", "cuda")
+    pools = {}
+    for name, x in f16.items():
+        if name in ("key_cache", "value_cache"):
+            v = pools[name] = ort.OrtValue.ortvalue_from_numpy(x.copy(), "cuda", 0)
+            io.bind_ortvalue_input(name, v)
+            io.bind_ortvalue_output(name + "_out", v)
+        else:
+            io.bind_cpu_input(name, x)
+    session.run_with_iobinding(io)
+    want_y = io.get_outputs()[0].numpy()
+    want_k, want_v = pools["key_cache"].numpy(), pools["value_cache"].numpy()
+    span = max(1.0, float(np.abs(want_y.astype(np.float32)).max()))
+    np.testing.assert_allclose(y.astype(np.float32), want_y.astype(np.float32), rtol=4e-3, atol=4e-3 * span)
+    for got, want in ((pk.view(np.float16), want_k), (pv.view(np.float16), want_v)):
+        if rotary:  # the rotated keys may round differently by an ulp
+            np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+        else:
+            np.testing.assert_array_equal(got, want)
