@@ -328,7 +328,7 @@ def onnxruntime_paged_model(hq, hkv, d, rotary_dim):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("rotary", [0, 64])
-def test_raw16_agrees_with_onnxruntime_paged_attention(cuda_ready, ort_session, mode, rotary):
+def test_raw16_agrees_with_onnxruntime_cuda_paged_attention(cuda_ready, ort_session, mode, rotary):
     """The op's semantics against ONNX Runtime's own PagedAttention (CUDA, float16 pools): raw16 rows are
     float16 values, so the same pools (viewed as bytes) give the same output and the same new rows."""
     pasts, news = MODES[mode]
