@@ -152,3 +152,52 @@ def gqa_model(
                ("present_value", TensorProto.UINT8, ["B", kv_heads, "T", width])]
     return node_model("TQGroupQueryAttention", inputs, outputs, key_format=key_format, value_format=value_format,
                       num_heads=q_heads, kv_num_heads=kv_heads, **attributes)
+
+
+def paged_model(
+    *, q_heads: int, kv_heads: int, head_dim: int, key_format: str, value_format: str, row_bytes: int | None = None,
+    dtype: int = TensorProto.FLOAT, packed_qkv: bool = False, rotary_dim: int = 0, offsets: bool = False,
+    key_scale: bool = False, local_window_size: int = -1, softcap: float = 0.0, head_sink: bool = False,
+    **attributes,
+) -> onnx.ModelProto:
+    """One TQPagedAttention node (PagedAttention's input order, then turboquant's) with symbolic sizes.
+
+    row_bytes: the pools' last dimension W (default: the larger packed size of the two formats).
+    rotary_dim > 0 adds cos_cache/sin_cache and do_rotary=1; head_sink, the offsets and key_scale add
+    those inputs (10 to 13); local_window_size (-1: none) and softcap (0: none) become attributes when set.
+    """
+    from .config import packed_size
+
+    width = row_bytes or max(packed_size(key_format, head_dim), packed_size(value_format, head_dim))
+    hidden = (q_heads + 2 * kv_heads) * head_dim if packed_qkv else q_heads * head_dim
+    kv = None if packed_qkv else kv_heads * head_dim
+    pool = ["num_blocks", "block_size", kv_heads, width]
+    inputs = [
+        ("query", dtype, ["T", hidden]),
+        None if packed_qkv else ("key", dtype, ["T", kv]),
+        None if packed_qkv else ("value", dtype, ["T", kv]),
+        ("key_cache", TensorProto.UINT8, pool),
+        ("value_cache", TensorProto.UINT8, pool),
+        ("cumulative_sequence_length", TensorProto.INT32, ["B1"]),
+        ("past_seqlens", TensorProto.INT32, ["B"]),
+        ("block_table", TensorProto.INT32, ["B", "max_blocks"]),
+        ("cos_cache", dtype, ["M", rotary_dim // 2]) if rotary_dim else None,
+        ("sin_cache", dtype, ["M", rotary_dim // 2]) if rotary_dim else None,
+        ("head_sink", dtype, [q_heads]) if head_sink else None,
+        ("key_offset", TensorProto.FLOAT, [kv_heads, head_dim]) if offsets else None,
+        ("value_offset", TensorProto.FLOAT, [kv_heads, head_dim]) if offsets else None,
+        ("key_scale", TensorProto.FLOAT, [kv_heads, head_dim]) if key_scale else None,
+    ]
+    while inputs and inputs[-1] is None:
+        inputs.pop()
+    if rotary_dim:
+        attributes.setdefault("do_rotary", 1)
+    if local_window_size != -1:
+        attributes["local_window_size"] = local_window_size
+    if softcap:
+        attributes["softcap"] = float(softcap)
+    outputs = [("output", dtype, ["T", q_heads * head_dim]),
+               ("key_cache_out", TensorProto.UINT8, pool),
+               ("value_cache_out", TensorProto.UINT8, pool)]
+    return node_model("TQPagedAttention", inputs, outputs, key_format=key_format, value_format=value_format,
+                      num_heads=q_heads, kv_num_heads=kv_heads, **attributes)

@@ -1,7 +1,7 @@
 """The `turboquant` ONNX domain (version 1): op schemas for onnx.defs and onnx.reference kernels.
 
 `register_schemas()` (called on import) lets onnx.checker and onnx.shape_inference accept models
-that use TQPack, TQUnpack and TQAttention, with shape inference for their outputs.
+that use the domain's ops, with shape inference for their outputs.
 `REFERENCE_OPS` plugs the numpy reference into onnx.reference.ReferenceEvaluator:
 
     ReferenceEvaluator(model, new_ops=turboquant.onnx_ops.REFERENCE_OPS).run(None, feeds)
@@ -19,6 +19,7 @@ from . import DOMAIN, OPSET_VERSION
 from .config import ALL_FORMATS, packed_size
 from .reference.attention import attention as reference_attention
 from .reference.gqa import group_query_attention as reference_gqa
+from .reference.paged import paged_attention as reference_paged
 from .reference import formats as ref_formats
 from .reference.numerics import bfloat16
 
@@ -119,6 +120,20 @@ def _infer_gqa(ctx):
     _set(ctx, 2, TensorProto.UINT8, present)
 
 
+def _infer_paged(ctx):
+    q = _shape_of(ctx, 0)
+    hq, hkv = _attr(ctx, "num_heads", 0), _attr(ctx, "kv_num_heads", 0)
+    y = None
+    if q is not None and len(q) == 2:
+        d = None
+        if isinstance(q[1], int) and hq:
+            d = q[1] // (hq if ctx.has_input(1) else hq + 2 * hkv)
+        y = [q[0], hq * d if d else None]
+    _set(ctx, 0, ctx.get_input_type(0).tensor_type.elem_type, y)
+    _set(ctx, 1, TensorProto.UINT8, _shape_of(ctx, 3))
+    _set(ctx, 2, TensorProto.UINT8, _shape_of(ctx, 4))
+
+
 def _schemas() -> list[defs.OpSchema]:
     fmt_doc = "one of " + ", ".join(ALL_FORMATS)
     pack = defs.OpSchema(
@@ -210,11 +225,45 @@ def _schemas() -> list[defs.OpSchema]:
                        "1: past_key's C >= W rows are a window-sized buffer (ORT's layout); present has C rows",
                        required=False)],
     )
+    paged = defs.OpSchema(
+        "TQPagedAttention", DOMAIN, OPSET_VERSION,
+        "com.microsoft PagedAttention over pools of packed uint8 KV blocks, updated in place (docs/ops.md).",
+        inputs=[_P("query", "T", "[num_tokens, Hq*D], or [num_tokens, (Hq+2*Hkv)*D] with Q, K, V packed"),
+                _P("key", "T", "[num_tokens, Hkv*D] (absent: packed in query)", param_option=_OPT),
+                _P("value", "T", "[num_tokens, Hkv*D] (absent: packed in query)", param_option=_OPT),
+                _P("key_cache", "tensor(uint8)", "[num_blocks, block_size, Hkv, W], W >= key bytes"),
+                _P("value_cache", "tensor(uint8)", "[num_blocks, block_size, Hkv, W], W >= value bytes"),
+                _P("cumulative_sequence_length", "tensor(int32)", "[B + 1]: first token of each sequence, then num_tokens"),
+                _P("past_seqlens", "tensor(int32)", "[B]: tokens each sequence has cached"),
+                _P("block_table", "tensor(int32)", "[B, max_blocks]: the pool blocks of each sequence, in order"),
+                _P("cos_cache", "T", "[max_positions, rotary_dim/2] (do_rotary)", param_option=_OPT),
+                _P("sin_cache", "T", "[max_positions, rotary_dim/2] (do_rotary)", param_option=_OPT),
+                _P("head_sink", "T", "[Hq]: exp(sink - m) joins each head's softmax denominator", param_option=_OPT),
+                _P("key_offset", "tensor(float)", "[Hkv, D], subtracted from every key", param_option=_OPT),
+                _P("value_offset", "tensor(float)", "[Hkv, D], subtracted from every stored value", param_option=_OPT),
+                _P("key_scale", "tensor(float)", "[Hkv, D] (do_rotary), after the rotary: Q multiplied, K divided",
+                   param_option=_OPT)],
+        outputs=[_P("output", "T", "[num_tokens, Hq*D]"),
+                 _P("key_cache_out", "tensor(uint8)", "key_cache with the new keys in their slots; may be its buffer"),
+                 _P("value_cache_out", "tensor(uint8)",
+                    "value_cache with the new values in their slots; may be its buffer")],
+        type_constraints=[("T", FLOAT_TYPES, "float types")],
+        attributes=[*cache_formats,
+                    _A("num_heads", _ATTR.INT, "Hq", required=True),
+                    _A("kv_num_heads", _ATTR.INT, "Hkv", required=True),
+                    _A("scale", _ATTR.FLOAT, "softmax scale (0 or absent: 1/sqrt(D))", required=False),
+                    _A("do_rotary", _ATTR.INT, "1: rotary embedding of Q and K inside the op", required=False),
+                    _A("rotary_interleaved", _ATTR.INT, "1: rotate neighbouring pairs", required=False),
+                    _A("local_window_size", _ATTR.INT, "-1: none; W > 0: position p sees keys p-W+1 .. p",
+                       required=False),
+                    _A("softcap", _ATTR.FLOAT, "0: none; c > 0: scores become c * tanh(score / c)", required=False)],
+    )
+    paged.set_type_and_shape_inference_function(_infer_paged)
     gqa.set_type_and_shape_inference_function(_infer_gqa)
     pack.set_type_and_shape_inference_function(_infer_pack)
     unpack.set_type_and_shape_inference_function(_infer_unpack)
     attention.set_type_and_shape_inference_function(_infer_attention)
-    return [pack, unpack, attention, gqa]
+    return [pack, unpack, attention, gqa, paged]
 
 
 def register_schemas() -> None:
@@ -302,6 +351,25 @@ class TQGroupQueryAttention(OpRun):
             softcap=float(softcap or 0.0), head_sink=head_sink, sliding_window_cache=bool(sliding_window_cache))
 
 
-REFERENCE_OPS = [TQPack, TQUnpack, TQAttention, TQGroupQueryAttention]
+class TQPagedAttention(OpRun):
+    op_domain = DOMAIN
+
+    def _run(self, query, key=None, value=None, key_cache=None, value_cache=None, cumulative_sequence_length=None,
+             past_seqlens=None, block_table=None, cos_cache=None, sin_cache=None, head_sink=None, key_offset=None,
+             value_offset=None, key_scale=None, key_format=None, value_format=None, norm_correction=None,
+             num_heads=None, kv_num_heads=None, scale=None, do_rotary=None, rotary_interleaved=None,
+             local_window_size=None, softcap=None):
+        return reference_paged(
+            query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
+            cos_cache, sin_cache, key_offset, value_offset, key_scale, key_format=_s(key_format or "mse4"),
+            value_format=_s(value_format or "uint4"),
+            norm_correction=True if norm_correction is None else bool(norm_correction),
+            num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale or None, do_rotary=bool(do_rotary),
+            rotary_interleaved=bool(rotary_interleaved),
+            local_window_size=-1 if local_window_size is None else int(local_window_size),
+            softcap=float(softcap or 0.0), head_sink=head_sink)
+
+
+REFERENCE_OPS = [TQPack, TQUnpack, TQAttention, TQGroupQueryAttention, TQPagedAttention]
 
 register_schemas()

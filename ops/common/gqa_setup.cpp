@@ -189,10 +189,10 @@ void check_position_ids(const GqaSetup& r, const int64_t* ids) {
   }
 }
 
-void check_key_scale(const float* key_scale, int64_t count) {
+void check_key_scale(const float* key_scale, int64_t count, const char* op) {
   for (int64_t i = 0; i < count; ++i) {
     if (!(key_scale[i] > 0.f) || !std::isfinite(key_scale[i])) {
-      fail("key_scale[", i, "] = ", key_scale[i], " must be positive and finite (the keys are divided by it)");
+      throw_invalid(op, "key_scale[", i, "] = ", key_scale[i], " must be positive and finite (the keys are divided by it)");
     }
   }
 }

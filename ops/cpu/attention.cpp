@@ -302,6 +302,8 @@ class Runner {
     shifted_ = p.key_offset != nullptr && (p.softcap > 0.0f || p.head_sink != nullptr);
     key_bytes_ = p.key_row();
     value_bytes_ = p.value_row();
+    key_stride_ = p.row_stride(key_bytes_);
+    value_stride_ = p.row_stride(value_bytes_);
   }
 
   int64_t rows_per_head() const { return p_.q_len * group_; }
@@ -364,7 +366,6 @@ class Runner {
       from = std::min(from, st.start[r]);
     }
     if (visible <= from) return;
-    const uint8_t* keys = past_key_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * key_bytes_;
     const bool mse = is_mse(p_.key_format);
     const int bits = format_bits(p_.key_format), dp = padded_dim(d);
     const int rp = rb <= 1 ? 1 : rb <= 2 ? 2 : rb <= 4 ? 4 : 8;
@@ -387,20 +388,21 @@ class Runner {
     w.scores.resize(static_cast<size_t>(kLutRows) * kPastChunk);
     float* sc = w.scores.data();
     float* acc = &w.acc[static_cast<size_t>(r0) * dv];
-    for (int64_t j0 = from; j0 < visible; j0 += kPastChunk) {
-      const int n = static_cast<int>(std::min<int64_t>(kPastChunk, visible - j0));
-      const uint8_t* kb = keys + j0 * key_bytes_;
+    for (int64_t j0 = from, step = 0; j0 < visible; j0 += step) {  // chunks of rows that lie key_stride_ apart
+      step = std::min<int64_t>(std::min<int64_t>(kPastChunk, visible - j0), p_.run_length(j0));
+      const int n = static_cast<int>(step);
+      const uint8_t* kb = past_key_ + p_.row_offset(t.b, t.hkv, j0, past_rows_, key_bytes_);
       if (mse) {
         switch (rp) {
-          case 1: score_mse_rows<1>(bits, dp, w.lut.data(), kb, key_bytes_, n, rb, sc, kPastChunk); break;
-          case 2: score_mse_rows<2>(bits, dp, w.lut.data(), kb, key_bytes_, n, rb, sc, kPastChunk); break;
-          case 4: score_mse_rows<4>(bits, dp, w.lut.data(), kb, key_bytes_, n, rb, sc, kPastChunk); break;
-          default: score_mse_rows<8>(bits, dp, w.lut.data(), kb, key_bytes_, n, rb, sc, kPastChunk); break;
+          case 1: score_mse_rows<1>(bits, dp, w.lut.data(), kb, key_stride_, n, rb, sc, kPastChunk); break;
+          case 2: score_mse_rows<2>(bits, dp, w.lut.data(), kb, key_stride_, n, rb, sc, kPastChunk); break;
+          case 4: score_mse_rows<4>(bits, dp, w.lut.data(), kb, key_stride_, n, rb, sc, kPastChunk); break;
+          default: score_mse_rows<8>(bits, dp, w.lut.data(), kb, key_stride_, n, rb, sc, kPastChunk); break;
         }
       } else {
         float kf[kMaxHeadDim];
         for (int j = 0; j < n; ++j) {
-          plain_row_as_floats(p_.key_format, d, kb + j * key_bytes_, kf);
+          plain_row_as_floats(p_.key_format, d, kb + j * key_stride_, kf);
           for (int r = 0; r < rb; ++r) sc[r * kPastChunk + j] = dot(&w.q[static_cast<size_t>(r0 + r) * d], kf, d);
         }
       }
@@ -444,16 +446,14 @@ class Runner {
     }
     w.kt.resize(static_cast<size_t>(dq) * kKeys);
     w.vt.resize(static_cast<size_t>(kKeys) * dv);
-    const uint8_t* keys = past_key_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * key_bytes_;
-    const uint8_t* vals = past_value_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * value_bytes_;
     tile_pass(t, st, 0, sp, qm, dq, w, true, [&](int64_t j0, int n) {
       float *kt = w.kt.data(), *vt = w.vt.data();
       alignas(32) float rows8[8][kMaxHeadDim];
       for (int u0 = 0; u0 < kKeys; u0 += 8) {
         for (int u = u0; u < u0 + 8; ++u) {
           if (u < n) {
-            decode_key_row(keys + (j0 + u) * key_bytes_, dq, rows8[u - u0]);
-            decode_value_row(vals + (j0 + u) * value_bytes_, vt + u * dv);
+            decode_key_row(past_key_ + p_.row_offset(t.b, t.hkv, j0 + u, past_rows_, key_bytes_), dq, rows8[u - u0]);
+            decode_value_row(past_value_ + p_.row_offset(t.b, t.hkv, j0 + u, past_rows_, value_bytes_), vt + u * dv);
           } else {
             std::memset(rows8[u - u0], 0, sizeof(float) * dq);
           }
@@ -596,7 +596,8 @@ class Runner {
     }
   }
 
-  // acc[r][:] += sum_j w[r][j] * decode(value_{j0 + j}) for the n past tokens of a chunk, a tile of
+  // acc[r][:] += sum_j w[r][j] * decode(value_{j0 + j}) for the n past tokens of a chunk (rows
+  // value_stride_ apart), a tile of
   // kTile tokens at a time: the tile's rows are decoded once into floats, then each 8-wide column block
   // of the accumulators stays in registers while the tile's tokens are added into it. For uint formats
   // the codes are used as they are and the zero points summed apart: w * (q * scale + zero).
@@ -604,7 +605,7 @@ class Runner {
                               float* acc) const {
     constexpr int kTile = 16;
     const int dv = p_.v_head_dim;
-    const uint8_t* vals = past_value_ + (t.b * p_.kv_heads + t.hkv) * past_rows_ * value_bytes_ + j0 * value_bytes_;
+    const uint8_t* vals = past_value_ + p_.row_offset(t.b, t.hkv, j0, past_rows_, value_bytes_);
     const bool uint_fmt = is_uint(p_.value_format);
     const int bits = format_bits(p_.value_format);
     const int nb = payload_bytes(p_.value_format, dv);
@@ -613,7 +614,7 @@ class Runner {
     for (int u0 = 0; u0 < n_chunk; u0 += kTile) {
       const int n = std::min(kTile, n_chunk - u0);
       for (int u = 0; u < n; ++u) {
-        const uint8_t* vb = vals + (u0 + u) * value_bytes_;
+        const uint8_t* vb = vals + (u0 + u) * value_stride_;
         float vscale = 1.0f;
         if (uint_fmt) {
           uint_row_as_floats(bits, dv, vb, 1.0f, 0.0f, tile[u]);  // the codes: scale and zero apply below
@@ -690,28 +691,32 @@ class Runner {
   int group_;
   bool tiled_past_, shifted_;
   int64_t past_rows_, key_bytes_, value_bytes_;
+  int64_t key_stride_, value_stride_;  // bytes from one past row of a (b, h) to the next (p.row_stride)
 };
 
 // present[b, h] = past[b, h] ++ pack(new[b, h] - offset[h]): the past rows copied unless present is
 // past (a shared buffer), the rows after them zeroed in a fresh preallocated present, the new rows
-// written after sequence b's own past.
+// written after sequence b's own past. A paged pool is present and past at once: only its new rows
+// are written, into the slots the block table gives them.
 void write_present(const AttentionParams& p, Format fmt, int d, int64_t row_bytes, const BhsStrides& st,
                    const void* x, const float* offset, const uint8_t* past, uint8_t* present, const ParallelFor& pfor) {
   const int64_t past_rows = p.past_rows_or_len(), present_rows = p.present_rows_or_total();
   const bool nc = p.norm_correction, copy = past != nullptr && past != present && past_rows > 0;
   pfor(static_cast<size_t>(p.batch * p.kv_heads), [&](size_t bh) {
     const int64_t b = static_cast<int64_t>(bh) / p.kv_heads, h = static_cast<int64_t>(bh) % p.kv_heads;
-    uint8_t* dst = present + static_cast<int64_t>(bh) * present_rows * row_bytes;
-    if (copy) std::memcpy(dst, past + static_cast<int64_t>(bh) * past_rows * row_bytes, past_rows * row_bytes);
-    const int64_t zero_from = p.zeroed_from(past, present);
-    std::memset(dst + zero_from * row_bytes, 0, (present_rows - zero_from) * row_bytes);
+    if (!p.block_table) {
+      uint8_t* dst = present + static_cast<int64_t>(bh) * present_rows * row_bytes;
+      if (copy) std::memcpy(dst, past + static_cast<int64_t>(bh) * past_rows * row_bytes, past_rows * row_bytes);
+      const int64_t zero_from = p.zeroed_from(past, present);
+      std::memset(dst + zero_from * row_bytes, 0, (present_rows - zero_from) * row_bytes);
+    }
     float row[kMaxHeadDim];
     const float* off = offset ? offset + h * d : nullptr;
     const int64_t first = p.past_of(b);
     for (int64_t n = 0; n < p.new_len; ++n) {
       load_row(p.dtype, x, b * st.b + h * st.h + n * st.s, d, row);
       if (off) for (int i = 0; i < d; ++i) row[i] -= off[i];
-      encode_vector(fmt, d, nc, row, dst + (first + n) * row_bytes);
+      encode_vector(fmt, d, nc, row, present + p.row_offset(b, h, first + n, present_rows, row_bytes));
     }
   });
 }

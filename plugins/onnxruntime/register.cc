@@ -8,6 +8,7 @@
 #include "tq_attention_op.h"
 #include "tq_gqa_op.h"
 #include "tq_pack_ops.h"
+#include "tq_paged_op.h"
 
 namespace {
 
@@ -33,6 +34,7 @@ void add_ops(Ort::CustomOpDomain& domain) {
   domain.Add(&unpack);
   add_float_variants<turboquant::ort::AttentionOp, kDevice>(domain);
   add_float_variants<turboquant::ort::GqaOp, kDevice>(domain);
+  add_float_variants<turboquant::ort::PagedOp, kDevice>(domain);
 }
 
 }  // namespace

@@ -132,3 +132,34 @@ def test_window_sized_cache_in_the_reference_evaluator(rng, ort_session):
     np.testing.assert_allclose(got[0], want[0], rtol=2e-4, atol=2e-4)
     for g, w in zip(got[1:], want[1:]):
         np.testing.assert_array_equal(g, w)
+
+
+def test_reference_evaluator_runs_paged_attention(rng):
+    """The ReferenceEvaluator op is the numpy reference; shape inference gives the pools' shapes back."""
+    from turboquant.reference import paged_attention
+
+    m = node_models.paged_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4",
+                                rotary_dim=64)
+    onnx.checker.check_model(m, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    shapes = {o.name: [d.dim_value or d.dim_param for d in o.type.tensor_type.shape.dim] for o in inferred.graph.output}
+    assert shapes == {"output": ["T", 256], "key_cache_out": ["num_blocks", "block_size", 2, 36],
+                      "value_cache_out": ["num_blocks", "block_size", 2, 36]}
+    pool = rng.integers(0, 256, (6, 4, 2, 36), dtype=np.uint8)
+    pool[..., :34] = formats.pack(rng.standard_normal((6, 4, 2, 64)).astype(np.float32), "mse4")
+    angles = rng.uniform(0, 6.3, (16, 32))
+    feeds = {"query": rng.standard_normal((3, 256)).astype(np.float32),
+             "key": rng.standard_normal((3, 128)).astype(np.float32),
+             "value": rng.standard_normal((3, 128)).astype(np.float32),
+             "key_cache": pool, "value_cache": pool.copy(),
+             "cumulative_sequence_length": np.array([0, 2, 3], np.int32), "past_seqlens": np.array([5, 0], np.int32),
+             "block_table": np.array([[4, 1], [0, -1]], np.int32),
+             "cos_cache": np.cos(angles).astype(np.float32), "sin_cache": np.sin(angles).astype(np.float32)}
+    got = ReferenceEvaluator(m, new_ops=onnx_ops.REFERENCE_OPS).run(None, feeds)
+    want = paged_attention(*(feeds[k] for k in ("query", "key", "value", "key_cache", "value_cache",
+                                                 "cumulative_sequence_length", "past_seqlens", "block_table",
+                                                 "cos_cache", "sin_cache")),
+                           key_format="mse4", value_format="uint4", num_heads=4, kv_num_heads=2, do_rotary=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert (got[1] != pool).any(axis=(2, 3)).sum() == 3  # the three new tokens' slots, and nothing else

@@ -3,5 +3,6 @@
 from .attention import attention
 from .formats import pack, unpack
 from .gqa import group_query_attention
+from .paged import paged_attention
 
-__all__ = ["attention", "group_query_attention", "pack", "unpack"]
+__all__ = ["attention", "group_query_attention", "pack", "paged_attention", "unpack"]

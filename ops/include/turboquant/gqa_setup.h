@@ -62,6 +62,7 @@ void check_position_ids(const GqaSetup& setup, const int64_t* position_ids);
 
 // key_scale (host memory, one value per rotated channel of a KV head): positive and finite, as the
 // keys are divided by it before packing. Throws InvalidArgument.
-void check_key_scale(const float* key_scale, int64_t count);
+// op: the name the message starts with (TQPagedAttention shares the check).
+void check_key_scale(const float* key_scale, int64_t count, const char* op = "TQGroupQueryAttention");
 
 }  // namespace turboquant

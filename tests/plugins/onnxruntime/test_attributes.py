@@ -17,6 +17,8 @@ def model_for(op):
         return node_models.attention_model(**ATTENTION)
     if op == "TQGroupQueryAttention":
         return node_models.gqa_model(**GQA)
+    if op == "TQPagedAttention":
+        return node_models.paged_model(**GQA)
     if op == "TQPack":
         return node_models.pack_model("uint4", 64)
     return node_models.unpack_model("uint4", 64)
@@ -41,6 +43,8 @@ def with_attribute(model, name, value):
     ("TQGroupQueryAttention", "local_window_size", 2.0, "INT", "FLOAT"),
     ("TQGroupQueryAttention", "num_heads", "4", "INT", "STRING"),
     ("TQGroupQueryAttention", "scale", [0.5], "FLOAT", "FLOATS"),
+    ("TQPagedAttention", "softcap", 30, "FLOAT", "INT"),
+    ("TQPagedAttention", "value_format", 4, "STRING", "INT"),
     ("TQPack", "format", 4, "STRING", "INT"),
     ("TQPack", "norm_correction", 0.0, "INT", "FLOAT"),
     ("TQPack", "head_dim", 64.0, "INT", "FLOAT"),
@@ -56,6 +60,7 @@ def test_a_wrongly_typed_attribute_is_refused(ort_session, op, name, value, decl
 
 @pytest.mark.parametrize("op, name, value", [
     ("TQAttention", "scale", 0.125), ("TQAttention", "is_causal", 1), ("TQGroupQueryAttention", "do_rotary", 0),
+    ("TQPagedAttention", "local_window_size", 8),
     ("TQPack", "format", "mse3"), ("TQUnpack", "dtype", TensorProto.FLOAT),
 ])
 def test_attributes_of_the_declared_type_are_accepted(ort_session, op, name, value):
