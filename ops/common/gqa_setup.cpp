@@ -27,18 +27,23 @@ void check_cache(const Dims& s, const char* name, int64_t b, int64_t hkv, int64_
 
 }  // namespace
 
-void GqaAttrs::validate() const {
-  if (key_format == Format::kInvalid || value_format == Format::kInvalid) fail("invalid key or value format");
-  if (is_uint(key_format)) fail("key_format '", format_name(key_format), "' is a value format");
+void GroupedAttrs::validate(const char* op) const {
+  auto refuse = [op](auto&&... args) { throw_invalid(op, args...); };
+  if (key_format == Format::kInvalid || value_format == Format::kInvalid) refuse("invalid key or value format");
+  if (is_uint(key_format)) refuse("key_format '", format_name(key_format), "' is a value format");
   if (num_heads <= 0 || kv_num_heads <= 0 || num_heads % kv_num_heads != 0 || num_heads > kMaxHeads) {
-    fail("attributes num_heads (", num_heads, ") and kv_num_heads (", kv_num_heads,
-         ") must be positive, num_heads a multiple of kv_num_heads and at most ", kMaxHeads);
+    refuse("attributes num_heads (", num_heads, ") and kv_num_heads (", kv_num_heads,
+           ") must be positive, num_heads a multiple of kv_num_heads and at most ", kMaxHeads);
   }
-  if (!(scale >= 0.f) || !std::isfinite(scale)) fail("attribute 'scale' must be finite and >= 0, got ", scale);
+  if (!(scale >= 0.f) || !std::isfinite(scale)) refuse("attribute 'scale' must be finite and >= 0, got ", scale);
   if (local_window_size == 0 || local_window_size < -1) {
-    fail("attribute 'local_window_size' must be -1 (no window) or positive, got ", local_window_size);
+    refuse("attribute 'local_window_size' must be -1 (no window) or positive, got ", local_window_size);
   }
-  if (!(softcap >= 0.f) || !std::isfinite(softcap)) fail("attribute 'softcap' must be finite and >= 0, got ", softcap);
+  if (!(softcap >= 0.f) || !std::isfinite(softcap)) refuse("attribute 'softcap' must be finite and >= 0, got ", softcap);
+}
+
+void GqaAttrs::validate() const {
+  GroupedAttrs::validate(kOp);
   if (smooth_softmax) fail("smooth_softmax is not supported");
   if (qk_output != 0) fail("qk_output = ", qk_output, " is not supported");
   if (sliding_window_cache && local_window_size <= 0) fail("sliding_window_cache=1 requires local_window_size > 0.");

@@ -16,19 +16,7 @@ template <typename... Args>
 
 }  // namespace
 
-void PagedAttrs::validate() const {
-  if (key_format == Format::kInvalid || value_format == Format::kInvalid) fail("invalid key or value format");
-  if (is_uint(key_format)) fail("key_format '", format_name(key_format), "' is a value format");
-  if (num_heads <= 0 || kv_num_heads <= 0 || num_heads % kv_num_heads != 0 || num_heads > kMaxHeads) {
-    fail("attributes num_heads (", num_heads, ") and kv_num_heads (", kv_num_heads,
-         ") must be positive, num_heads a multiple of kv_num_heads and at most ", kMaxHeads);
-  }
-  if (!(scale >= 0.f) || !std::isfinite(scale)) fail("attribute 'scale' must be finite and >= 0, got ", scale);
-  if (local_window_size == 0 || local_window_size < -1) {
-    fail("attribute 'local_window_size' must be -1 (no window) or positive, got ", local_window_size);
-  }
-  if (!(softcap >= 0.f) || !std::isfinite(softcap)) fail("attribute 'softcap' must be finite and >= 0, got ", softcap);
-}
+void PagedAttrs::validate() const { GroupedAttrs::validate(kOp); }
 
 PagedSetup setup_paged(const PagedAttrs& a, const PagedShapes& s, DType dtype) {
   a.validate();

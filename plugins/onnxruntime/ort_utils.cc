@@ -130,6 +130,19 @@ bool attr_bool(const char* op, const OrtKernelInfo* info, const char* name, bool
   return v == 1;
 }
 
+void read_grouped_attrs(const char* op, const OrtKernelInfo* info, GroupedAttrs& a) {
+  a.key_format = attr_format(op, info, "key_format", "mse4");
+  a.value_format = attr_format(op, info, "value_format", "uint4");
+  a.norm_correction = attr_bool(op, info, "norm_correction", true);
+  a.num_heads = attr_int(op, info, "num_heads", 0);
+  a.kv_num_heads = attr_int(op, info, "kv_num_heads", 0);
+  a.scale = attr_float(op, info, "scale", 0.0f);
+  a.do_rotary = attr_bool(op, info, "do_rotary", false);
+  a.rotary_interleaved = attr_bool(op, info, "rotary_interleaved", false);
+  a.local_window_size = attr_int(op, info, "local_window_size", -1);
+  a.softcap = attr_float(op, info, "softcap", 0.0f);
+}
+
 DType to_dtype(ONNXTensorElementDataType t) {
   switch (t) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return DType::kFloat16;

@@ -14,6 +14,7 @@
 
 #include "turboquant/attention_setup.h"  // InvalidArgument
 #include "turboquant/cpu_kernels.h"
+#include "turboquant/gqa_setup.h"  // GroupedAttrs
 
 namespace turboquant::ort {
 
@@ -45,6 +46,8 @@ int64_t infer_attr_int(const char* op, OrtShapeInferContext* ctx, const char* na
 // The format named by a string attribute; fails with the list of valid names.
 Format attr_format(const char* op, const OrtKernelInfo* info, const char* name, const char* dflt);
 bool attr_bool(const char* op, const OrtKernelInfo* info, const char* name, bool dflt);
+// The attributes GroupQueryAttention and PagedAttention share, with their defaults, and the formats.
+void read_grouped_attrs(const char* op, const OrtKernelInfo* info, GroupedAttrs& a);
 
 DType to_dtype(ONNXTensorElementDataType t);
 const char* dtype_name(ONNXTensorElementDataType t);

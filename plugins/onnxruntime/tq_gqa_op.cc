@@ -14,16 +14,7 @@ void check_type(const Ort::ConstValue& x, const char* name, ONNXTensorElementDat
 }  // namespace
 
 GqaKernel::GqaKernel(const OrtKernelInfo* info, ONNXTensorElementDataType t, Device dev) : type(t), device(dev) {
-  attrs.key_format = attr_format(kOp, info, "key_format", "mse4");
-  attrs.value_format = attr_format(kOp, info, "value_format", "uint4");
-  attrs.norm_correction = attr_bool(kOp, info, "norm_correction", true);
-  attrs.num_heads = attr_int(kOp, info, "num_heads", 0);
-  attrs.kv_num_heads = attr_int(kOp, info, "kv_num_heads", 0);
-  attrs.scale = attr_float(kOp, info, "scale", 0.0f);
-  attrs.do_rotary = attr_bool(kOp, info, "do_rotary", false);
-  attrs.rotary_interleaved = attr_bool(kOp, info, "rotary_interleaved", false);
-  attrs.local_window_size = attr_int(kOp, info, "local_window_size", -1);
-  attrs.softcap = attr_float(kOp, info, "softcap", 0.0f);
+  read_grouped_attrs(kOp, info, attrs);
   attrs.smooth_softmax = attr_bool(kOp, info, "smooth_softmax", false);
   attrs.qk_output = attr_int(kOp, info, "qk_output", 0);
   const int64_t window_cache = attr_int(kOp, info, "sliding_window_cache", 0);

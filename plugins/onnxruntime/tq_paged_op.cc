@@ -18,16 +18,7 @@ PagedKernel::PagedKernel(const OrtKernelInfo* info, ONNXTensorElementDataType t,
     fail(kOp, "no CUDA kernel yet (the CUDA kernels do not address rows through a block table); "
               "run this node on the CPU execution provider");
   }
-  attrs.key_format = attr_format(kOp, info, "key_format", "mse4");
-  attrs.value_format = attr_format(kOp, info, "value_format", "uint4");
-  attrs.norm_correction = attr_bool(kOp, info, "norm_correction", true);
-  attrs.num_heads = attr_int(kOp, info, "num_heads", 0);
-  attrs.kv_num_heads = attr_int(kOp, info, "kv_num_heads", 0);
-  attrs.scale = attr_float(kOp, info, "scale", 0.0f);
-  attrs.do_rotary = attr_bool(kOp, info, "do_rotary", false);
-  attrs.rotary_interleaved = attr_bool(kOp, info, "rotary_interleaved", false);
-  attrs.local_window_size = attr_int(kOp, info, "local_window_size", -1);
-  attrs.softcap = attr_float(kOp, info, "softcap", 0.0f);
+  read_grouped_attrs(kOp, info, attrs);
   attrs.validate();
 }
 

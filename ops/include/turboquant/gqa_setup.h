@@ -12,7 +12,8 @@
 
 namespace turboquant {
 
-struct GqaAttrs {
+// The attributes GroupQueryAttention and PagedAttention share, and turboquant's formats.
+struct GroupedAttrs {
   Format key_format = Format::kMse4, value_format = Format::kUint4;
   bool norm_correction = true;
   int64_t num_heads = 0, kv_num_heads = 0;
@@ -20,6 +21,10 @@ struct GqaAttrs {
   bool do_rotary = false, rotary_interleaved = false;
   int64_t local_window_size = -1;  // -1: none; > 0: the window W (AttentionParams::window)
   float softcap = 0.f;              // 0: none
+  void validate(const char* op) const;  // throws InvalidArgument("<op>: ...")
+};
+
+struct GqaAttrs : GroupedAttrs {
   // ORT's sliding_window_cache: past_key's rows are a window-sized buffer of capacity C >= W in the
   // layout of turboquant/window_cache.h, and present has C rows
   bool sliding_window_cache = false;

@@ -7,19 +7,13 @@
 #include <optional>
 
 #include "turboquant/attention_setup.h"  // Dims, InvalidArgument
+#include "turboquant/gqa_setup.h"        // GroupedAttrs
 #include "turboquant/params.h"
 
 namespace turboquant {
 
-struct PagedAttrs {
-  Format key_format = Format::kMse4, value_format = Format::kUint4;
-  bool norm_correction = true;
-  int64_t num_heads = 0, kv_num_heads = 0;
-  float scale = 0.f;
-  bool do_rotary = false, rotary_interleaved = false;
-  int64_t local_window_size = -1;  // -1: none; > 0: the window W (AttentionParams::window)
-  float softcap = 0.f;              // 0: none
-  void validate() const;            // throws InvalidArgument
+struct PagedAttrs : GroupedAttrs {
+  void validate() const;  // throws InvalidArgument
 };
 
 // Input shapes, by TQPagedAttention's input order (key/value absent: QKV packed in query).
