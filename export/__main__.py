@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                    "TensorRT plugins by the ONNX parser; not runnable in ONNX Runtime)")
     p.add_argument("--unsupported", choices=["refuse", "leave"], default="refuse",
                    help="GroupQueryAttention (onnxruntime-genai) nodes using features TQGroupQueryAttention lacks "
-                   "(smooth softmax, attention bias, QK output, a quantized cache): refuse the model (default) or leave "
+                   "(attention bias, QK output, a quantized cache): refuse the model (default) or leave "
                    "those layers as they are")
     p.add_argument("--cache", choices=["auto", "in-place", "concat"], default="auto",
                    help="in-place: preallocated buffers of max_length rows bound as both past and present and written "

@@ -21,8 +21,9 @@ section, so genai allocates those layers C rows of the packed width); without it
 CUDA build, TensorRT) they become full-length ones, rows by position as in every other layer: the
 attribute dropped and the layer's cache length named as the full layers' (export/genai.py drops the
 section, so genai allocates max_length rows for every layer); the op still reads only the window's
-rows. Nodes with features the op lacks (smooth softmax,
-attention bias, QK output, quantized caches) are refused, or with unsupported="leave" kept as they
+rows. smooth_softmax becomes a head_sink of zeros (ONNX Runtime's definition: a sink of 0 in every
+head's denominator). Nodes with features the op lacks (attention bias, QK output, quantized caches)
+are refused, or with unsupported="leave" kept as they
 are (the model then mixes cache dtypes and is no longer loadable by onnxruntime-genai, which the
 summary says).
 """
@@ -45,6 +46,7 @@ from .surgery import _initializer, _replace_graph_output
 
 BOUNDARY_FORMAT = "raw16"
 _NUM_INPUTS = 12  # GroupQueryAttention's inputs, up to head_sink; key_offset, value_offset, key_scale follow
+_HEAD_SINK = 11
 # (its later ones: 12, 13 k_scale, v_scale; 14, 15 q_norm_weight, k_norm_weight, unfused by export/qk_norm.py;
 # 16 query_seqlens)
 _PASS = {"Cast", "Identity"}
@@ -137,8 +139,6 @@ def unsupported_features(n: ir.Node) -> list[str]:
         found.append(f"local_window_size={window}")
     if not (np.isfinite(softcap) and softcap >= 0):
         found.append(f"softcap={softcap}")
-    if _attr(n, "smooth_softmax", 0):
-        found.append("smooth_softmax")
     if _attr(n, "qk_output", 0) or (len(n.outputs) > 3 and n.outputs[3].uses()):
         found.append("the QK output")
     names = {10: "attention_bias", 12: "k_scale (a quantized cache)", 13: "v_scale (a quantized cache)",
@@ -189,9 +189,19 @@ def _replace(graph: ir.Graph, old: ir.Node, key_format: str, value_format: str, 
     """extra: the inputs to append after GroupQueryAttention's (key_offset, value_offset, key_scale).
     window_cache: window-sized buffers stay so, else they become full-length ones (module docstring)."""
     inputs = list(old.inputs)[:_NUM_INPUTS]
+    inputs += [None] * (_NUM_INPUTS - len(inputs))
+    if _attr(old, "smooth_softmax", 0) and inputs[_HEAD_SINK] is None:
+        # ONNX Runtime's smooth_softmax is a sink of 0 in every head's denominator (a head_sink, when
+        # given, takes its place)
+        zeros = np.zeros(_attr(old, "num_heads", 0), old.inputs[0].dtype.numpy())
+        inputs[_HEAD_SINK] = ir.Value(name=f"{old.name}/smooth_softmax_sink", const_value=ir.tensor(zeros))
+        graph.register_initializer(inputs[_HEAD_SINK])
     if extra:
-        inputs += [None] * (_NUM_INPUTS - len(inputs)) + list(extra)
-    attrs = {name: a.value for name, a in old.attributes.items() if window_cache or name != "sliding_window_cache"}
+        inputs += list(extra)
+    while inputs and inputs[-1] is None:
+        inputs.pop()
+    dropped = {"smooth_softmax"} | (set() if window_cache else {"sliding_window_cache"})
+    attrs = {name: a.value for name, a in old.attributes.items() if name not in dropped}
     attrs.update(key_format=key_format, value_format=value_format, norm_correction=int(norm_correction))
     new = ir.node("TQGroupQueryAttention", inputs, attrs, domain=turboquant.DOMAIN, num_outputs=3,
                   name=f"{old.name}/turboquant")

@@ -91,6 +91,32 @@ def test_rewritten_model_tracks_the_original(built, rewritten, name, preset):
     assert top1 >= (0.8 if preset in ("turboquant_k8v4", "turboquant_4bit_nc") else 0.6), (kl, top1)
 
 
+def test_smooth_softmax_becomes_a_zero_sink(built, tmp_path):
+    """GroupQueryAttention's smooth_softmax (a sink of 0 in every head's denominator, ONNX Runtime's
+    definition) is rewritten as a head_sink of zeros: the prompt's step, attended exactly, gives the
+    original's logits, which smooth_softmax changes."""
+    m = onnx.load(built("llama"))
+    for node in (n for n in m.graph.node if n.op_type == "GroupQueryAttention"):
+        node.attribute.append(onnx.helper.make_attribute("smooth_softmax", 1))
+    src = tmp_path / "smooth" / "model.onnx"
+    src.parent.mkdir()
+    onnx.save(m, src, save_as_external_data=True, location="model.onnx.data")
+    shutil.copy(built("llama").parent / "genai_config.json", src.parent)
+    result = export(src, "turboquant_4bit_nc", tmp_path / "out" / "model.onnx", progress=False, calibrate="random")
+    assert result.compressed == [2, 3]
+    out = onnx.load(result.output, load_external_data=False)
+    sinks = {i.name: onnx.numpy_helper.to_array(i) for i in out.graph.initializer if "smooth_softmax_sink" in i.name}
+    for node in (n for n in out.graph.node if n.op_type == "TQGroupQueryAttention"):
+        assert "smooth_softmax" not in {a.name for a in node.attribute}
+        assert node.input[11] in sinks and not sinks[node.input[11]].any() and sinks[node.input[11]].shape == (4,)
+    ids = np.random.default_rng(7).integers(0, CONFIGS["llama"].vocab, (2, 12 + 2))
+    a = SharedBufferDecoder(src, MAX_LENGTH).teacher_forced(ids, 12)
+    b = SharedBufferDecoder(result.output, MAX_LENGTH).teacher_forced(ids, 12)
+    plain = SharedBufferDecoder(built("llama"), MAX_LENGTH).teacher_forced(ids, 12)
+    np.testing.assert_allclose(b[:, 0], a[:, 0], atol=1e-3 * max(1.0, float(np.abs(a[:, 0]).max())))
+    assert np.abs(plain[:, 0] - a[:, 0]).max() > 1e-2 * max(1.0, float(np.abs(a[:, 0]).max()))
+
+
 def _cache_dims(path) -> dict[str, tuple]:
     """name -> (elem type, dim 1, dim 3) of every cache input and output, as the model declares them."""
     m = onnx.load(path, load_external_data=False)
@@ -335,22 +361,27 @@ def test_cuda_graph_enabled_in_the_folder(built, tmp_path, capsys):
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
 
 
+def _with_qk_output(m: onnx.ModelProto, index: int) -> onnx.ModelProto:
+    """The model with GroupQueryAttention node `index`'s QK output (qk_output = 1) as a graph output."""
+    node = [n for n in m.graph.node if n.op_type == "GroupQueryAttention"][index]
+    node.output.append(f"qk_{index}")
+    node.attribute.append(onnx.helper.make_attribute("qk_output", 1))
+    m.graph.output.append(onnx.helper.make_tensor_value_info(f"qk_{index}", onnx.TensorProto.FLOAT, None))
+    return m
+
+
 def test_unsupported_features_refused_or_left(built, tmp_path):
-    """A node with smooth_softmax: refused by default, naming the layer and the feature; with
+    """A node whose QK output is used: refused by default, naming the layer and the feature; with
     unsupported='leave' that layer keeps GroupQueryAttention and no genai config is written."""
-    m = onnx.load(built("llama"))
-    node = [n for n in m.graph.node if n.op_type == "GroupQueryAttention"][2]
-    kept = [a for a in node.attribute if a.name != "smooth_softmax"]
-    del node.attribute[:]
-    node.attribute.extend([*kept, onnx.helper.make_attribute("smooth_softmax", 1)])
-    src = tmp_path / "smooth" / "model.onnx"
+    m = _with_qk_output(onnx.load(built("llama")), 2)
+    src = tmp_path / "qk" / "model.onnx"
     src.parent.mkdir()
     onnx.save(m, src, save_as_external_data=True, location="model.onnx.data")
     from turboquant.export import self_text
 
     # refused before the calibration runs the original (minutes on a large model)
     with mock.patch.object(self_text, "self_generated_tokens", side_effect=AssertionError("calibration ran")):
-        with pytest.raises(RewriteError, match="layer 2: .*smooth_softmax"):
+        with pytest.raises(RewriteError, match="layer 2: .*the QK output"):
             export(src, "turboquant_4bit_nc", tmp_path / "out" / "model.onnx")
     # random ids: the model file alone, without genai_config.json, gives the loop that writes text no row size
     result = export(src, "turboquant_4bit_nc", tmp_path / "out" / "model.onnx", unsupported="leave", calibrate="random")

@@ -93,14 +93,14 @@ def test_left_layers_in_a_genai_folder_are_refused(windowed, tmp_path):
     and the feature; the same model file without its genai_config.json is rewritten for ONNX Runtime."""
     m = onnx.load(windowed)
     node = [n for n in m.graph.node if n.op_type == "GroupQueryAttention"][2]
-    kept = [a for a in node.attribute if a.name != "smooth_softmax"]
-    del node.attribute[:]
-    node.attribute.extend([*kept, onnx.helper.make_attribute("smooth_softmax", 1)])
+    node.output.append("qk_2")  # its QK output (qk_output = 1) used: a graph output
+    node.attribute.append(onnx.helper.make_attribute("qk_output", 1))
+    m.graph.output.append(onnx.helper.make_tensor_value_info("qk_2", onnx.TensorProto.FLOAT, None))
     (tmp_path / "src").mkdir()
     onnx.save(m, tmp_path / "src" / "model.onnx", save_as_external_data=True, location="model.onnx.data")
     shutil.copytree(tmp_path / "src", tmp_path / "plain")  # the same model file, without genai_config.json
     (tmp_path / "src" / "genai_config.json").write_text((windowed.parent / "genai_config.json").read_text())
-    with pytest.raises(RewriteError, match=r"layers 2 use smooth_softmax, .*one dtype, so the folder could not run"):
+    with pytest.raises(RewriteError, match=r"layers 2 use the QK output, .*one dtype, so the folder could not run"):
         _rewrite(tmp_path / "src" / "model.onnx", tmp_path / "out" / "model.onnx", unsupported="leave")
     assert not (tmp_path / "out").exists()
     result = _rewrite(tmp_path / "plain" / "model.onnx", tmp_path / "out2" / "model.onnx", unsupported="leave")
