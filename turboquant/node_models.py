@@ -103,7 +103,7 @@ def unpack_model(fmt: str, head_dim: int, dtype: int = TensorProto.FLOAT, rank: 
 
 def gqa_model(
     *, q_heads: int, kv_heads: int, head_dim: int, key_format: str, value_format: str, row_bytes: int | None = None,
-    dtype: int = TensorProto.FLOAT, packed_qkv: bool = False, rotary_dim: int = 0, position_ids: bool = False,
+    pool_heads: int | None = None, dtype: int = TensorProto.FLOAT, packed_qkv: bool = False, rotary_dim: int = 0, position_ids: bool = False,
     offsets: bool = False, key_scale: bool = False, local_window_size: int = -1, softcap: float = 0.0,
     head_sink: bool = False, **attributes,
 ) -> onnx.ModelProto:
@@ -156,13 +156,14 @@ def gqa_model(
 
 def paged_model(
     *, q_heads: int, kv_heads: int, head_dim: int, key_format: str, value_format: str, row_bytes: int | None = None,
-    dtype: int = TensorProto.FLOAT, packed_qkv: bool = False, rotary_dim: int = 0, offsets: bool = False,
+    pool_heads: int | None = None, dtype: int = TensorProto.FLOAT, packed_qkv: bool = False, rotary_dim: int = 0, offsets: bool = False,
     key_scale: bool = False, local_window_size: int = -1, softcap: float = 0.0, head_sink: bool = False,
     **attributes,
 ) -> onnx.ModelProto:
     """One TQPagedAttention node (PagedAttention's input order, then turboquant's) with symbolic sizes.
 
-    row_bytes: the pools' last dimension W (default: the larger packed size of the two formats).
+    row_bytes: the pools' last dimension W (default: the larger packed size of the two formats);
+    pool_heads: their third (default kv_heads).
     rotary_dim > 0 adds cos_cache/sin_cache and do_rotary=1; head_sink, the offsets and key_scale add
     those inputs (10 to 13); local_window_size (-1: none) and softcap (0: none) become attributes when set.
     """
@@ -171,7 +172,7 @@ def paged_model(
     width = row_bytes or max(packed_size(key_format, head_dim), packed_size(value_format, head_dim))
     hidden = (q_heads + 2 * kv_heads) * head_dim if packed_qkv else q_heads * head_dim
     kv = None if packed_qkv else kv_heads * head_dim
-    pool = ["num_blocks", "block_size", kv_heads, width]
+    pool = ["num_blocks", "block_size", pool_heads or kv_heads, width]
     inputs = [
         ("query", dtype, ["T", hidden]),
         None if packed_qkv else ("key", dtype, ["T", kv]),

@@ -1,6 +1,7 @@
 #include "turboquant/paged_setup.h"
 
 #include <cmath>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -46,16 +47,20 @@ PagedSetup setup_paged(const PagedAttrs& a, const PagedShapes& s, DType dtype) {
   const int64_t key_bytes = packed_size(a.key_format, static_cast<int>(d));
   const int64_t value_bytes = packed_size(a.value_format, static_cast<int>(d));
   const Dims& kc = s.key_cache;
-  if (kc.size() != 4 || kc[0] <= 0 || kc[1] <= 0 || kc[2] != hkv || kc[3] < key_bytes) {
-    fail("input 'key_cache' has shape ", dims_str(kc), "; expected [num_blocks, block_size, ", hkv,
-         ", W] with W >= ", key_bytes, " (", format_name(a.key_format), " vectors of head size ", d, " take ",
-         key_bytes, " bytes)");
+  if (kc.size() != 4 || kc[0] <= 0 || kc[1] <= 0 || kc[2] <= 0 || kc[3] <= 0) {
+    fail("input 'key_cache' has shape ", dims_str(kc), "; expected [num_blocks, block_size, heads, width]");
   }
-  const Dims& vc = s.value_cache;
-  if (vc.size() != 4 || vc[0] != kc[0] || vc[1] != kc[1] || vc[2] != hkv || vc[3] < value_bytes) {
-    fail("input 'value_cache' has shape ", dims_str(vc), "; expected [", kc[0], ", ", kc[1], ", ", hkv,
-         ", W] with W >= ", value_bytes, " (", format_name(a.value_format), " vectors of head size ", d, " take ",
-         value_bytes, " bytes)");
+  if (s.value_cache != kc) {
+    fail("input 'value_cache' has shape ", dims_str(s.value_cache), "; expected key_cache's ", dims_str(kc));
+  }
+  // a block's KV heads take its first kv_num_heads * block_size rows of each format's packed size
+  const int64_t slot = kc[2] * kc[3];
+  for (const auto& [bytes, fmt, which] : {std::tuple{key_bytes, a.key_format, "key"},
+                                          std::tuple{value_bytes, a.value_format, "value"}}) {
+    if (hkv * bytes > slot) {
+      fail("the pools' slots of ", kc[2], " x ", kc[3], " = ", slot, " bytes (", dims_str(kc), ") cannot hold ",
+           hkv, " ", which, " rows of ", bytes, " bytes (", format_name(fmt), " vectors of head size ", d, ")");
+    }
   }
   if (s.cumulative_sequence_length.size() != 1 || s.cumulative_sequence_length[0] < 2) {
     fail("input 'cumulative_sequence_length' has shape ", dims_str(s.cumulative_sequence_length),
@@ -96,11 +101,12 @@ PagedSetup setup_paged(const PagedAttrs& a, const PagedShapes& s, DType dtype) {
   p.y = {0, d, hq * d};
   r.k_first = r.packed_qkv ? hq * d : 0;
   r.v_first = r.packed_qkv ? (hq + hkv) * d : 0;
-  p.key_row_bytes = kc[3];
-  p.value_row_bytes = vc[3];
+  p.key_row_bytes = key_bytes;
+  p.value_row_bytes = value_bytes;
   p.block_size = kc[1];
+  p.block_bytes = kc[1] * slot;
+  p.num_blocks = kc[0];
   p.max_blocks = s.block_table[1];
-  r.num_blocks = kc[0];
   r.tokens = tokens;
 
   if (a.do_rotary) {
@@ -129,7 +135,7 @@ void check_paged_tables(const PagedSetup& r, const int32_t* cu, const int32_t* p
     fail("cumulative_sequence_length[", p.batch, "] = ", cu[p.batch], " must be the ", r.tokens,
          " tokens of input 'query'");
   }
-  std::vector<int32_t> holder(static_cast<size_t>(r.num_blocks), -1);
+  std::vector<int32_t> holder(static_cast<size_t>(p.num_blocks), -1);
   for (int64_t b = 0; b < p.batch; ++b) {
     if (cu[b + 1] < cu[b]) {
       fail("cumulative_sequence_length must not decrease: [", b, "] = ", cu[b], " > [", b + 1, "] = ", cu[b + 1]);
@@ -147,8 +153,8 @@ void check_paged_tables(const PagedSetup& r, const int32_t* cu, const int32_t* p
     }
     for (int64_t i = 0; i < blocks; ++i) {
       const int32_t block = table[b * p.max_blocks + i];
-      if (block < 0 || block >= r.num_blocks) {
-        fail("block_table[", b, ", ", i, "] = ", block, " must be a block of the pool, in [0, ", r.num_blocks,
+      if (block < 0 || block >= p.num_blocks) {
+        fail("block_table[", b, ", ", i, "] = ", block, " must be a block of the pool, in [0, ", p.num_blocks,
              ") (sequence ", b, " holds ", total, " tokens)");
       }
       int32_t& h = holder[static_cast<size_t>(block)];

@@ -302,8 +302,8 @@ class Runner {
     shifted_ = p.key_offset != nullptr && (p.softcap > 0.0f || p.head_sink != nullptr);
     key_bytes_ = p.key_row();
     value_bytes_ = p.value_row();
-    key_stride_ = p.row_stride(key_bytes_);
-    value_stride_ = p.row_stride(value_bytes_);
+    key_stride_ = key_bytes_;
+    value_stride_ = value_bytes_;
   }
 
   int64_t rows_per_head() const { return p_.q_len * group_; }
@@ -691,7 +691,7 @@ class Runner {
   int group_;
   bool tiled_past_, shifted_;
   int64_t past_rows_, key_bytes_, value_bytes_;
-  int64_t key_stride_, value_stride_;  // bytes from one past row of a (b, h) to the next (p.row_stride)
+  int64_t key_stride_, value_stride_;  // bytes from one past row of a (b, h) to the next within a run (p.run_length)
 };
 
 // present[b, h] = past[b, h] ++ pack(new[b, h] - offset[h]): the past rows copied unless present is

@@ -16,11 +16,11 @@ constexpr int64_t kFewTokens = 32;
 
 void paged_attention(const AttentionParams& p, const RotaryParams& rot, const int32_t* cumulative,
                      const int32_t* past_seqlens, const void* q, const void* k, const void* v,
-                     const uint8_t* key_cache, const uint8_t* value_cache, int64_t num_blocks, void* y,
+                     const uint8_t* key_cache, const uint8_t* value_cache, void* y,
                      uint8_t* key_pool, uint8_t* value_pool, const ParallelFor& pfor) {
-  const int64_t slots = num_blocks * p.block_size * p.kv_heads;
-  if (key_pool != key_cache) std::memcpy(key_pool, key_cache, static_cast<size_t>(slots * p.key_row()));
-  if (value_pool != value_cache) std::memcpy(value_pool, value_cache, static_cast<size_t>(slots * p.value_row()));
+  const auto pool_bytes = static_cast<size_t>(p.num_blocks * p.block_bytes);
+  if (key_pool != key_cache) std::memcpy(key_pool, key_cache, pool_bytes);
+  if (value_pool != value_cache) std::memcpy(value_pool, value_cache, pool_bytes);
   const int64_t es = dtype_size(p.dtype);
   auto at = [es](const void* base, int64_t elements) { return static_cast<const uint8_t*>(base) + elements * es; };
   auto* y_bytes = static_cast<uint8_t*>(y);

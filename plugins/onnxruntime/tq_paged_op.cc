@@ -66,7 +66,7 @@ OrtStatusPtr PagedKernel::ComputeV2(OrtKernelContext* context) {
     auto key_pool = ctx.GetOutput(1, shapes.key_cache);
     auto value_pool = ctx.GetOutput(2, shapes.value_cache);
     cpu::paged_attention(p, rot, cumulative, past_seqlens, qbase, k, v, kc.GetTensorData<uint8_t>(),
-                         vc.GetTensorData<uint8_t>(), setup.num_blocks, y.GetTensorMutableRawData(),
+                         vc.GetTensorData<uint8_t>(), y.GetTensorMutableRawData(),
                          key_pool.GetTensorMutableData<uint8_t>(), value_pool.GetTensorMutableData<uint8_t>(),
                          ort_parallel_for(context));
   });

@@ -136,7 +136,7 @@ def test_window_sized_cache_in_the_reference_evaluator(rng, ort_session):
 
 def test_reference_evaluator_runs_paged_attention(rng):
     """The ReferenceEvaluator op is the numpy reference; shape inference gives the pools' shapes back."""
-    from turboquant.reference import paged_attention
+    from turboquant.reference import paged_attention, pool_rows
 
     m = node_models.paged_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4",
                                 rotary_dim=64)
@@ -146,7 +146,7 @@ def test_reference_evaluator_runs_paged_attention(rng):
     assert shapes == {"output": ["T", 256], "key_cache_out": ["num_blocks", "block_size", 2, 36],
                       "value_cache_out": ["num_blocks", "block_size", 2, 36]}
     pool = rng.integers(0, 256, (6, 4, 2, 36), dtype=np.uint8)
-    pool[..., :34] = formats.pack(rng.standard_normal((6, 4, 2, 64)).astype(np.float32), "mse4")
+    pool_rows(pool, 2, 34)[:] = formats.pack(rng.standard_normal((6, 2, 4, 64)).astype(np.float32), "mse4")
     angles = rng.uniform(0, 6.3, (16, 32))
     feeds = {"query": rng.standard_normal((3, 256)).astype(np.float32),
              "key": rng.standard_normal((3, 128)).astype(np.float32),
@@ -162,4 +162,6 @@ def test_reference_evaluator_runs_paged_attention(rng):
                            key_format="mse4", value_format="uint4", num_heads=4, kv_num_heads=2, do_rotary=True)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
-    assert (got[1] != pool).any(axis=(2, 3)).sum() == 3  # the three new tokens' slots, and nothing else
+    changed = got[1] != pool
+    assert pool_rows(changed, 2, 34).any(axis=(1, 3)).sum() == 3  # the three new tokens' slots
+    assert changed.sum() == pool_rows(changed, 2, 34).sum()  # and nothing else

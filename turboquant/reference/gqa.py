@@ -111,7 +111,6 @@ def group_query_attention(
                    None if ks is None else np.repeat(ks, hq // hkv, axis=0))
         k = rotary(k, positions, cos_cache, sin_cache, rotary_interleaved, ks, divide=True)
     rows = max(past_key.shape[2], total)
-    width = past_key.shape[3]
     kb, vb = formats.packed_size(key_format, d), formats.packed_size(value_format, d)
     common = dict(key_format=key_format, value_format=value_format, norm_correction=norm_correction, is_causal=True,
                   scale=scale, q_num_heads=hq, kv_num_heads=hkv, softcap=softcap, head_sink=head_sink)
@@ -120,7 +119,7 @@ def group_query_attention(
                          query.dtype)
 
     def grown(cache):
-        out = np.zeros((b, hkv, rows, width), np.uint8)
+        out = np.zeros((b, hkv, rows, cache.shape[3]), np.uint8)
         out[:, :, :cache.shape[2]] = cache
         return out
 
@@ -143,7 +142,7 @@ def group_query_attention(
 
 def _windowed(q, k, v, past_key, past_value, past, key_offset, value_offset, window, common, dtype):
     b, s, hq, d = q.shape
-    hkv, cap, width = past_key.shape[1], past_key.shape[2], past_key.shape[3]
+    hkv, cap = past_key.shape[1], past_key.shape[2]
     kb, vb = formats.packed_size(common["key_format"], d), formats.packed_size(common["value_format"], d)
     present_key, present_value = np.zeros_like(past_key), np.zeros_like(past_value)
     y = np.zeros((b, s, hq, d), dtype)
@@ -156,7 +155,7 @@ def _windowed(q, k, v, past_key, past_value, past, key_offset, value_offset, win
             visible, past_key[i:i + 1, :, :n, :kb], past_value[i:i + 1, :, :n, :vb], key_offset, value_offset, **common)
         y[i] = yi[0].transpose(1, 0, 2)
         for present, past_rows, new, nb in ((present_key, past_key, pk, kb), (present_value, past_value, pv, vb)):
-            rows = np.zeros((hkv, n + s, width), np.uint8)
+            rows = np.zeros((hkv, n + s, past_rows.shape[3]), np.uint8)
             rows[:, :n] = past_rows[i, :, :n]  # padding bytes as they were
             rows[:, n:, :nb] = new[0, :, n:]
             present[i, :, :keep] = rows[:, n + s - keep:]

@@ -58,7 +58,7 @@ void gqa_attention(const AttentionParams& p, const RotaryParams& rot, const void
 // they are not key_cache/value_cache (the runtime did not alias them) the caches are copied first.
 void paged_attention(const AttentionParams& p, const RotaryParams& rot, const int32_t* cumulative,
                      const int32_t* past_seqlens, const void* q, const void* k, const void* v,
-                     const uint8_t* key_cache, const uint8_t* value_cache, int64_t num_blocks, void* y,
+                     const uint8_t* key_cache, const uint8_t* value_cache, void* y,
                      uint8_t* key_pool, uint8_t* value_pool, const ParallelFor& pfor);
 
 }  // namespace turboquant::cpu

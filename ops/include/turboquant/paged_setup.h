@@ -25,15 +25,15 @@ struct PagedShapes {
 };
 
 struct PagedSetup {
-  // What every sequence's call shares: heads, formats, scale, window, softcap, the pool's row bytes,
-  // block_size and max_blocks; batch = the number of sequences. q, k, v, y strides are per token
+  // What every sequence's call shares: heads, formats, scale, window, softcap, the rows' packed
+  // bytes, block_size, block_bytes, num_blocks and max_blocks; batch = the number of sequences. q, k, v, y strides are per token
   // (s: elements from one token to the next, h: from one head to the next, b unused): the kernel
   // runs one sequence at a time from its first token. Pointers are the adapter's to set.
   AttentionParams params;
   RotaryParams rotary;  // rotary_dim and max_positions set when do_rotary
   bool packed_qkv = false;
   int64_t k_first = 0, v_first = 0;  // element offsets of K and V inside `query` when packed_qkv
-  int64_t tokens = 0, num_blocks = 0;
+  int64_t tokens = 0;
   Dims y;
 };
 

@@ -71,26 +71,28 @@ struct AttentionParams {
   // (turboquant/window_cache.h), 0 when the buffer is full-length. past_lens are then the absolute
   // pasts the rotary turns by; gqa_attention maps them to rows before the attention kernels run.
   int64_t window_cache = 0;
-  // Paged caches (TQPagedAttention): past and present are one pool [num_blocks, block_size, kv_heads,
-  // row bytes], updated in place; row r of (b, h) is slot r % block_size of block
-  // block_table[b * max_blocks + r / block_size]. Null: the contiguous layouts above.
-  const int32_t* block_table = nullptr;  // host memory for the CPU kernels, checked by the adapter
-  int64_t block_size = 0, max_blocks = 0;
+  // Paged caches (TQPagedAttention): past and present are one pool of num_blocks blocks of block_bytes
+  // bytes, updated in place; row r of (b, h) is slot s = r % block_size of block
+  // block_table[b * max_blocks + r / block_size], at byte (h * block_size + s) * row bytes of it: head-major
+  // inside a block, so that a head's rows of one block lie back to back as in the contiguous layouts.
+  // Null: the contiguous layouts above.
+  const int32_t* block_table = nullptr;  // host memory for the CPU kernels (checked by the adapter), device for CUDA
+  int64_t block_size = 0, max_blocks = 0, block_bytes = 0, num_blocks = 0;
 
   TQ_HD int64_t past_rows_or_len() const { return past_rows ? past_rows : past_len; }
   TQ_HD int64_t present_rows_or_total() const { return present_rows ? present_rows : past_len + new_len; }
   TQ_HD int64_t key_row() const { return key_row_bytes ? key_row_bytes : packed_size(key_format, head_dim); }
   TQ_HD int64_t value_row() const { return value_row_bytes ? value_row_bytes : packed_size(value_format, v_head_dim); }
   // Byte offset of row r of (b, h) in a cache of `rows` rows per (b, h) (paged: in the pool), every
-  // kernel's one way to a cached row.
+  // kernel's one way to a cached row. (A block id outside the pool, which only an unchecked table on
+  // the device can hold, is taken as block 0's: the kernels stay inside the pool.)
   TQ_HD int64_t row_offset(int64_t b, int64_t h, int64_t r, int64_t rows, int64_t row_bytes) const {
     if (!block_table) return ((b * kv_heads + h) * rows + r) * row_bytes;
-    const int64_t block = block_table[b * max_blocks + r / block_size];
-    return ((block * block_size + r % block_size) * kv_heads + h) * row_bytes;
+    int64_t block = block_table[b * max_blocks + r / block_size];
+    block = block >= 0 && block < num_blocks ? block : 0;
+    return block * block_bytes + (h * block_size + r % block_size) * row_bytes;
   }
-  // Bytes from row r to row r + 1 of one (b, h) while both are in one run (run_length)
-  TQ_HD int64_t row_stride(int64_t row_bytes) const { return block_table ? kv_heads * row_bytes : row_bytes; }
-  // Rows from r on that lie row_stride apart: to the end of r's block when paged, all of them otherwise
+  // Rows from r on that lie back to back: to the end of r's block when paged, all of them otherwise
   TQ_HD int64_t run_length(int64_t r) const { return block_table ? block_size - r % block_size : INT64_MAX; }
   // sequence b's past length, within past_len and the past buffer's rows (lengths read on the device
   // are clamped, not checked: no row past the buffer is read)

@@ -15,7 +15,7 @@ from onnx import TensorProto
 from turboquant import node_models
 from turboquant.config import TQ_PRESETS, TurboQuantConfig
 from turboquant.ort import run
-from turboquant.reference import formats, paged_attention
+from turboquant.reference import formats, paged_attention, pool_rows
 from turboquant.reference.numerics import bfloat16
 
 MAX_EXAMPLES = int(os.environ.get("TQ_MAX_EXAMPLES", "1000"))
@@ -66,17 +66,18 @@ def make(c):
         at += n
         for r in range(pasts[i], totals[i]):
             new_slots[table[i, r // bs], r % bs] = True
-    width = max(formats.packed_size(kf, d), formats.packed_size(vf, d)) + c["pad"]
+    width = c.get("width") or max(formats.packed_size(kf, d), formats.packed_size(vf, d)) + c["pad"]
+    pool_heads = c.get("pool_heads") or hkv
     model = node_models.paged_model(q_heads=hq, kv_heads=hkv, head_dim=d, key_format=kf, value_format=vf,
-                                    row_bytes=width, dtype=c["dtype"], packed_qkv=c["packed"], rotary_dim=c["rotary"],
+                                    row_bytes=width, pool_heads=pool_heads, dtype=c["dtype"], packed_qkv=c["packed"], rotary_dim=c["rotary"],
                                     offsets=c["offsets"], key_scale=c["key_scale"], rotary_interleaved=int(c["interleaved"]),
                                     norm_correction=int(c["nc"]), local_window_size=c["window"], softcap=c["softcap"],
                                     head_sink=c["sink"])
     feeds = {}
     for name, fmt in (("key_cache", kf), ("value_cache", vf)):
-        pool = rng.integers(0, 256, (num_blocks, bs, hkv, width), dtype=np.uint8)
-        packed = formats.pack(rng.standard_normal((num_blocks, bs, hkv, d)).astype(np.float32), fmt, c["nc"])
-        pool[..., :packed.shape[-1]] = packed
+        pool = rng.integers(0, 256, (num_blocks, bs, pool_heads, width), dtype=np.uint8)
+        packed = formats.pack(rng.standard_normal((num_blocks, hkv, bs, d)).astype(np.float32), fmt, c["nc"])
+        pool_rows(pool, hkv, packed.shape[-1])[:] = packed
         feeds[name] = pool
     tokens = sum(news)
     feeds["cumulative_sequence_length"] = np.concatenate([[0], np.cumsum(news)]).astype(np.int32)
@@ -135,7 +136,8 @@ def check(c, feeds, new_slots, got, want):
         np.testing.assert_array_equal(out, ref)
         # on its own (not through the reference): only the packed bytes of the new tokens' slots changed
         may_change = np.zeros(pool.shape, bool)
-        may_change[new_slots, :, :formats.packed_size(fmt, c["d"])] = True
+        blocks, slots = np.nonzero(new_slots)
+        pool_rows(may_change, c["hkv"], formats.packed_size(fmt, c["d"]))[blocks, :, slots] = True
         assert not (out != pool)[~may_change].any(), "a byte outside the new tokens' packed slots changed"
     assert y.shape == wy.shape
     y32, w32 = y.astype(np.float32), wy.astype(np.float32)
@@ -186,6 +188,19 @@ def test_every_feature_at_once(ort_session, dtype):
     want = reference(c, feeds)
     check(c, feeds, new_slots, run(session, feeds), want)
     check(c, feeds, new_slots, run_in_place(session, feeds), want)
+
+
+@pytest.mark.parametrize("mode", ["first", "chunk"])
+def test_rows_wider_than_the_pools_width(ort_session, mode):
+    """A pool's row width W need not be the format's: one KV head's raw16 rows (128 bytes) in pools of
+    [.., 4, 40] (160-byte slots), as the rewrite splits a boundary layer over pools of a packed width."""
+    pasts, news = MODES[mode]
+    c = dict(BASE, formats=("raw16", "raw16"), nc=True, pasts=pasts, news=news, hkv=1, group=3, pool_heads=4,
+             width=40, seed=5)
+    model, feeds, new_slots = make(c)
+    want = reference(c, feeds)
+    check(c, feeds, new_slots, run(ort_session(model, 2), feeds), want)
+    check(c, feeds, new_slots, run_in_place(ort_session(model, 2), feeds), want)
 
 
 def test_steps_continue_in_the_same_pool(ort_session):
@@ -266,8 +281,14 @@ def test_bad_shapes_and_attributes_are_refused(ort_session):
     narrow = dict(feeds, key_cache=feeds["key_cache"][..., :20].copy(), value_cache=feeds["value_cache"][..., :20].copy())
     narrow_model = node_models.paged_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4",
                                            row_bytes=20)
-    with pytest.raises(Exception, match=r"TQPagedAttention: input 'key_cache' has shape .*W >= 34"):
+    with pytest.raises(Exception, match=r"TQPagedAttention: the pools' slots of 2 x 20 = 40 bytes .* cannot hold "
+                                        r"2 key rows of 34 bytes \(mse4"):
         run(ort_session(narrow_model, 2), narrow)
+    with pytest.raises(ValueError, match="slots of 40 bytes cannot hold 2 rows of 36 bytes"):
+        reference(c, narrow)
+    uneven = dict(feeds, value_cache=feeds["value_cache"][:, :, :1].copy())
+    with pytest.raises(ValueError, match=r"value_cache \(\d+, 4, 1, \d+\) must have key_cache's shape"):
+        reference(c, uneven)
     table = dict(feeds, block_table=feeds["block_table"][:2].copy())
     with pytest.raises(Exception, match=r"input 'block_table' has shape \[2, \d+\]; expected \[3, max_blocks"):
         run(ort_session(model, 2), table)
@@ -337,7 +358,10 @@ def test_raw16_agrees_with_onnxruntime_cuda_paged_attention(cuda_ready, ort_sess
              rotary=rotary, seed=21)
     model, feeds, new_slots = make(c)
     y, pk, pv = run_in_place(ort_session(model, 2), feeds)
-    f16 = {k: (x.view(np.float16) if k in ("key_cache", "value_cache") else x) for k, x in feeds.items()}
+    def token_major(pool):  # ONNX Runtime's layout: [num_blocks, block_size, Hkv, D] float16
+        return pool_rows(pool, 2, 128).transpose(0, 2, 1, 3).copy().view(np.float16)
+
+    f16 = {k: (token_major(x) if k in ("key_cache", "value_cache") else x) for k, x in feeds.items()}
     so = ort.SessionOptions()
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     session = ort.InferenceSession(onnxruntime_paged_model(4, 2, 64, rotary).SerializeToString(), so,
@@ -357,7 +381,7 @@ def test_raw16_agrees_with_onnxruntime_cuda_paged_attention(cuda_ready, ort_sess
     want_k, want_v = pools["key_cache"].numpy(), pools["value_cache"].numpy()
     span = max(1.0, float(np.abs(want_y.astype(np.float32)).max()))
     np.testing.assert_allclose(y.astype(np.float32), want_y.astype(np.float32), rtol=4e-3, atol=4e-3 * span)
-    for got, want in ((pk.view(np.float16), want_k), (pv.view(np.float16), want_v)):
+    for got, want in ((token_major(pk), want_k), (token_major(pv), want_v)):
         if rotary:  # the rotated keys may round differently by an ulp
             np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
         else:

@@ -4,7 +4,7 @@ shuffled order give TQGroupQueryAttention's outputs over the same rows held cont
 import numpy as np
 import pytest
 
-from turboquant.reference import formats, group_query_attention, paged_attention
+from turboquant.reference import formats, group_query_attention, paged_attention, pool_rows
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 8])
@@ -15,9 +15,7 @@ def test_pool_of_shuffled_blocks_gives_the_contiguous_cache_results(block_size, 
     lengths = [9, 24, 14]  # totals after the step, s new tokens each
     past_key = formats.pack(rng.standard_normal((b, hkv, cap, d)).astype(np.float32), "mse3")
     past_value = formats.pack(rng.standard_normal((b, hkv, cap, d)).astype(np.float32), "uint4")
-    width = max(past_key.shape[-1], past_value.shape[-1])
-    past_key = np.pad(past_key, ((0, 0), (0, 0), (0, 0), (0, width - past_key.shape[-1])))
-    past_value = np.pad(past_value, ((0, 0), (0, 0), (0, 0), (0, width - past_value.shape[-1])))
+    width = max(past_key.shape[-1], past_value.shape[-1]) + 3
     q = rng.standard_normal((b, s, hq * d)).astype(np.float32)
     k = rng.standard_normal((b, s, hkv * d)).astype(np.float32)
     v = rng.standard_normal((b, s, hkv * d)).astype(np.float32)
@@ -31,17 +29,19 @@ def test_pool_of_shuffled_blocks_gives_the_contiguous_cache_results(block_size, 
     pools = []
     for cache in (past_key, past_value):
         pool = rng.integers(0, 256, (len(order), block_size, hkv, width), dtype=np.uint8)
+        rows = pool_rows(pool, hkv, cache.shape[-1])
         for i in range(b):
             for r in range(cap):
-                pool[table[i, r // block_size], r % block_size] = cache[i, :, r]
+                rows[table[i, r // block_size], :, r % block_size] = cache[i, :, r]
         pools.append(pool)
     cu = np.arange(b + 1, dtype=np.int32) * s
     y, pk, pv = paged_attention(q.reshape(b * s, -1), k.reshape(b * s, -1), v.reshape(b * s, -1), *pools, cu,
                                 np.array(lengths, np.int32) - s, table, **attrs)
     np.testing.assert_array_equal(y, wy.reshape(b * s, -1))
     for pool, before, want in ((pk, pools[0], wk), (pv, pools[1], wv)):
+        rows = pool_rows(pool, hkv, want.shape[-1])
         for i in range(b):
             for r in range(cap):
-                np.testing.assert_array_equal(pool[table[i, r // block_size], r % block_size], want[i, :, r])
+                np.testing.assert_array_equal(rows[table[i, r // block_size], :, r % block_size], want[i, :, r])
         spare = order[b * per_seq:]
         np.testing.assert_array_equal(pool[spare], before[spare])
