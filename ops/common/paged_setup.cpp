@@ -103,10 +103,10 @@ PagedSetup setup_paged(const PagedAttrs& a, const PagedShapes& s, DType dtype) {
   r.v_first = r.packed_qkv ? (hq + hkv) * d : 0;
   p.key_row_bytes = key_bytes;
   p.value_row_bytes = value_bytes;
-  p.block_size = kc[1];
-  p.block_bytes = kc[1] * slot;
-  p.num_blocks = kc[0];
-  p.max_blocks = s.block_table[1];
+  p.blocks.block_size = kc[1];
+  p.blocks.block_bytes = kc[1] * slot;
+  p.blocks.num_blocks = kc[0];
+  p.blocks.max_blocks = s.block_table[1];
   r.tokens = tokens;
 
   if (a.do_rotary) {
@@ -135,26 +135,27 @@ void check_paged_tables(const PagedSetup& r, const int32_t* cu, const int32_t* p
     fail("cumulative_sequence_length[", p.batch, "] = ", cu[p.batch], " must be the ", r.tokens,
          " tokens of input 'query'");
   }
-  std::vector<int32_t> holder(static_cast<size_t>(p.num_blocks), -1);
+  std::vector<int32_t> holder(static_cast<size_t>(p.blocks.num_blocks), -1);
   for (int64_t b = 0; b < p.batch; ++b) {
     if (cu[b + 1] < cu[b]) {
       fail("cumulative_sequence_length must not decrease: [", b, "] = ", cu[b], " > [", b + 1, "] = ", cu[b + 1]);
     }
     if (past[b] < 0) fail("past_seqlens[", b, "] = ", past[b], " must be >= 0");
     const int64_t total = static_cast<int64_t>(past[b]) + (cu[b + 1] - cu[b]);
-    const int64_t blocks = (total + p.block_size - 1) / p.block_size;
-    if (blocks > p.max_blocks) {
-      fail("sequence ", b, " holds ", total, " tokens: ", blocks, " blocks of ", p.block_size, ", more than the ",
-           p.max_blocks, " columns of 'block_table'");
+    const BlockTable& t = p.blocks;
+    const int64_t blocks = (total + t.block_size - 1) / t.block_size;
+    if (blocks > t.max_blocks) {
+      fail("sequence ", b, " holds ", total, " tokens: ", blocks, " blocks of ", t.block_size, ", more than the ",
+           t.max_blocks, " columns of 'block_table'");
     }
     if (r.rotary.rotary_dim > 0 && total > r.rotary.max_positions) {
       fail("position ", total - 1, " of sequence ", b, " is beyond the ", r.rotary.max_positions,
            " rows of 'cos_cache'");
     }
-    for (int64_t i = 0; i < blocks; ++i) {
-      const int32_t block = table[b * p.max_blocks + i];
-      if (block < 0 || block >= p.num_blocks) {
-        fail("block_table[", b, ", ", i, "] = ", block, " must be a block of the pool, in [0, ", p.num_blocks,
+    for (int64_t i = 0; table && i < blocks; ++i) {
+      const int32_t block = table[b * t.max_blocks + i];
+      if (block < 0 || block >= t.num_blocks) {
+        fail("block_table[", b, ", ", i, "] = ", block, " must be a block of the pool, in [0, ", t.num_blocks,
              ") (sequence ", b, " holds ", total, " tokens)");
       }
       int32_t& h = holder[static_cast<size_t>(block)];

@@ -704,7 +704,7 @@ void write_present(const AttentionParams& p, Format fmt, int d, int64_t row_byte
   const bool nc = p.norm_correction, copy = past != nullptr && past != present && past_rows > 0;
   pfor(static_cast<size_t>(p.batch * p.kv_heads), [&](size_t bh) {
     const int64_t b = static_cast<int64_t>(bh) / p.kv_heads, h = static_cast<int64_t>(bh) % p.kv_heads;
-    if (!p.block_table) {
+    if (!p.blocks.table) {
       uint8_t* dst = present + static_cast<int64_t>(bh) * present_rows * row_bytes;
       if (copy) std::memcpy(dst, past + static_cast<int64_t>(bh) * past_rows * row_bytes, past_rows * row_bytes);
       const int64_t zero_from = p.zeroed_from(past, present);

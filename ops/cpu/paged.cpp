@@ -18,7 +18,7 @@ void paged_attention(const AttentionParams& p, const RotaryParams& rot, const in
                      const int32_t* past_seqlens, const void* q, const void* k, const void* v,
                      const uint8_t* key_cache, const uint8_t* value_cache, void* y,
                      uint8_t* key_pool, uint8_t* value_pool, const ParallelFor& pfor) {
-  const auto pool_bytes = static_cast<size_t>(p.num_blocks * p.block_bytes);
+  const auto pool_bytes = static_cast<size_t>(p.blocks.num_blocks * p.blocks.block_bytes);
   if (key_pool != key_cache) std::memcpy(key_pool, key_cache, pool_bytes);
   if (value_pool != value_cache) std::memcpy(value_pool, value_cache, pool_bytes);
   const int64_t es = dtype_size(p.dtype);
@@ -34,7 +34,7 @@ void paged_attention(const AttentionParams& p, const RotaryParams& rot, const in
     s.past_len = past_seqlens[b];
     s.past_lens = past_seqlens + b;
     s.past_rows = s.present_rows = 0;
-    s.block_table = p.block_table + b * p.max_blocks;
+    s.blocks = p.blocks.from(b);
     gqa_attention(s, rot, at(q, first * p.q.s), at(k, first * p.k.s), at(v, first * p.v.s), key_pool, value_pool,
                   y_bytes + first * p.y.s * es, key_pool, value_pool, inner);
   };

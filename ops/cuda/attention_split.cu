@@ -184,8 +184,12 @@ __global__ void __launch_bounds__(kThreads, split_min_blocks(kRows)) split_kerne
   const int64_t past = p.past_of(b);
   const int64_t begin = window_first_key(p, past) + static_cast<int64_t>(split) * l.split_len;
   const int64_t end = min(past, begin + l.split_len);  // empty for splits past this sequence's end
-  const uint8_t* keys = past_key + bh * p.past_rows_or_len() * kb;
-  const uint8_t* vals = past_value + bh * p.past_rows_or_len() * vb;
+  // tiles of kTile tokens, cut at the end of a block in a pool of blocks (paged: rows run back to back
+  // only inside one), their rows where row_offset puts them
+  const int64_t cache_rows = p.past_rows_or_len();
+  auto key_rows_at = [&](int64_t t) { return past_key + p.row_offset(b, hkv, t, cache_rows, kb); };
+  auto value_rows_at = [&](int64_t t) { return past_value + p.row_offset(b, hkv, t, cache_rows, vb); };
+  auto tile_len = [&](int64_t t) { return min(min(static_cast<int64_t>(kTile), end - t), p.run_length(t)); };
   const int bits = format_bits(p.key_format);
   // value accumulators: 8 columns of every row per thread; threads split the tile's tokens
   const int col_groups = dv / 8, token_groups = kThreads / col_groups;
@@ -199,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, split_min_blocks(kRows)) split_kerne
     for (int j = 0; j < 8; ++j) acc[r][j] = 0.0f;
   const int warp = tid / 32, lane = tid % 32;
 
-  // The tile's packed keys and values are contiguous in memory: stage them through shared memory
+  // The tile's packed keys and values are each contiguous in memory: stage them through shared memory
   // with coalesced 4-byte loads, then each thread reads its own token's row there.
   extern __shared__ uint32_t stage_words[];
   uint8_t* stage = reinterpret_cast<uint8_t*>(stage_words);
@@ -207,22 +211,22 @@ __global__ void __launch_bounds__(kThreads, split_min_blocks(kRows)) split_kerne
 
   // fetch(t, buf): start copying the tile at token t into stage buffer buf
   auto fetch = [&](int64_t t, int buf) {
-    const int64_t m = min(static_cast<int64_t>(kTile), end - t);
+    const int64_t m = tile_len(t);
     uint8_t* dst = stage + static_cast<int64_t>(buf) * l.stage_bytes;
-    copy_to_shared_async(dst, keys + t * kb, m * kb);
-    copy_to_shared_async(dst + kTile * kb, vals + t * vb, m * vb);
+    copy_to_shared_async(dst, key_rows_at(t), m * kb);
+    copy_to_shared_async(dst + kTile * kb, value_rows_at(t), m * vb);
     __pipeline_commit();
   };
   if (staged && begin < end) fetch(begin, 0);
   int it = 0;
-  for (int64_t t0 = begin; t0 < end; t0 += kTile, ++it) {
-    const int64_t n = min(static_cast<int64_t>(kTile), end - t0);
-    const uint8_t* ktile = keys + t0 * kb;
-    const uint8_t* vtile = vals + t0 * vb;
+  for (int64_t t0 = begin, n = 0; t0 < end; t0 += n, ++it) {
+    n = tile_len(t0);
+    const uint8_t* ktile = key_rows_at(t0);
+    const uint8_t* vtile = value_rows_at(t0);
     if (staged) {
-      const bool ahead = l.buffers == 2 && t0 + kTile < end;
+      const bool ahead = l.buffers == 2 && t0 + n < end;
       if (ahead) {  // the other buffer was last read by the previous tile, which every thread has finished
-        fetch(t0 + kTile, (it + 1) & 1);
+        fetch(t0 + n, (it + 1) & 1);
         __pipeline_wait_prior(1);
       } else {
         __pipeline_wait_prior(0);
@@ -338,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, split_min_blocks(kRows)) split_kerne
       }
     }
     __syncthreads();
-    if (staged && l.buffers == 1 && t0 + kTile < end) fetch(t0 + kTile, 0);
+    if (staged && l.buffers == 1 && t0 + n < end) fetch(t0 + n, 0);
   }
   // Sum the token groups' accumulators into qs (free now), deterministically and without atomics
   // (shared-memory float atomics were half of this kernel's time): when the column groups are a

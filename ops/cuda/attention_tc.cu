@@ -240,14 +240,27 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // launch of ours writes; the splits start at the sliding window's first key, one query position)
   const int64_t past = p.past_of(b);
   const int64_t begin = window_first_key(p, past) + static_cast<int64_t>(split) * l.split_len;
-  const uint8_t* keys = past_key + (bh * p.past_rows_or_len() + begin) * kb;  // this split's rows
-  const uint8_t* vals = past_value + (bh * p.past_rows_or_len() + begin) * vb;
+  // this split's rows; in a pool of blocks (paged) the planner keeps every tile inside one block, at a
+  // 16-byte boundary (tile_rows_in_blocks): each tile's rows come from the block table
+  const bool paged = p.blocks.table != nullptr;
+  const bool mapped = !paged || begin < past;  // (a split past the sequence's end reads no row)
+  const uint8_t* keys = paged ? past_key + (mapped ? p.blocks.row_offset(b, hkv, begin, kb) : 0)
+                              : past_key + (bh * p.past_rows_or_len() + begin) * kb;
+  const uint8_t* vals = paged ? past_value + (mapped ? p.blocks.row_offset(b, hkv, begin, vb) : 0)
+                              : past_value + (bh * p.past_rows_or_len() + begin) * vb;
+  auto key_rows_at = [&](int r0) -> const uint8_t* {
+    return paged ? past_key + p.blocks.row_offset(b, hkv, begin + r0, kb) : keys + static_cast<int64_t>(r0) * kb;
+  };
+  auto value_rows_at = [&](int r0) -> const uint8_t* {
+    return paged ? past_value + p.blocks.row_offset(b, hkv, begin + r0, vb) : vals + static_cast<int64_t>(r0) * vb;
+  };
 #ifdef TQ_BULK_COPY
   // The split's first rows (the warps' first kPrefetchRounds tiles) into L2 now, by one lane:
   // DRAM would otherwise idle through the set-up below. Up to the batch's longest past
   // (a parameter: this sequence's own length is a load away), not the buffer's capacity.
   if (kPrefetchRounds > 0 && warp == kWarps - 1 && lane == 0) {
-    const int64_t rows = max(static_cast<int64_t>(0), min(min(l.split_len, static_cast<int64_t>(kPrefetchRounds) * kWarps * kTok), p.past_len - begin));
+    int64_t rows = max(static_cast<int64_t>(0), min(min(l.split_len, static_cast<int64_t>(kPrefetchRounds) * kWarps * kTok), p.past_len - begin));
+    if (paged) rows = mapped ? min(min(rows, past - begin), p.run_length(begin)) : 0;  // the first block's, mapped
     bulk_prefetch_l2_inside(keys, rows * kb);
     bulk_prefetch_l2_inside(vals, rows * vb);
   }
@@ -292,8 +305,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     return static_cast<int>(min(room < 0 ? int64_t{-1} : room / row, static_cast<int64_t>(len) - kTok));
   };
   int k_lo = 0, v_lo = 0;
-  const int k_hi = kFp8 || kRaw ? -1 : span_tiles(kfrom0, past_key, key_end, kb, kspan, &k_lo);
-  const int v_hi = !kRaw && vdelta == vdelta_raw ? span_tiles(vfrom0, past_value, val_end, vb, vspan, &v_lo) : -1;
+  // (paged: every full tile is a whole span inside its block)
+  const int k_hi = kFp8 || kRaw ? -1 : paged ? len - kTok : span_tiles(kfrom0, past_key, key_end, kb, kspan, &k_lo);
+  const int v_hi = kRaw || vdelta != vdelta_raw ? -1 : paged ? len - kTok : span_tiles(vfrom0, past_value, val_end, vb, vspan, &v_lo);
+  auto key_from = [&](int r0) { return paged ? key_rows_at(r0) - kdelta : kfrom0 + static_cast<uint32_t>(r0 * kb); };
+  auto value_from = [&](int r0) { return paged ? value_rows_at(r0) - vdelta : vfrom0 + static_cast<uint32_t>(r0 * vb); };
   TQ_PHASE(blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, 13);
   auto key_spans = [&](int r0) { return r0 >= k_lo && r0 <= k_hi; };
   auto value_spans = [&](int r0) { return r0 >= v_lo && r0 <= v_hi; };
@@ -302,7 +318,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // generic-proxy writes fenced first).
   auto copy_exact = [&](int r0, uint8_t* dst, bool kspans, bool vspans) {
     const int n = min(kTok, len - r0);
-    const uint8_t* ksrc = keys + static_cast<int64_t>(r0) * kb;
+    const uint8_t* ksrc = key_rows_at(r0);
     if (kFp8) {
       for (int i = lane; i < n * kChunks; i += 32) {
         const int u = i / kChunks, c = i % kChunks;
@@ -311,7 +327,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     }
     if ((!kFp8 && !kspans) || !vspans) {
       if (!kFp8 && !kspans) warp_copy_async(dst + kdelta, ksrc, n * kb, lane);
-      if (!vspans) warp_copy_async(dst + ktile + vdelta, vals + static_cast<int64_t>(r0) * vb, n * vb, lane);
+      if (!vspans) warp_copy_async(dst + ktile + vdelta, value_rows_at(r0), n * vb, lane);
       __pipeline_commit();
       __pipeline_wait_prior(0);
       __syncwarp();
@@ -330,8 +346,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       // Rows past the sequence's end are zero-filled (stale fp16 bits could be inf or NaN, which a
       // zero weight would not cancel in the value product)
       const int n = min(kTok, len - r0);
-      const uint8_t* ksrc = keys + static_cast<int64_t>(r0) * kb;
-      const uint8_t* vsrc = vals + static_cast<int64_t>(r0) * vb;
+      const uint8_t* ksrc = key_rows_at(r0);
+      const uint8_t* vsrc = value_rows_at(r0);
       const uint32_t at = smem_u32(dst);
 #pragma unroll 4
       for (int i = lane; i < kTok * kRawChunks; i += 32) {
@@ -348,26 +364,25 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 #ifdef TQ_BULK_COPY
     const uint32_t bar = bar_at + 8 * buf, dst_at = stage_at + buf * tile;
     if (fast) {  // the usual tile (MSE keys): two bulk copies, nothing else
-      bulk_copy_tile(bar, dst_at, kfrom0 + static_cast<uint32_t>(r0 * kb), kspan, dst_at + ktile,
-                     vfrom0 + static_cast<uint32_t>(r0 * vb), vspan);
+      bulk_copy_tile(bar, dst_at, key_from(r0), kspan, dst_at + ktile, value_from(r0), vspan);
       return;
     }
     const bool kspans = key_spans(r0), vspans = value_spans(r0);
     copy_exact(r0, dst, kspans, vspans);
     if (lane == 0) {
       mbar_arrive_expect(bar, (kspans ? kspan : 0) + (vspans ? vspan : 0));
-      if (kspans) bulk_copy(dst_at, kfrom0 + r0 * kb, kspan, bar);
-      if (vspans) bulk_copy(dst_at + ktile, vfrom0 + r0 * vb, vspan, bar);
+      if (kspans) bulk_copy(dst_at, key_from(r0), kspan, bar);
+      if (vspans) bulk_copy(dst_at + ktile, value_from(r0), vspan, bar);
     }
 #else
     const bool kspans = fast || key_spans(r0), vspans = fast || value_spans(r0);
     if (!fast) copy_exact(r0, dst, kspans, vspans);
     if (kspans) {
-      const uint8_t* from = kfrom0 + r0 * kb;
+      const uint8_t* from = key_from(r0);
       for (int i = lane; i < kspan / 16; i += 32) __pipeline_memcpy_async(dst + 16 * i, from + 16 * i, 16);
     }
     if (vspans) {
-      const uint8_t* from = vfrom0 + r0 * vb;
+      const uint8_t* from = value_from(r0);
       for (int i = lane; i < vspan / 16; i += 32) __pipeline_memcpy_async(dst + ktile + 16 * i, from + 16 * i, 16);
     }
 #endif

@@ -271,8 +271,9 @@ __global__ void TQ_FINISH_BOUNDS
 PackJob new_token_job(const AttentionParams& p, Format fmt, int d, int64_t row_bytes, const BhsStrides& st,
                       const void* x, const float* offset, uint8_t* present) {
   NewTokenRows rows;
-  rows.present_rows = p.present_rows_or_total();
+  rows.present_rows = p.blocks.table ? p.blocks.max_blocks * p.blocks.block_size : p.present_rows_or_total();
   rows.row_bytes = row_bytes;
+  rows.blocks = p.blocks;
   rows.past_len = p.past_len;
   rows.past_lens = p.past_lens;
   rows.past_lens_bias = p.past_lens_bias;

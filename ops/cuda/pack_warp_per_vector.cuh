@@ -25,8 +25,7 @@ constexpr unsigned kPackLanes = 0xffffffffu;
 // divisions are 32-bit ones.
 struct VectorMap {
   // TQPack: x[v*d ..], out[v*bytes ..], offset row (v / period) % rows. Present: x[b*sb + h*sh +
-  // n*ss ..] for v = (b*H + h)*N + n, out at row past(b) + n of (b, h) in a cache of
-  // rows.present_rows rows of rows.row_bytes bytes, offset row h.
+  // n*ss ..] for v = (b*H + h)*N + n, out at row past(b) + n of (b, h) (rows.offset), offset row h.
   bool present = false;
   BhsStrides st;
   uint32_t heads = 1, new_len = 1;
@@ -44,9 +43,7 @@ struct VectorMap {
     }
     const uint32_t n = v % new_len, bh = v / new_len, b = bh / heads, h = bh % heads;
     const int64_t row = rows.past_of(b) + n;
-    return {b * st.b + h * st.h + n * st.s,
-            static_cast<int64_t>(bh) * rows.present_rows * rows.row_bytes + row * rows.row_bytes, h,
-            row < rows.present_rows};
+    return {b * st.b + h * st.h + n * st.s, rows.offset(bh, b, h, row), h, row < rows.present_rows};
   }
 };
 

@@ -77,6 +77,9 @@ int tc_bulk_warps(const AttentionParams& p, bool aligned16, const DeviceProps& d
                                          : (vf == Format::kUint3 && kf == Format::kMse3);
   if (!pair && !raw16) return 0;
   if (dev.cc_major < 8) return 0;  // mma.sync with bf16, cp.async
+  // a pool of blocks: each warp's tiles of kTok rows inside one block, from splits that start at
+  // multiples of kTok (no sliding window's first key)
+  if (p.blocks.table && (p.blocks.block_size % detail::tc_geometry::kTok != 0 || p.window > 0)) return 0;
   if (p.is_causal && p.new_len < p.q_len) return 0;  // a query could then miss some past tokens
   if (window_per_row(p) || p.softcap > 0.0f) return 0;  // (a window over one query position starts its splits)
   // The weights p * value scale enter the value product in fp16 (relative 2^-11): within the
@@ -107,6 +110,7 @@ int mma_dynamic_bytes(const AttentionParams& p) {
                                              p.v_head_dim, padded_dim(p.head_dim));
 }
 bool mma_takes(const AttentionParams& p, const DeviceProps& dev) {
+  if (p.blocks.table) return false;  // (reads each (b, head)'s past as one run of rows)
   if (!is_mse(p.key_format) || !is_uint(p.value_format)) return false;
   if (dev.cc_major < 8) return false;
   if (p.mask_type != MaskType::kNone) return false;
@@ -123,6 +127,7 @@ bool mma_takes(const AttentionParams& p, const DeviceProps& dev) {
 // preallocated caches (TQGroupQueryAttention's buffers): over dense ones (TQAttention's past) it
 // measured slower than the bulk kernel at B = 1 (docs/performance.md, CUDA prefill).
 bool chunk_takes(const AttentionParams& p, const DeviceProps& dev) {
+  if (p.blocks.table) return false;  // (reads each (b, head)'s past as one run of rows)
   if (!is_mse(p.key_format) || !is_uint(p.value_format) || p.present_rows == 0) return false;
   if (dev.cc_major < 8 || p.mask_type != MaskType::kNone) return false;
   if (p.is_causal && p.new_len < p.q_len) return false;

@@ -107,4 +107,17 @@ void cuda_gqa(OrtKernelContext* context, const AttentionParams& p, const RotaryP
                                  present_value, scratch.ptr, sms, stream_of(context)));
 }
 
+void cuda_paged(OrtKernelContext* context, const AttentionParams& p, const RotaryParams& rot, const int32_t* cumulative,
+                const int32_t* past_seqlens, const void* q, const void* k, const void* v, const uint8_t* key_cache,
+                const uint8_t* value_cache, void* y, uint8_t* key_pool, uint8_t* value_pool) {
+  constexpr const char* kOp = "TQPagedAttention";
+  check_aligned(kOp, key_cache, value_cache, key_pool, value_pool);
+  int device = 0;
+  check(kOp, cudaGetDevice(&device));
+  const int sms = device_sms(device);
+  Scratch scratch(context, cuda::paged_workspace_bytes(p, rot, cumulative, past_seqlens, sms), device);
+  check(kOp, cuda::paged_attention(p, rot, cumulative, past_seqlens, q, k, v, key_cache, value_cache, y, key_pool,
+                                   value_pool, scratch.ptr, sms, stream_of(context)));
+}
+
 }  // namespace turboquant::ort

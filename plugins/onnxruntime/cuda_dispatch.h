@@ -30,4 +30,9 @@ void cuda_gqa(OrtKernelContext* context, const AttentionParams& p, const RotaryP
               bool first_prompt, const void* q, const void* k, const void* v, const uint8_t* past_key,
               const uint8_t* past_value, void* y, uint8_t* present_key, uint8_t* present_value);
 
+// TQPagedAttention: cumulative and past_seqlens in host memory (checked), the block table in p on the device.
+void cuda_paged(OrtKernelContext* context, const AttentionParams& p, const RotaryParams& rot, const int32_t* cumulative,
+                const int32_t* past_seqlens, const void* q, const void* k, const void* v, const uint8_t* key_cache,
+                const uint8_t* value_cache, void* y, uint8_t* key_pool, uint8_t* value_pool);
+
 }  // namespace turboquant::ort

@@ -26,4 +26,9 @@ void cuda_gqa(OrtKernelContext*, const AttentionParams&, const RotaryParams&, co
   no_cuda("TQGroupQueryAttention");
 }
 
+void cuda_paged(OrtKernelContext*, const AttentionParams&, const RotaryParams&, const int32_t*, const int32_t*,
+                const void*, const void*, const void*, const uint8_t*, const uint8_t*, void*, uint8_t*, uint8_t*) {
+  no_cuda("TQPagedAttention");
+}
+
 }  // namespace turboquant::ort

@@ -1,5 +1,6 @@
 #include "tq_paged_op.h"
 
+#include "cuda_dispatch.h"
 #include "turboquant/gqa_setup.h"  // check_key_scale
 
 namespace turboquant::ort {
@@ -14,10 +15,6 @@ void check_type(const Ort::ConstValue& x, const char* name, ONNXTensorElementDat
 }  // namespace
 
 PagedKernel::PagedKernel(const OrtKernelInfo* info, ONNXTensorElementDataType t, Device dev) : type(t), device(dev) {
-  if (device == Device::kCuda) {
-    fail(kOp, "no CUDA kernel yet (the CUDA kernels do not address rows through a block table); "
-              "run this node on the CPU execution provider");
-  }
   read_grouped_attrs(kOp, info, attrs);
   attrs.validate();
 }
@@ -44,8 +41,9 @@ OrtStatusPtr PagedKernel::ComputeV2(OrtKernelContext* context) {
     const int32_t* cumulative = cu.GetTensorData<int32_t>();
     const int32_t* past_seqlens = past.GetTensorData<int32_t>();
     AttentionParams& p = setup.params;
-    p.block_table = table.GetTensorData<int32_t>();
-    check_paged_tables(setup, cumulative, past_seqlens, p.block_table);
+    p.blocks.table = table.GetTensorData<int32_t>();
+    // (on CUDA the table is in device memory: the lengths are checked, its kernels keep to the pool)
+    check_paged_tables(setup, cumulative, past_seqlens, device == Device::kCuda ? nullptr : p.blocks.table);
     p.key_offset = koff ? koff.GetTensorData<float>() : nullptr;
     p.value_offset = voff ? voff.GetTensorData<float>() : nullptr;
     p.head_sink = sink ? sink.GetTensorRawData() : nullptr;
@@ -54,7 +52,7 @@ OrtStatusPtr PagedKernel::ComputeV2(OrtKernelContext* context) {
       rot.cos = cos.GetTensorRawData();
       rot.sin = sin.GetTensorRawData();
       rot.key_scale = kscale ? kscale.GetTensorData<float>() : nullptr;
-      if (rot.key_scale) {
+      if (rot.key_scale && device == Device::kCpu) {
         check_key_scale(rot.key_scale, static_cast<int64_t>(kscale.GetTensorTypeAndShapeInfo().GetElementCount()), kOp);
       }
     }
@@ -65,6 +63,12 @@ OrtStatusPtr PagedKernel::ComputeV2(OrtKernelContext* context) {
     auto y = ctx.GetOutput(0, setup.y);
     auto key_pool = ctx.GetOutput(1, shapes.key_cache);
     auto value_pool = ctx.GetOutput(2, shapes.value_cache);
+    if (device == Device::kCuda) {
+      cuda_paged(context, p, rot, cumulative, past_seqlens, qbase, k, v, kc.GetTensorData<uint8_t>(),
+                 vc.GetTensorData<uint8_t>(), y.GetTensorMutableRawData(), key_pool.GetTensorMutableData<uint8_t>(),
+                 value_pool.GetTensorMutableData<uint8_t>());
+      return;
+    }
     cpu::paged_attention(p, rot, cumulative, past_seqlens, qbase, k, v, kc.GetTensorData<uint8_t>(),
                          vc.GetTensorData<uint8_t>(), y.GetTensorMutableRawData(),
                          key_pool.GetTensorMutableData<uint8_t>(), value_pool.GetTensorMutableData<uint8_t>(),

@@ -1,6 +1,6 @@
 // TQPagedAttention for the CPU execution provider: com.microsoft PagedAttention's inputs, outputs and
-// attributes over pools of packed uint8 KV blocks (docs/ops.md). Registered for the CUDA execution
-// provider too, where it refuses the node until the CUDA kernels address rows through the block table.
+// attributes over pools of packed uint8 KV blocks (docs/ops.md), for the CPU and CUDA execution
+// providers (cumulative_sequence_length and past_seqlens in host memory: the calls are planned from them).
 #pragma once
 
 #include "ort_utils.h"
@@ -56,6 +56,7 @@ struct PagedOp : OpBase<PagedOp<T, kDevice>, PagedKernel, kDevice> {
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return (i == 0 || (i >= 3 && i <= 7)) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }
+  OrtMemType GetInputMemoryType(size_t i) const { return i == 5 || i == 6 ? OrtMemTypeCPUInput : OrtMemTypeDefault; }
   size_t GetOutputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetOutputType(size_t i) const { return i == 0 ? T : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8; }
 };

@@ -53,7 +53,7 @@ void gqa_attention(const AttentionParams& p, const RotaryParams& rot, const void
 
 // TQPagedAttention: sequence b's tokens [cumulative[b], cumulative[b + 1]) of q, k, v and y (strides
 // p.q.s, p.k.s, p.v.s, p.y.s elements a token) after past_seqlens[b] tokens already in the pools,
-// through gqa_attention one sequence at a time with p.block_table's row b (all checked by
+// through gqa_attention one sequence at a time with p.blocks' row b (all checked by
 // check_paged_tables). The new rows are packed into the pools key_pool/value_pool in place; when
 // they are not key_cache/value_cache (the runtime did not alias them) the caches are copied first.
 void paged_attention(const AttentionParams& p, const RotaryParams& rot, const int32_t* cumulative,

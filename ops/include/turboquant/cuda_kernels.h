@@ -21,12 +21,17 @@ cudaError_t unpack(Format fmt, int d, const uint8_t* in, int64_t n, const Offset
                    cudaStream_t stream);
 
 // Where the attention writes the new tokens: sequence b's new rows start at past_of(b) in a cache of
-// present_rows rows of row_bytes bytes per (b, h); rows beyond the cache are skipped.
+// present_rows rows of row_bytes bytes per (b, h), or in a pool of blocks (present_rows: the rows
+// the table maps); rows beyond the cache are skipped.
 struct NewTokenRows {
   int64_t present_rows = 0, row_bytes = 0, past_len = 0;
   const int32_t* past_lens = nullptr;  // device memory, or null: every sequence has past_len
   int64_t past_lens_bias = 0;
+  BlockTable blocks;
   TQ_HD int64_t past_of(int64_t b) const { return sequence_past(past_lens, b, past_len, past_lens_bias); }
+  TQ_HD int64_t offset(int64_t bh, int64_t b, int64_t h, int64_t row) const {
+    return blocks.table ? blocks.row_offset(b, h, row, row_bytes) : (bh * present_rows + row) * row_bytes;
+  }
 };
 
 // The packed caches of attention() and gqa_attention() must start at multiples of this many bytes
@@ -87,6 +92,17 @@ cudaError_t gqa_attention_with_lengths(const AttentionParams& p, const RotaryPar
                                        const void* k, const void* v, const uint8_t* past_key,
                                        const uint8_t* past_value, void* y, uint8_t* present_key,
                                        uint8_t* present_value, void* workspace, int num_sms, cudaStream_t stream);
+
+// TQPagedAttention (p from setup_paged, p.blocks.table on the device): cumulative [B + 1] and past
+// [B] in host memory, checked (check_paged_tables without the table); the pools key_pool/value_pool
+// are updated in place (key_cache/value_cache copied into them first when they are other buffers).
+// workspace: paged_workspace_bytes(...) bytes.
+size_t paged_workspace_bytes(const AttentionParams& p, const RotaryParams& rot, const int32_t* cumulative,
+                             const int32_t* past, int num_sms);
+cudaError_t paged_attention(const AttentionParams& p, const RotaryParams& rot, const int32_t* cumulative,
+                            const int32_t* past, const void* q, const void* k, const void* v,
+                            const uint8_t* key_cache, const uint8_t* value_cache, void* y, uint8_t* key_pool,
+                            uint8_t* value_pool, void* workspace, int num_sms, cudaStream_t stream);
 
 // gqa_attention over a window-sized buffer (p.window_cache = C > 0, turboquant/window_cache.h), which
 // gqa_attention hands such calls to: lengths from seqlens_k on the device, the kept rows moved to the

@@ -44,7 +44,7 @@ PagedSetup setup_paged(const PagedAttrs& attrs, const PagedShapes& shapes, DType
 // sequence holds after the call (its first ceil((past + new) / block_size)) mapped, inside the pool,
 // and held by no other sequence nor twice (the new rows are written in place, and a block two
 // sequences share would make the result depend on their order); positions inside the rotary table.
-// Throws InvalidArgument.
+// block_table null (device memory, the CUDA kernels'): the lengths alone. Throws InvalidArgument.
 void check_paged_tables(const PagedSetup& setup, const int32_t* cumulative, const int32_t* past_seqlens,
                         const int32_t* block_table);
 

@@ -32,6 +32,29 @@ struct BhsStrides {
 
 enum class MaskType : int { kNone = 0, kBool, kFloat32, kFloat16, kBFloat16 };
 
+// A pool of KV blocks (TQPagedAttention): num_blocks blocks of block_bytes bytes; row r of (b, h) is
+// slot s = r % block_size of block table[b * max_blocks + r / block_size], at byte
+// (h * block_size + s) * row bytes of it: head-major inside a block, so that a head's rows of one
+// block lie back to back as in the contiguous layouts.
+struct BlockTable {
+  const int32_t* table = nullptr;  // host memory for the CPU kernels (checked by the adapter), device for CUDA
+  int64_t block_size = 0, max_blocks = 0, block_bytes = 0, num_blocks = 0;
+
+  // (a block id outside the pool, which only an unchecked table on the device can hold, is taken as
+  // block 0's: the kernels stay inside the pool)
+  TQ_HD int64_t row_offset(int64_t b, int64_t h, int64_t r, int64_t row_bytes) const {
+    int64_t block = table[b * max_blocks + r / block_size];
+    block = block >= 0 && block < num_blocks ? block : 0;
+    return block * block_bytes + (h * block_size + r % block_size) * row_bytes;
+  }
+  // The table of sequences b.. (a sub-batch's)
+  TQ_HD BlockTable from(int64_t b) const {
+    BlockTable t = *this;
+    t.table += b * max_blocks;
+    return t;
+  }
+};
+
 struct AttentionParams {
   int64_t batch = 0, q_heads = 0, kv_heads = 0;
   int64_t q_len = 0;     // Sq: query tokens in this call
@@ -71,29 +94,21 @@ struct AttentionParams {
   // (turboquant/window_cache.h), 0 when the buffer is full-length. past_lens are then the absolute
   // pasts the rotary turns by; gqa_attention maps them to rows before the attention kernels run.
   int64_t window_cache = 0;
-  // Paged caches (TQPagedAttention): past and present are one pool of num_blocks blocks of block_bytes
-  // bytes, updated in place; row r of (b, h) is slot s = r % block_size of block
-  // block_table[b * max_blocks + r / block_size], at byte (h * block_size + s) * row bytes of it: head-major
-  // inside a block, so that a head's rows of one block lie back to back as in the contiguous layouts.
-  // Null: the contiguous layouts above.
-  const int32_t* block_table = nullptr;  // host memory for the CPU kernels (checked by the adapter), device for CUDA
-  int64_t block_size = 0, max_blocks = 0, block_bytes = 0, num_blocks = 0;
+  // Paged caches (TQPagedAttention): past and present are one pool, updated in place (BlockTable).
+  // Default (no table): the contiguous layouts above.
+  BlockTable blocks;
 
   TQ_HD int64_t past_rows_or_len() const { return past_rows ? past_rows : past_len; }
   TQ_HD int64_t present_rows_or_total() const { return present_rows ? present_rows : past_len + new_len; }
   TQ_HD int64_t key_row() const { return key_row_bytes ? key_row_bytes : packed_size(key_format, head_dim); }
   TQ_HD int64_t value_row() const { return value_row_bytes ? value_row_bytes : packed_size(value_format, v_head_dim); }
   // Byte offset of row r of (b, h) in a cache of `rows` rows per (b, h) (paged: in the pool), every
-  // kernel's one way to a cached row. (A block id outside the pool, which only an unchecked table on
-  // the device can hold, is taken as block 0's: the kernels stay inside the pool.)
+  // kernel's one way to a cached row.
   TQ_HD int64_t row_offset(int64_t b, int64_t h, int64_t r, int64_t rows, int64_t row_bytes) const {
-    if (!block_table) return ((b * kv_heads + h) * rows + r) * row_bytes;
-    int64_t block = block_table[b * max_blocks + r / block_size];
-    block = block >= 0 && block < num_blocks ? block : 0;
-    return block * block_bytes + (h * block_size + r % block_size) * row_bytes;
+    return blocks.table ? blocks.row_offset(b, h, r, row_bytes) : ((b * kv_heads + h) * rows + r) * row_bytes;
   }
   // Rows from r on that lie back to back: to the end of r's block when paged, all of them otherwise
-  TQ_HD int64_t run_length(int64_t r) const { return block_table ? block_size - r % block_size : INT64_MAX; }
+  TQ_HD int64_t run_length(int64_t r) const { return blocks.table ? blocks.block_size - r % blocks.block_size : INT64_MAX; }
   // sequence b's past length, within past_len and the past buffer's rows (lengths read on the device
   // are clamped, not checked: no row past the buffer is read)
   // (a window-sized buffer's absolute past is bounded by past_len alone)

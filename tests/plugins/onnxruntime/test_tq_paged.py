@@ -298,16 +298,78 @@ def test_bad_shapes_and_attributes_are_refused(ort_session):
         ort_session(bad, 2)
 
 
-@pytest.mark.gpu
-def test_cuda_refuses_until_its_kernels_take_block_tables(cuda_ready):
-    """The CUDA registration refuses the node at session creation, saying to use the CPU provider."""
-    from turboquant.ort import inference_session, session_options
+def run_cuda(session, feeds, in_place):
+    """One CUDA run: the pools in device memory, bound as the outputs too when in_place (the Engine's
+    way); the lengths and the table given as host arrays (ORT moves each where the kernel takes it)."""
+    io = session.io_binding()
+    io.bind_output("output", "cuda")
+    pools = {name: ort.OrtValue.ortvalue_from_numpy(feeds[name].copy(), "cuda", 0) for name in ("key_cache", "value_cache")}
+    for name, x in feeds.items():
+        if name in pools:
+            io.bind_ortvalue_input(name, pools[name])
+            if in_place:
+                io.bind_ortvalue_output(name + "_out", pools[name])
+        else:
+            io.bind_cpu_input(name, x)
+    if not in_place:
+        io.bind_output("key_cache_out", "cuda")
+        io.bind_output("value_cache_out", "cuda")
+    session.run_with_iobinding(io)
+    out = [o.numpy() for o in io.get_outputs()]
+    return (out[0], pools["key_cache"].numpy(), pools["value_cache"].numpy()) if in_place else tuple(out)
 
-    model = node_models.paged_model(q_heads=4, kv_heads=2, head_dim=64, key_format="mse4", value_format="uint4")
-    so = session_options(1)
-    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    with pytest.raises(Exception, match="TQPagedAttention: no CUDA kernel yet"):
-        inference_session(model, providers=["CUDAExecutionProvider"], options=so)
+
+# the modes, and pasts long enough for several 32-row tiles of the tensor-core decode kernel
+CUDA_MODES = MODES | {"long_decode": ([70, 129, 33], [1, 1, 1]), "long_chunk": ([70, 129, 33], [40, 0, 9])}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rotary", [0, 64])
+@pytest.mark.parametrize("block_size", [4, 32])
+@pytest.mark.parametrize("mode", list(CUDA_MODES))
+@pytest.mark.parametrize("preset", list(FORMATS))
+def test_cuda_matches_reference(cuda_ready, ort_session, preset, mode, block_size, rotary):
+    """The CUDA kernels over the pool, float16, head size 128: the new rows' bytes as the reference packs
+    them (and nothing else written), outputs within fp16 tolerance, in place and into fresh outputs;
+    decode steps over blocks of 32 rows run on the tensor-core kernel (rotary fused), over blocks of 4 on
+    the CUDA-core one."""
+    from turboquant.kernel_plan import last_split_kernel
+
+    pasts, news = CUDA_MODES[mode]
+    formats_, nc = FORMATS[preset]
+    c = dict(BASE, formats=formats_, nc=nc, pasts=pasts, news=news, d=128, block_size=block_size,
+             dtype=TensorProto.FLOAT16, rotary=rotary, seed=block_size + rotary)
+    model, feeds, new_slots = make(c)
+    session = ort_session(model, 2, "cuda")
+    want = reference(c, feeds)
+    check(c, feeds, new_slots, run_cuda(session, feeds, in_place=True), want)
+    if mode == "long_decode":
+        assert last_split_kernel() == ("tc_bulk" if block_size == 32 else "cuda_core")
+    check(c, feeds, new_slots, run_cuda(session, feeds, in_place=False), want)
+
+
+@pytest.mark.gpu
+def test_cuda_steps_continue_in_the_same_pool(cuda_ready, ort_session):
+    """A first prompt, then decode steps in one pool on the device, in place: the CUDA op agrees with the
+    CPU op step for step (pools byte for byte)."""
+    c = dict(BASE, formats=("mse4", "uint4"), nc=True, pasts=[0, 0, 0], news=[41, 9, 68], d=128, block_size=32,
+             dtype=TensorProto.FLOAT16, rotary=64, seed=3)
+    model, feeds, _ = make(c)  # blocks and rotary rows for the steps' tokens
+    gpu, cpu = ort_session(model, 2, "cuda"), ort_session(model, 2)
+    rng = np.random.default_rng(4)
+    pools_gpu = pools_cpu = [feeds["key_cache"], feeds["value_cache"]]
+    pasts = [0, 0, 0]
+    for news in ([37, 5, 64], [1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1]):
+        step = dict(feeds, cumulative_sequence_length=np.concatenate([[0], np.cumsum(news)]).astype(np.int32),
+                    past_seqlens=np.array(pasts, np.int32))
+        for name, width in (("query", 4 * 128), ("key", 2 * 128), ("value", 2 * 128)):
+            step[name] = rng.standard_normal((sum(news), width)).astype(np.float16)
+        y_gpu, *pools_gpu = run_cuda(gpu, dict(step, key_cache=pools_gpu[0], value_cache=pools_gpu[1]), True)
+        y_cpu, *pools_cpu = run(cpu, dict(step, key_cache=pools_cpu[0], value_cache=pools_cpu[1]))
+        np.testing.assert_array_equal(pools_gpu[0], pools_cpu[0])
+        np.testing.assert_array_equal(pools_gpu[1], pools_cpu[1])
+        np.testing.assert_allclose(y_gpu.astype(np.float32), y_cpu.astype(np.float32), rtol=4e-3, atol=4e-3)
+        pasts = [p + n for p, n in zip(pasts, news)]
 
 
 def test_a_nan_key_stays_in_its_sequence(ort_session):
