@@ -417,7 +417,7 @@ def test_raw16_agrees_with_onnxruntime_cuda_paged_attention(cuda_ready, ort_sess
     pasts, news = MODES[mode]
     news = [n or 2 for n in news]  # a sequence without new tokens is this op's extension, not compared
     c = dict(BASE, formats=("raw16", "raw16"), nc=True, pasts=pasts, news=news, pad=0, dtype=TensorProto.FLOAT16,
-             rotary=rotary, seed=21)
+             rotary=rotary, block_size=16, seed=21)  # (ORT's kernel: blocks of a power of two >= 16)
     model, feeds, new_slots = make(c)
     y, pk, pv = run_in_place(ort_session(model, 2), feeds)
     def token_major(pool):  # ONNX Runtime's layout: [num_blocks, block_size, Hkv, D] float16
