@@ -70,6 +70,16 @@ struct Scratch {
   void* ptr = nullptr;
 };
 
+// launch(scratch, sms, stream) with workspace_bytes(sms) bytes of scratch on the current device.
+template <typename Bytes, typename Launch>
+void with_scratch(OrtKernelContext* context, const char* op, Bytes&& workspace_bytes, Launch&& launch) {
+  int device = 0;
+  check(op, cudaGetDevice(&device));
+  const int sms = device_sms(device);
+  Scratch scratch(context, workspace_bytes(sms), device);
+  check(op, launch(scratch.ptr, sms, stream_of(context)));
+}
+
 }  // namespace
 
 void cuda_pack(OrtKernelContext* context, Format fmt, int d, bool norm_correction, DType dt, const void* x, int64_t n,
@@ -85,13 +95,13 @@ void cuda_unpack(OrtKernelContext* context, Format fmt, int d, const uint8_t* in
 void cuda_attention(OrtKernelContext* context, const AttentionParams& p, const void* q, const void* k, const void* v,
                     const void* mask, const uint8_t* past_key, const uint8_t* past_value, void* y,
                     uint8_t* present_key, uint8_t* present_value) {
-  check_aligned("TQAttention", past_key, past_value, present_key, present_value);
-  int device = 0;
-  check("TQAttention", cudaGetDevice(&device));
-  const int sms = device_sms(device);
-  Scratch scratch(context, cuda::attention_workspace_bytes(p, sms), device);
-  check("TQAttention", cuda::attention(p, q, k, v, mask, past_key, past_value, y, present_key, present_value, scratch.ptr,
-                                       sms, stream_of(context)));
+  constexpr const char* kOp = "TQAttention";
+  check_aligned(kOp, past_key, past_value, present_key, present_value);
+  with_scratch(context, kOp, [&](int sms) { return cuda::attention_workspace_bytes(p, sms); },
+               [&](void* scratch, int sms, cudaStream_t stream) {
+                 return cuda::attention(p, q, k, v, mask, past_key, past_value, y, present_key, present_value, scratch,
+                                        sms, stream);
+               });
 }
 
 void cuda_gqa(OrtKernelContext* context, const AttentionParams& p, const RotaryParams& rot, const int32_t* seqlens_k,
@@ -99,12 +109,11 @@ void cuda_gqa(OrtKernelContext* context, const AttentionParams& p, const RotaryP
               const uint8_t* past_value, void* y, uint8_t* present_key, uint8_t* present_value) {
   constexpr const char* kOp = "TQGroupQueryAttention";
   check_aligned(kOp, past_key, past_value, present_key, present_value);
-  int device = 0;
-  check(kOp, cudaGetDevice(&device));
-  const int sms = device_sms(device);
-  Scratch scratch(context, cuda::gqa_workspace_bytes(p, rot, sms), device);
-  check(kOp, cuda::gqa_attention(p, rot, seqlens_k, first_prompt, q, k, v, past_key, past_value, y, present_key,
-                                 present_value, scratch.ptr, sms, stream_of(context)));
+  with_scratch(context, kOp, [&](int sms) { return cuda::gqa_workspace_bytes(p, rot, sms); },
+               [&](void* scratch, int sms, cudaStream_t stream) {
+                 return cuda::gqa_attention(p, rot, seqlens_k, first_prompt, q, k, v, past_key, past_value, y,
+                                            present_key, present_value, scratch, sms, stream);
+               });
 }
 
 void cuda_paged(OrtKernelContext* context, const AttentionParams& p, const RotaryParams& rot, const int32_t* cumulative,
@@ -112,12 +121,11 @@ void cuda_paged(OrtKernelContext* context, const AttentionParams& p, const Rotar
                 const uint8_t* value_cache, void* y, uint8_t* key_pool, uint8_t* value_pool) {
   constexpr const char* kOp = "TQPagedAttention";
   check_aligned(kOp, key_cache, value_cache, key_pool, value_pool);
-  int device = 0;
-  check(kOp, cudaGetDevice(&device));
-  const int sms = device_sms(device);
-  Scratch scratch(context, cuda::paged_workspace_bytes(p, rot, cumulative, past_seqlens, sms), device);
-  check(kOp, cuda::paged_attention(p, rot, cumulative, past_seqlens, q, k, v, key_cache, value_cache, y, key_pool,
-                                   value_pool, scratch.ptr, sms, stream_of(context)));
+  with_scratch(context, kOp, [&](int sms) { return cuda::paged_workspace_bytes(p, rot, cumulative, past_seqlens, sms); },
+               [&](void* scratch, int sms, cudaStream_t stream) {
+                 return cuda::paged_attention(p, rot, cumulative, past_seqlens, q, k, v, key_cache, value_cache, y,
+                                              key_pool, value_pool, scratch, sms, stream);
+               });
 }
 
 }  // namespace turboquant::ort
