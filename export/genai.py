@@ -195,6 +195,8 @@ def stage_folder(folder: Folder, out: pathlib.Path, result: RewriteResult, tmp: 
     folder.decoder["filename"] = out.name
     # the uint8 caches' head_size is a row width in bytes: the widest layer's (module docstring)
     folder.decoder["head_size"] = result.row_bytes
+    if result.pool_pairs is not None:
+        paged_pools(folder.decoder, result.pool_pairs)
     dropped = None if result.window_cache else drop_sliding_window_section(folder.decoder, result)
     if dropped:
         result.notes.append(dropped)
@@ -242,3 +244,14 @@ def drop_sliding_window_section(decoder: dict, result: RewriteResult) -> str | N
     size = section.get("window_size") if isinstance(section, dict) else None
     return (f"{CONFIG}: its sliding_window section (window_size {size}) dropped: onnxruntime-genai allocates every "
             "layer's cache with max_length rows; the attention ops keep their windows and read only their rows")
+
+
+def paged_pools(decoder: dict, pairs: int) -> None:
+    """genai_config.json of a rewritten paged model (export/paged.py): the Engine allocates a pool pair
+    for each of num_hidden_layers (src/engine/paged_key_value_cache.cpp), and 0.18 binds those its
+    paged_kv state group's layer_ids name, each in [0, num_hidden_layers): both count every pair,
+    the boundary layers' extra ones included."""
+    decoder["num_hidden_layers"] = pairs
+    for group in decoder.get("state_groups", []):
+        if isinstance(group, dict) and group.get("kind") == "paged_kv":
+            group["layer_ids"] = list(range(pairs))

@@ -134,6 +134,14 @@ def check_folder(folder: pathlib.Path, model_name: str) -> str:
     not_run = cannot_generate(model_path)
     if not_run:
         return f"checked: genai_config.json agrees with the model; not run, as the model {not_run}"
+    if "engine" in config and any(n.op_type == "TQPagedAttention" for n in _nodes(model_path)):
+        why = run_paged(model_path)
+        if why is not None:
+            raise RewriteError(f"ONNX Runtime could not run the rewritten paged model over the Engine's pools, so it is "
+                               f"not written: {why}")
+        return (f"checked: genai_config.json agrees with the model, and ONNX Runtime's CPU provider generated "
+                f"{CHECK_TOKENS} tokens for two requests over pools of the shape the Engine allocates "
+                "(turboquant.paged_decoder)")
     runs_here, where = genai_runs_provider(config)
     if not runs_here and _is_bf16(model_path):
         return (f"checked: genai_config.json agrees with the model; not run ({where}, and ONNX Runtime's CPU provider "
@@ -148,6 +156,30 @@ def check_folder(folder: pathlib.Path, model_name: str) -> str:
         raise RewriteError(f"ONNX Runtime could not run the rewritten model over genai's buffers, so it is not written: {why}")
     return (f"checked without onnxruntime-genai ({where}): genai_config.json agrees with the model, and ONNX "
             f"Runtime's CPU provider generated {CHECK_TOKENS} tokens over buffers of the shapes genai allocates")
+
+
+def _nodes(model_path: pathlib.Path):
+    import onnx
+
+    return onnx.load(str(model_path), load_external_data=False).graph.node
+
+
+def run_paged(model_path: pathlib.Path) -> str | None:
+    """None where ONNX Runtime ran two requests of a paged folder (a prompt, then CHECK_TOKENS - 1
+    steps) the way the Engine does; else why not. Blocks of 16 rows, whatever the config says, so the
+    check's pools stay small and the requests cross a block."""
+    import numpy as np
+
+    from turboquant.paged_decoder import PagedDecoder
+
+    try:
+        dec = PagedDecoder(model_path, num_blocks=8, block_size=16)
+        vocab = _vocab(json.loads((model_path.parent / "genai_config.json").read_text()))
+        prompts = [3 + np.arange(n) % max(1, vocab - 3) for n in (PROMPT_TOKENS, 2 * PROMPT_TOKENS + 3)]
+        dec.generate(prompts, CHECK_TOKENS, joins=[0, 1])
+    except Exception as e:  # noqa: BLE001 - any failure to run is the check's answer
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:400] if str(e).strip() else ''}"
+    return None
 
 
 def cannot_generate(model_path: pathlib.Path) -> str | None:

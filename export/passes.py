@@ -24,6 +24,7 @@ from turboquant.config import TQ_PRESETS
 from .cache_io import find_cache_layers
 from .errors import RewriteError
 from .gqa import rewrite_gqa_model, uses_gqa
+from .paged import rewrite_paged_model, uses_paged
 
 
 class RewritePreconditionError(RewriteError, ir.passes.PreconditionError):
@@ -40,7 +41,8 @@ class TurboQuantRewrite(ir.passes.InPlacePass):
         """cache: "concat" (export.concat.rewrite_model) or "in-place" (export.in_place; q_heads for
         graphs that do not say their query heads, kept_raw16 for TensorRT, rotary_positions for the
         rotary inside the ops, flat_outputs from export.mask_probe); onnxruntime-genai models
-        take export.gqa whatever it says (unsupported, per_layer, window_cache are its options). plan: the layer plan
+        take export.gqa whatever it says (unsupported, per_layer, window_cache are its options), and
+        paged ones (com.microsoft PagedAttention, the Engine's) export.paged. plan: the layer plan
         of the model the pass will be called on, as plan_layers (plan_gqa_layers for onnxruntime-genai
         models) returns it, when the caller has made it already; None: planned in the call."""
         super().__init__()
@@ -58,7 +60,7 @@ class TurboQuantRewrite(ir.passes.InPlacePass):
             raise RewritePreconditionError(f"unknown preset {self.preset!r}: valid presets are {', '.join(TQ_PRESETS)}")
         if self.cache not in ("concat", "in-place"):
             raise RewritePreconditionError(f"cache must be 'concat' or 'in-place', got {self.cache!r}")
-        if uses_gqa(model):
+        if uses_gqa(model) or uses_paged(model):
             return
         try:
             find_cache_layers(model.graph)
@@ -70,7 +72,9 @@ class TurboQuantRewrite(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         opts = dict(calibration=self.calibration, value_offsets=self.value_offsets, key_scales=self.key_scales,
                     plan=self.plan, **self.plan_args)
-        if uses_gqa(model):
+        if uses_paged(model):
+            self.result = rewrite_paged_model(model, self.preset, **opts)
+        elif uses_gqa(model):
             self.result = rewrite_gqa_model(model, self.preset, unsupported=self.unsupported, per_layer=self.per_layer,
                                             window_cache=self.window_cache, **opts)
         elif self.cache == "in-place":

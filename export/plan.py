@@ -24,6 +24,7 @@ class LayerPlan:
     head_dim: int
     dtype_bytes: int
     row_bytes: int | None = None  # GroupQueryAttention models: the width of this layer's uint8 cache rows
+    pools: int = 1  # paged models: the pool pairs the layer's rows take (a boundary layer split over several)
 
     @property
     def bytes_before(self) -> int | None:
@@ -34,7 +35,7 @@ class LayerPlan:
         if self.kv_heads is None:
             return None
         if self.row_bytes:
-            return 2 * self.kv_heads * self.row_bytes
+            return 2 * self.kv_heads * self.row_bytes * self.pools
         if not self.compressed:
             return self.bytes_before
         return self.kv_heads * (packed_size(self.key_format, self.head_dim) + packed_size(self.value_format, self.head_dim))
@@ -49,6 +50,7 @@ class RewriteResult:
     row_bytes: int | None = None  # GroupQueryAttention models: the widest layer's cache rows (genai's head_size)
     left: list[int] = dataclasses.field(default_factory=list)  # genai models: layers left as they were
     window_cache: list[int] = dataclasses.field(default_factory=list)  # genai models: layers kept window-sized
+    pool_pairs: int | None = None  # paged genai models: the key/value pool pairs (genai_config's num_hidden_layers)
 
     @property
     def compressed(self) -> list[int]:

@@ -4,6 +4,7 @@ run through export/passes.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -18,6 +19,7 @@ from .forms import locate
 from .cache_io import _KV_NAMES
 from .calibrate import DATA_FREE, check_window, default_window
 from .gqa import refuse_fused_attention, uses_gqa
+from .paged import uses_paged
 from .passes import TurboQuantRewrite
 from .options import RewriteOptions
 from .plan import RewriteResult, check_boundary, plan_layers
@@ -183,7 +185,7 @@ def export_with(model_path: str | os.PathLike, output: str | os.PathLike | None,
     if auto_keep and not offsets:
         raise RewriteError("--keep-layers auto and --no-offsets contradict each other: the layers are measured with the "
                            "calibration's offsets and scales")
-    gqa = uses_gqa(model)
+    gqa = uses_gqa(model) or uses_paged(model)
     if calibrates and calibrate is None:
         calibrate = DATA_FREE_DEFAULT
     if calibrates:
@@ -198,6 +200,8 @@ def export_with(model_path: str | os.PathLike, output: str | os.PathLike | None,
         if cache == "concat":
             raise RewriteError("--cache concat does not apply to onnxruntime-genai models (GroupQueryAttention): their "
                                "caches are written in place, and stay so")
+        if uses_paged(model):
+            _refuse_paged_options(options)
         return _export_gqa(model, src, out, options, calibrate=calibrate if calibrates else False, progress=shows,
                            window=calibration_window, library=library)
     if genai_cuda_graph:
@@ -395,9 +399,11 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, options: 
 
     genai_folder = target == "onnxruntime" and (src.parent / genai.CONFIG).is_file()  # genai runs ONNX Runtime only
     folder, window_cache, window_note = None, False, None
-    if genai_folder:  # its config read and every name the output folder gets refused before any work
+    paged = uses_paged(model)
+    if genai_folder and not paged:  # its config read and every name the output folder gets refused before any work
         window_cache, window_note = genai.keeps_window_cache(genai.read_config(src.parent / genai.CONFIG)[1],
                                                              cuda_graph=cuda_graph)
+    if genai_folder:
         if not dry_run:
             folder = genai.plan_folder(src, out, library or _ort_library(), cuda_graph)
     if genai_folder and unsupported == "leave":  # before the calibration: a folder genai could not run is refused
@@ -407,6 +413,11 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, options: 
                                                      keep_layers=[] if keep_layers == "auto" else keep_layers))
     calibration, notes = None, []
     plan = None  # plan_gqa_layers of `model` for the rewrite: planned once, where the calibration plans
+    if paged:  # refused at once, before the calibration
+        from .paged import check_supported as check_paged, plan_paged_layers
+
+        check_paged(model, preset, plan=plan_paged_layers(model, preset, boundary, skip_layers,
+                                                           [] if keep_layers == "auto" else keep_layers))
     if calibrate is not False:
         from .calibrate import calibration_tokens, runtime_failures
         from .calibrate_gqa import collect_gqa
@@ -415,19 +426,24 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, options: 
 
         auto_keep = keep_layers == "auto"
         planned = [] if auto_keep else keep_layers  # auto: every layer calibrated, then the costliest kept
-        plan = plan_gqa_layers(model, preset, boundary, skip_layers, planned)
-        check_supported(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=planned,
-                        unsupported=unsupported, plan=plan)
+        if paged:
+            from .paged import plan_paged_layers
 
-        with runtime_failures("calibration"):
-            ids, source = calibration_tokens(calibrate, tokenizer, model, src, progress, window)
+            plan = plan_paged_layers(model, preset, boundary, skip_layers, planned)
+        else:
+            plan = plan_gqa_layers(model, preset, boundary, skip_layers, planned)
+            check_supported(model, preset, boundary=boundary, skip_layers=skip_layers, keep_layers=planned,
+                            unsupported=unsupported, plan=plan)
+
+        with runtime_failures("calibration"), _calibration_model(src, paged) as runnable:
+            ids, source = calibration_tokens(calibrate, tokenizer, model, runnable, progress, window)
             if ids is not None:
-                calibration, notes = collect_gqa(src, ids, source, preset=preset, boundary=boundary,
+                calibration, notes = collect_gqa(runnable, ids, source, preset=preset, boundary=boundary,
                                                  skip_layers=skip_layers, keep_layers=planned, key_scales=key_scales,
                                                  progress=progress, window=window)
                 if auto_keep:
                     plans, _, _ = plan
-                    keep_layers, chosen = measured_keep(src, ids, calibration, plans, preset, 2 * boundary,
+                    keep_layers, chosen = measured_keep(runnable, ids, calibration, plans, preset, 2 * boundary,
                                                         value_offsets=value_offsets, key_scales=key_scales,
                                                         progress=progress)
                     notes.append(chosen)
@@ -477,6 +493,37 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, options: 
         result.notes.append(f"no {genai.CONFIG} written: layers {result.left} keep float caches"
                             + (" (nor CUDA graphs enabled)" if cuda_graph else ""))
     return result
+
+
+def _refuse_paged_options(options: RewriteOptions) -> None:
+    """The options a paged model (PagedAttention, onnxruntime-genai's Engine) does not take."""
+    if options.target != "onnxruntime":
+        raise RewriteError("--target tensorrt does not apply to paged models (PagedAttention): they are served by "
+                           "onnxruntime-genai's Engine, which runs ONNX Runtime")
+    if options.unsupported != "refuse":
+        raise RewriteError("--unsupported leave does not apply to paged models: the Engine allocates every pool in one "
+                           "dtype, so a layer left with float pools could not run beside the uint8 ones")
+    if options.genai_cuda_graph:
+        raise RewriteError("--genai-cuda-graph applies to GroupQueryAttention folders (og.Generator); the Engine of "
+                           "a paged folder takes its own genai_config.json settings")
+
+
+@contextlib.contextmanager
+def _calibration_model(src: pathlib.Path, paged: bool):
+    """The model the calibration runs: src, or for a paged model (PagedAttention, which ONNX Runtime's
+    CPU provider does not run) its GroupQueryAttention twin (export/paged_twin.py) in a temporary
+    folder, with the same layer numbers."""
+    if not paged:
+        yield src
+        return
+    import tempfile
+
+    from .paged_twin import gqa_twin
+
+    with tempfile.TemporaryDirectory(prefix="turboquant-twin-") as tmp:
+        twin = pathlib.Path(tmp) / "model.onnx"
+        ir.save(gqa_twin(ir.load(src)), twin, external_data="model.onnx.data")
+        yield twin
 
 
 def _initializer_bytes(model: ir.Model) -> int:
