@@ -78,10 +78,15 @@ def gqa_twin(model: ir.Model) -> ir.Model:
                                       "tq_twin_total_i64", first, axis=0)],
                  "tq_twin_total_sequence_length", first, to=ir.DataType.INT32)
     for n in nodes:
+        d, hq, hkv = _head_dim(n), _attr(n, "num_heads", 0), _attr(n, "kv_num_heads", 0)
+        packed = len(n.inputs) < 2 or n.inputs[1] is None
         q = _add(graph, "Reshape", [n.inputs[0], rows_shape], f"{n.name}/twin_q", n)
+        q.shape, q.dtype = ir.Shape(["batch_size", "sequence_length", (hq + 2 * hkv if packed else hq) * d]), n.inputs[0].dtype
         kv = [None, None]
-        if len(n.inputs) > 2 and n.inputs[1] is not None:
+        if not packed:
             kv = [_add(graph, "Reshape", [n.inputs[i], rows_shape], f"{n.name}/twin_{w}", n) for i, w in ((1, "k"), (2, "v"))]
+            for x in kv:
+                x.shape, x.dtype = ir.Shape(["batch_size", "sequence_length", hkv * d]), n.inputs[0].dtype
         sink = n.inputs[_HEAD_SINK] if len(n.inputs) > _HEAD_SINK else None
         gqa_inputs = [q, *kv, n.inputs[3], n.inputs[4], seqlens, total, n.inputs[8], n.inputs[9], None, None, sink]
         while gqa_inputs[-1] is None:
