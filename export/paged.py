@@ -265,6 +265,7 @@ def split_node(graph: ir.Graph, old: ir.Node, head_dim: int, per_node: int, widt
     base = _base_inputs(old)
     pools = [old.inputs[3], old.inputs[4]]
     presents = list(old.outputs[1:3])
+    present_names = [o.name for o in presents]  # before the first node takes them
     nodes, outs = [], []
     for j, start in enumerate(range(0, hkv, per_node)):
         g = min(per_node, hkv - start)
@@ -282,6 +283,8 @@ def split_node(graph: ir.Graph, old: ir.Node, head_dim: int, per_node: int, widt
             index = first_new + j - 1
             key_pool, value_pool = (ir.Value(name=_renamed(p.name, index), shape=ir.Shape(list(p.shape)),
                                              type=ir.TensorType(ir.DataType.UINT8)) for p in pools)
+            for pool in (key_pool, value_pool):
+                _pool_type(pool, hkv, width)
             graph.inputs.extend([key_pool, value_pool])
         head_sink = None if sink is None else _slice(graph, old, sink, start * rep, (start + g) * rep, 0, f"{name}/sink")
         inputs = [q, k, v, key_pool, value_pool, *base[5:10], head_sink]
@@ -290,8 +293,8 @@ def split_node(graph: ir.Graph, old: ir.Node, head_dim: int, per_node: int, widt
         if j == 0:
             _take_outputs(graph, presents, node.outputs[1:3])
         else:
-            for o, p in zip(node.outputs[1:3], presents):
-                o.name = _renamed(p.name, first_new + j - 1)
+            for o, name in zip(node.outputs[1:3], present_names):
+                o.name = _renamed(name, first_new + j - 1)
                 graph.outputs.append(o)
         for o in node.outputs[1:3]:
             _pool_type(o, hkv, width)
