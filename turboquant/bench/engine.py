@@ -30,6 +30,7 @@ class RequestTimes:
     finished: float | None = None  # its turn finished
     tokens: int = 0
     error: str | None = None
+    ids: list[int] = dataclasses.field(default_factory=list)  # the tokens it generated, in order
 
 
 @dataclasses.dataclass
@@ -138,6 +139,7 @@ def serve(engine, batch: list[np.ndarray], new: int, budget: float | None = None
             t = times[k]
             if f & token:
                 t.tokens += 1
+                t.ids.append(int(ev.token))
                 t.last = now
                 if t.first is None:
                     t.first = now

@@ -1,0 +1,238 @@
+"""The rewrite of paged onnxruntime-genai folders (com.microsoft PagedAttention, built for the
+continuous-batching Engine by genai's own builder from a small random Llama config) to
+TQPagedAttention: the graph, genai_config.json, and runs of the Engine's loop
+(turboquant.paged_decoder) against the GroupQueryAttention twin rewritten with the same preset,
+and of og.Engine itself."""
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from turboquant import TQ_PRESETS, random_decoders
+from turboquant.config import TurboQuantConfig, packed_size
+from turboquant.export import RewriteError, export
+from turboquant.export.paged import heads_per_node
+from turboquant.export.paged_twin import gqa_twin
+from turboquant.export.plan import LayerPlan
+from turboquant.paged_decoder import PagedDecoder
+from turboquant.shared_buffer import SharedBufferDecoder
+
+from .cli_helpers import assert_refused, run_main, tree
+
+pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes these models)")
+
+# Hkv 4 and head size 32: a raw16 row (64 bytes) is wider than every preset's packed one, so the
+# boundary layers split (g = floor(4 * W / 64) KV heads per node: 1 or 2)
+CONFIG = random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=8, kv_heads=4, head_dim=32, seed=3, vocab=640)
+D, HKV = 32, 4
+PROMPTS = [9, 21, 5]  # three requests of different lengths; the third joins two steps later
+JOINS = [0, 0, 2]
+NEW = 8
+BLOCK = 16  # the requests cross blocks
+
+
+def width(preset):
+    cfg = TurboQuantConfig.from_cache_dtype(preset, D)
+    return max(packed_size(cfg.key_format, D), packed_size(cfg.value_format, D))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return random_decoders.export_genai(CONFIG, tmp_path_factory.mktemp("paged"), precision="fp16", provider="cuda",
+                                        extra={"use_paged_attention": "true"})
+
+
+@pytest.fixture(scope="module")
+def twin(built, tmp_path_factory):
+    """The GroupQueryAttention twin of the paged model (same weights), a file of its own."""
+    path = tmp_path_factory.mktemp("twin") / "model.onnx"
+    ir.save(gqa_twin(ir.load(built)), path, external_data="model.onnx.data")
+    return path
+
+
+@pytest.fixture(scope="module")
+def rewritten(built, tmp_path_factory):
+    cache = {}
+
+    def get(preset, boundary, **kw):
+        key = (preset, boundary, tuple(sorted(kw.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp("tq") / "model.onnx"
+            cache[key] = export(built, preset, out, boundary=boundary, progress=False, **kw)
+        return cache[key]
+
+    return get
+
+
+def _prompts():
+    rng = np.random.default_rng(5)
+    return [rng.integers(3, CONFIG.vocab, n) for n in PROMPTS]
+
+
+def test_builder_writes_paged_attention(built):
+    """What genai 0.18's builder writes for the Engine (what the rewrite maps): packed QKV, the pools
+    [num_blocks, block_size, Hkv, D], attention_metadata as input 16, no slot_mapping, no Q/K norm."""
+    m = onnx.load(built, load_external_data=False)
+    nodes = [n for n in m.graph.node if n.op_type == "PagedAttention"]
+    assert len(nodes) == 6 and all(len(n.input) == 17 and n.input[1] == "" and n.input[16] == "attention_metadata"
+                                   and not any(n.input[10:16]) for n in nodes)
+    pools = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in m.graph.input
+             if i.name.startswith("past_key_values")}
+    assert pools["past_key_values.0.key"] == ["num_blocks", "block_size", HKV, D]
+
+
+@pytest.mark.parametrize("boundary", [0, 2])
+@pytest.mark.parametrize("preset", list(TQ_PRESETS))
+def test_rewritten_folder(built, twin, rewritten, tmp_path, preset, boundary):
+    """Every pool uint8 [., ., Hkv, W] with one W (the packed layers' widest format), boundary layers
+    split over ceil(Hkv / g) pool pairs; genai_config.json counts every pair; the graph passes the
+    checker with turboquant's schemas; and the Engine's loop on the rewrite gives, for three
+    concurrent requests of different lengths, the greedy tokens and logits of the GroupQueryAttention
+    twin rewritten with the same preset (its boundary layers unsplit raw16) run one request at a time."""
+    result = rewritten(preset, boundary, offsets=False)
+    w = width(preset)
+    g = HKV * w // (2 * D)
+    n = -(-HKV // g)
+    kept = [0, 1, 4, 5] if boundary else []
+    pairs = 6 + len(kept) * (n - 1)
+    assert result.row_bytes == w and result.pool_pairs == pairs and result.kept == kept
+    m = onnx.load(result.output)
+    _check_nodes(m)
+    assert {n.op_type for n in m.graph.node} & {"PagedAttention", "TQPagedAttention"} == {"TQPagedAttention"}
+    pools = [i for i in m.graph.input if i.name.startswith("past_key_values")]
+    assert len(pools) == 2 * pairs and "attention_metadata" not in {i.name for i in m.graph.input}
+    assert all(i.type.tensor_type.elem_type == onnx.TensorProto.UINT8
+               and [d.dim_value for d in i.type.tensor_type.shape.dim][2:] == [HKV, w] for i in pools)
+    decoder = json.loads((result.output.parent / "genai_config.json").read_text())["model"]["decoder"]
+    assert decoder["head_size"] == w and decoder["num_hidden_layers"] == pairs
+    assert decoder["state_groups"][0]["layer_ids"] == list(range(pairs))
+    assert decoder["session_options"]["custom_ops_library"] in {p.name for p in result.output.parent.iterdir()}
+
+    tokens, logits = PagedDecoder(result.output, num_blocks=12, block_size=BLOCK).generate(
+        _prompts(), NEW, joins=JOINS, keep_logits=True)
+    reference = export(twin, preset, tmp_path / "twin.onnx", boundary=boundary, offsets=False, progress=False)
+    for prompt, got, rows in zip(_prompts(), tokens, logits):
+        want, want_logits = _twin_run(reference.output, prompt)
+        assert got == want
+        np.testing.assert_allclose(rows, want_logits, atol=2e-2 * max(1.0, float(np.abs(want_logits).max())))
+
+
+def _check_nodes(m):
+    """The nodes the rewrite wrote pass the checker against their schemas (turboquant's registered by
+    turboquant.onnx_ops); the builder's contrib ops (SimplifiedLayerNormalization in the default
+    domain) have no schema onnx knows, so the model as a whole is not checked."""
+    import turboquant.onnx_ops  # noqa: F401 - the schemas registered
+
+    ctx = onnx.checker.C.CheckerContext()
+    ctx.ir_version = m.ir_version
+    ctx.opset_imports = {o.domain: o.version for o in m.opset_import}
+    written = [n for n in m.graph.node if "/turboquant" in n.name]
+    assert written
+    for n in written:
+        onnx.checker.check_node(n, ctx)
+
+
+def _twin_run(path, prompt):
+    """Greedy tokens and each step's last logits row of one request through the twin (shared buffers)."""
+    dec = SharedBufferDecoder(path, len(prompt) + NEW)
+    cache = dec.empty_cache(1)
+    ids, rows, tokens = np.asarray(prompt)[None], [], []
+    logits, cache = dec.step(ids, cache, 0)
+    for t in range(NEW):
+        row = np.asarray(logits[0, -1], np.float32)
+        rows.append(row)
+        tokens.append(int(row.argmax()))
+        if t + 1 < NEW:
+            logits, cache = dec.step(np.array([[tokens[-1]]]), cache, len(prompt) + t)
+    return tokens, np.stack(rows)
+
+
+def test_summary_counts_split_pools(rewritten, capsys):
+    """The bytes per token the summary prints count every pool pair of a split boundary layer."""
+    result = rewritten("turboquant_4bit_nc", 2, offsets=False)
+    w = width("turboquant_4bit_nc")  # 20: g = 1, 4 pool pairs per boundary layer
+    after = 2 * 2 * HKV * w + 4 * 4 * 2 * HKV * w
+    assert f"{6 * 2 * HKV * D * 2} bytes before, {after} after" in result.summary()
+
+
+def test_calibrated_rewrite(rewritten):
+    """The calibration runs the GroupQueryAttention twin: the compressed layers get key_offset and key_scale."""
+    result = rewritten("turboquant_4bit_nc", 2, calibrate="random")
+    m = onnx.load(result.output, load_external_data=False)
+    calibrated = [n for n in m.graph.node if n.op_type == "TQPagedAttention" and len(n.input) > 11]
+    assert sorted(n.name.split("/")[2] for n in calibrated) == ["layers.2", "layers.3"]
+    assert all(n.input[11] and n.input[13] for n in calibrated)
+    meta = {p.key: p.value for p in m.metadata_props}
+    assert meta["turboquant.calibration"] != "none" and meta["turboquant.pool_pairs"] == str(result.pool_pairs)
+    tokens = PagedDecoder(result.output, num_blocks=12, block_size=BLOCK).generate(_prompts(), NEW, joins=JOINS)
+    assert all(len(t) == NEW for t in tokens)
+
+
+def _engine_tokens(folder, device):
+    from turboquant.bench.engine import open_engine, serve
+
+    overlay = {"engine": {"dynamic_batching": {"num_blocks": 12, "block_size": BLOCK, "max_batch_size": 4}}}
+    _, engine = open_engine(str(folder), device, overlay)
+    times, _, _, cut = serve(engine, [p.astype(np.int32) for p in _prompts()], NEW)
+    assert cut is None and all(t.error is None for t in times)
+    return [t.ids for t in times]
+
+
+def test_og_engine_runs_the_folder_on_the_cpu(rewritten):
+    """onnxruntime-genai's Engine serves the rewritten folder unchanged (turboquant's CPU kernel):
+    every pool pair allocated, fed and bound, and the greedy tokens of the reference loop."""
+    result = rewritten("turboquant_4bit_nc", 2, offsets=False)
+    want = PagedDecoder(result.output, num_blocks=12, block_size=BLOCK).generate(_prompts(), NEW)
+    assert _engine_tokens(result.output.parent, "cpu") == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+def test_og_engine_on_cuda_matches_the_reference_loop(cuda_ready, rewritten, preset):
+    """og.Engine (onnxruntime-genai-cuda) serves the rewritten fp16 folder on the GPU (TQPagedAttention's
+    CUDA kernels) with three concurrent requests: its greedy tokens are the reference loop's on the CPU."""
+    import onnxruntime_genai as og
+
+    if not og.is_cuda_available():
+        pytest.skip("CUDA test skipped: the installed onnxruntime-genai has no CUDA (install onnxruntime-genai-cuda)")
+    result = rewritten(preset, 2)
+    want = PagedDecoder(result.output, num_blocks=12, block_size=BLOCK).generate(_prompts(), NEW)
+    assert _engine_tokens(result.output.parent, "cuda") == want
+
+
+def test_boundary_split_needs_a_row(built):
+    """g = 0 (a raw16 row wider than a slot's Hkv * W bytes) is refused, suggesting --boundary 0."""
+    plan = LayerPlan(0, False, None, "raw16", "raw16", 1, 128, 2)
+    with pytest.raises(RewriteError, match=r"less than one row; rewrite with --boundary 0"):
+        heads_per_node(plan, 68)
+    assert heads_per_node(LayerPlan(0, False, None, "raw16", "raw16", 8, 128, 2), 68) == 4 // 2 * 1
+
+
+@pytest.mark.parametrize("what, edit, message", [
+    ("slot_mapping", lambda m, n: _add_input(m, n, 10, "slot_mapping", onnx.TensorProto.INT32), "input slot_mapping"),
+    ("k_scale", lambda m, n: _add_input(m, n, 14, "k_scale", onnx.TensorProto.FLOAT), "input k_scale (quantized pools"),
+    ("k_quant_type", lambda m, n: n.attribute.append(onnx.helper.make_attribute("k_quant_type", "PER_CHANNEL")),
+     "k_quant_type=PER_CHANNEL (quantized pools"),
+])
+def test_refusals_by_name(built, tmp_path, capsys, what, edit, message):
+    m = onnx.load(built)
+    node = next(n for n in m.graph.node if n.op_type == "PagedAttention")
+    edit(m, node)
+    src = tmp_path / "src" / "model.onnx"
+    src.parent.mkdir()
+    onnx.save(m, src, save_as_external_data=True, location="model.onnx.data")
+    (src.parent / "genai_config.json").write_text((built.parent / "genai_config.json").read_text())
+    before = tree(tmp_path)
+    rc, err = run_main(capsys, src, "--preset", "turboquant_4bit_nc", "-o", tmp_path / "out" / "model.onnx")
+    assert_refused(rc, err, message)
+    assert "TQPagedAttention does not take" in err and tree(tmp_path) == before
+
+
+def _add_input(m, node, index, name, elem):
+    m.graph.input.append(onnx.helper.make_tensor_value_info(name, elem, [4]))
+    while len(node.input) <= index:
+        node.input.append("")
+    node.input[index] = name
