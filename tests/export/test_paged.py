@@ -158,6 +158,16 @@ def test_summary_counts_split_pools(rewritten, capsys):
     assert f"{6 * 2 * HKV * D * 2} bytes before, {after} after" in result.summary()
 
 
+def test_engine_bench_sizes_the_pools(rewritten):
+    """bench engine's pool layout of the rewritten folder: every pool pair's bytes per token, as the summary counts them."""
+    from turboquant.bench.engine_pool import read_layout
+
+    result = rewritten("turboquant_4bit_nc", 2, offsets=False)
+    layout = read_layout(result.output.parent)
+    assert layout.layers == result.pool_pairs and layout.bytes_per_token == sum(p.bytes_after for p in result.layers)
+    assert layout.cache == "turboquant mse4/uint4 (uint8 rows)"
+
+
 def test_calibrated_rewrite(rewritten):
     """The calibration runs the GroupQueryAttention twin: the compressed layers get key_offset and key_scale."""
     result = rewritten("turboquant_4bit_nc", 2, calibrate="random")

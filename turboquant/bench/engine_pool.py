@@ -87,7 +87,8 @@ def read_layout(folder: str | pathlib.Path) -> PoolLayout:
     if not model_file.is_file():
         raise PoolError(f"{folder}: genai_config.json names {model_file.name}, which is not there")
     graph = onnx.load(str(model_file), load_external_data=False).graph
-    if not any(n.op_type == "PagedAttention" for n in graph.node):
+    paged = ("PagedAttention", "TQPagedAttention")  # genai's builder's, or turboquant's rewrite of it
+    if not any(n.op_type in paged for n in graph.node):
         raise PoolError(f"{folder}: not a paged model: {model_file.name} has no PagedAttention node")
     layers = int(dec["num_hidden_layers"])
     ins, outs = dec.get("inputs", {}), dec.get("outputs", {})
@@ -111,7 +112,9 @@ def read_layout(folder: str | pathlib.Path) -> PoolLayout:
     if found < 2 * layers:
         raise PoolError(f"{folder}: {found} paged cache inputs found in {model_file.name}, {2 * layers} expected "
                         "(genai_config's past_key_names / past_value_names)")
-    node = next(n for n in graph.node if n.op_type == "PagedAttention")
+    nodes = [n for n in graph.node if n.op_type in paged]
+    # a rewrite's compressed layers name its formats (its boundary layers' are raw16)
+    node = next((n for n in nodes if not any(a.name == "key_format" and a.s == b"raw16" for a in n.attribute)), nodes[0])
     pool_type = next(onnx.TensorProto.DataType.Name(i.type.tensor_type.elem_type) for i in graph.input
                      if i.name in _names(ins.get("past_key_names", ""), layers))
     return PoolLayout(folder=str(path), block_size=int(dyn["block_size"]), bytes_per_token=per_token, layers=layers,
@@ -132,6 +135,9 @@ def _cache_words(node, pool_type: str) -> str:
     def text(key: str) -> str:
         v = attrs.get(key, b"")
         return (v.decode() if isinstance(v, bytes) else str(v)).lower()
+
+    if node.op_type == "TQPagedAttention":
+        return f"turboquant {text('key_format') or 'mse4'}/{text('value_format') or 'uint4'} ({pool_type.lower()} rows)"
 
     quant = text("k_quant_type")
     if not quant:
