@@ -9,9 +9,16 @@
 #
 #   bash scripts/gpu_engine_anchor.sh [all|build|bench]      (after `scripts/gpu_session.sh ort`)
 #
+# Beside them, the fp16 folder rewritten by turboquant (python -m turboquant.export, default boundary
+# layers, TQ_EXPORT_ARGS: --no-offsets unless set, as the calibration runs the 3B twin on the CPU) with
+# each preset of TQ_PRESETS (turboquant_4bit_nc and turboquant_3bit_nc), benched in the same call, the
+# fp16 folder first (the baseline).
+#
 # Needs onnxruntime-gpu and onnxruntime-genai-cuda under /tmp/site (scripts/carry_ort.sh's parts,
-# installed by `scripts/gpu_session.sh ort`), torch with CUDA and transformers in the system python;
-# nothing else is carried (turboquant runs from this source tree: the Engine bench loads no op library).
+# installed by `scripts/gpu_session.sh ort`), torch with CUDA and transformers in the system python, and
+# for the rewritten folders this package with its CUDA kernels and op library as a site in /tmp/tqsite
+# (scripts/build_site.sh here, unpacked by `gpu_session.sh site`); without it only the builder's three
+# folders are benched (turboquant then runs from this source tree: the Engine bench loads no op library).
 # Models go to /tmp/engine-anchor and are kept for a later call on the same machine (`bench` alone
 # reuses them). Every stage has a time limit cut to what is left of DEADLINE seconds, stages in the
 # order that keeps the most comparisons: all three folders at 4096 tokens (with --confirm: each folder's
@@ -22,13 +29,15 @@
 # Logs, tables and JSON go to $OUT; summary.log has each stage's exit status and time.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-export PYTHONPATH=${TQ_PYTHONPATH:-/tmp/site:$root} PYTHONUNBUFFERED=1
+export PYTHONPATH=${TQ_PYTHONPATH:-/tmp/site:/tmp/tqsite:$root} PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 NEW=${NEW:-32}                        # tokens each request generates
 POOL_BYTES=${POOL_BYTES:-40e9}         # every folder's KV pool
 BLOCK=${BLOCK:-256}                    # paged_block_size
 DEADLINE=${DEADLINE:-470}              # seconds for the whole call, builds included
 STAGES=${STAGES:-4096 32768 32768x64}  # the bench stages to run, in this order
+TQ_PRESETS=${TQ_PRESETS:-turboquant_4bit_nc turboquant_3bit_nc}  # rewrites of the fp16 folder benched beside it
+TQ_EXPORT_ARGS=${TQ_EXPORT_ARGS:---no-offsets}
 SHAPE=${SHAPE:-llama3b} DEVICE=${DEVICE:-cuda}  # SHAPE=tiny DEVICE=cpu BLOCK=16 POOL_BYTES=1e7: the plumbing on a CPU
 M=${MODELS_DIR:-/tmp/engine-anchor}
 OUT=${OUT:-/tmp/engine-anchor-out}
@@ -95,11 +104,21 @@ PY
   for n in fp16 int8 int4h; do tail -n 1 "$OUT/build_$n.log" 2>/dev/null | tee -a "$OUT/summary.log"; done
   echo "== builds done in $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
   [ -f "$M/fp16.done" ] && [ -f "$M/int8.done" ] && [ -f "$M/int4h.done" ] && rm -rf "$M/hf"
+  if [ -f "$M/fp16.done" ] && [ -d /tmp/tqsite/turboquant ]; then  # the rewrites need the op library
+    for p in $TQ_PRESETS; do
+      [ -f "$M/$p.done" ] && { echo "== $p: kept from an earlier call" | tee -a "$OUT/summary.log"; continue; }
+      rm -rf "$M/$p"
+      stage 150 "export_$p" "$PY" -m turboquant.export "$M/fp16/model.onnx" --preset "$p" -o "$M/$p/model.onnx" \
+        --no-progress $TQ_EXPORT_ARGS && [ -f "$M/$p/genai_config.json" ] && touch "$M/$p.done"
+    done
+  elif [ -f "$M/fp16.done" ]; then
+    echo "== no /tmp/tqsite (scripts/build_site.sh, gpu_session.sh site): the turboquant rewrites not made" | tee -a "$OUT/summary.log"
+  fi
 fi
 
 if [ "$step" = all ] || [ "$step" = bench ]; then
   folders=""
-  for n in fp16 int8 int4h; do [ -f "$M/$n.done" ] && folders="$folders $M/$n"; done
+  for n in fp16 int8 int4h $TQ_PRESETS; do [ -f "$M/$n.done" ] && folders="$folders $M/$n"; done
   if [ -z "$folders" ]; then echo "== no folders in $M: nothing to bench" | tee -a "$OUT/summary.log"; exit 1; fi
   common="--new $NEW --pool-bytes $POOL_BYTES --isolate --device $DEVICE"
   for st in $STAGES; do

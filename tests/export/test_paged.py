@@ -16,7 +16,7 @@ from turboquant.config import TurboQuantConfig, packed_size
 from turboquant.export import RewriteError, export
 from turboquant.export.paged import heads_per_node
 from turboquant.export.paged_twin import gqa_twin
-from turboquant.export.plan import LayerPlan
+from turboquant.export.plan import LayerPlan, RewriteResult
 from turboquant.paged_decoder import PagedDecoder
 from turboquant.shared_buffer import SharedBufferDecoder
 
@@ -156,6 +156,21 @@ def test_summary_counts_split_pools(rewritten, capsys):
     w = width("turboquant_4bit_nc")  # 20: g = 1, 4 pool pairs per boundary layer
     after = 2 * 2 * HKV * w + 4 * 4 * 2 * HKV * w
     assert f"{6 * 2 * HKV * D * 2} bytes before, {after} after" in result.summary()
+
+
+def test_summary_at_the_3b_shape():
+    """28 layers, Hkv 8, D 128, 4bit_nc (W 68), 2 + 2 boundary layers split in 4 pool pairs of 2 KV heads:
+    24 * 2 * 8 * 68 + 4 * 4 * 2 * 8 * 68 bytes per token against fp16's 28 * 2 * 8 * 256, 2.64x."""
+    plans = []
+    for i in range(28):
+        kept = i < 2 or i >= 26
+        p = LayerPlan(i, not kept, "PagedAttention", "raw16" if kept else "mse4", "raw16" if kept else "uint4", 8, 128, 2,
+                      row_bytes=68)
+        p.pools = -(-8 // heads_per_node(p, 68)) if kept else 1
+        plans.append(p)
+    assert [p.pools for p in plans if not p.compressed] == [4] * 4
+    summary = RewriteResult("turboquant_4bit_nc", plans, None).summary()
+    assert f"{28 * 2 * 8 * 256} bytes before, {24 * 2 * 8 * 68 + 4 * 4 * 2 * 8 * 68} after, 2.64x smaller" in summary
 
 
 def test_engine_bench_sizes_the_pools(rewritten):
