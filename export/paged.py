@@ -47,8 +47,7 @@ _NUM_INPUTS = 10  # PagedAttention's inputs that TQPagedAttention takes one to o
 _HEAD_SINK = 11  # PagedAttention's head_sink: TQPagedAttention's input 10
 _METADATA = 16  # attention_metadata: dropped
 _REFUSED_INPUTS = {10: "slot_mapping", 12: "q_norm_weight (a fused Q/K norm)", 13: "k_norm_weight (a fused Q/K norm)",
-                   14: "k_scale (quantized pools: the builder's kv_cache_quant_scheme)",
-                   15: "v_scale (quantized pools: the builder's kv_cache_quant_scheme)"}
+                   14: "k_scale", 15: "v_scale"}
 
 
 def is_paged_node(n: ir.Node) -> bool:
@@ -82,18 +81,25 @@ def _text(n: ir.Node, name: str, default: str) -> str:
 def unsupported_features(n: ir.Node, model: ir.Model | None = None) -> list[str]:
     """What a PagedAttention node uses that TQPagedAttention does not take."""
     found = []
+    quantized = []  # the signs of pools the builder quantized already (its kv_cache_quant_scheme)
     for i, name in _REFUSED_INPUTS.items():
         if len(n.inputs) > i and n.inputs[i] is not None:
-            found.append(f"input {name}")
+            (quantized if i in (14, 15) else found).append(f"input {name}")
     if len(n.inputs) > 17:
-        found.append(f"{len(n.inputs)} inputs (quantized pools, the builder's kv_cache_quant_scheme; the schema this "
-                     "rewrite knows has 17)")
+        quantized.append(f"{len(n.inputs)} inputs")
     for name in ("k_quant_type", "v_quant_type"):
         if _text(n, name, "NONE") != "NONE":
-            found.append(f"{name}={_text(n, name, 'NONE')} (quantized pools: the builder's kv_cache_quant_scheme)")
+            quantized.append(f"{name}={_text(n, name, 'NONE')}")
     for name in ("k_cache_dtype", "v_cache_dtype"):
         if _text(n, name, "") not in ("", "float16", "bfloat16", "float32"):
-            found.append(f"{name}={_text(n, name, '')} (quantized pools: the builder's kv_cache_quant_scheme)")
+            quantized.append(f"{name}={_text(n, name, '')}")
+    for i, what in ((3, "key_cache"), (4, "value_cache")):
+        v = n.inputs[i] if len(n.inputs) > i else None
+        if v is not None and v.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            quantized.append(f"{v.dtype} {what}")
+    if quantized:
+        found.append(f"quantized pools (the builder's kv_cache_quant_scheme: {', '.join(quantized)}; rewrite the "
+                     "model built without it)")
     if _text(n, "kv_cache_layout", "SEPARATE") != "SEPARATE":
         found.append(f"kv_cache_layout={_text(n, 'kv_cache_layout', '')} (a latent cache)")
     if _attr(n, "v_head_size", 0):
@@ -107,13 +113,19 @@ def unsupported_features(n: ir.Node, model: ir.Model | None = None) -> list[str]
         found.append(f"local_window_size={window}")
     if not (np.isfinite(softcap) and softcap >= 0):
         found.append(f"softcap={softcap}")
-    for i, what in ((3, "key_cache"), (4, "value_cache")):
-        v = n.inputs[i] if len(n.inputs) > i else None
-        if v is not None and v.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-            found.append(f"a {v.dtype} {what} (quantized pools: the builder's kv_cache_quant_scheme)")
     if model is not None and any("windowed" in (v.name or "") for v in model.graph.inputs):
         found.append("a windowed ring of blocks (block_table_windowed)")
     return found
+
+
+def refuse_unsupported(model: ir.Model) -> None:
+    """The first PagedAttention node using what TQPagedAttention does not take, refused by name
+    before anything reads the pools (whose int8 or packed int4 type would be refused less clearly)."""
+    for n in model.graph:
+        if is_paged_node(n):
+            found = unsupported_features(n, model)
+            if found:
+                raise RewriteError(f"{_describe(n)} uses {', '.join(found)}, which TQPagedAttention does not take")
 
 
 def plan_paged_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers=None, keep_layers=None

@@ -172,6 +172,10 @@ def export_with(model_path: str | os.PathLike, output: str | os.PathLike | None,
     model = _load(src)  # without its external data: the input's files are known before any slow work
     _refuse_missing_data(src, model)
     refuse_fused_attention(model)
+    if uses_paged(model):
+        from .paged import refuse_unsupported
+
+        refuse_unsupported(model)
     _refuse_input_files(src, model, out)  # before check_output_file, whose "exists" would say less
     if not dry_run:  # before calibrating, which takes a while
         _check_writable(out)

@@ -238,9 +238,9 @@ def test_boundary_split_needs_a_row(built):
 
 @pytest.mark.parametrize("what, edit, message", [
     ("slot_mapping", lambda m, n: _add_input(m, n, 10, "slot_mapping", onnx.TensorProto.INT32), "input slot_mapping"),
-    ("k_scale", lambda m, n: _add_input(m, n, 14, "k_scale", onnx.TensorProto.FLOAT), "input k_scale (quantized pools"),
+    ("k_scale", lambda m, n: _add_input(m, n, 14, "k_scale", onnx.TensorProto.FLOAT), "uses quantized pools (the builder's kv_cache_quant_scheme: input k_scale"),
     ("k_quant_type", lambda m, n: n.attribute.append(onnx.helper.make_attribute("k_quant_type", "PER_CHANNEL")),
-     "k_quant_type=PER_CHANNEL (quantized pools"),
+     "quantized pools (the builder's kv_cache_quant_scheme: k_quant_type=PER_CHANNEL"),
 ])
 def test_refusals_by_name(built, tmp_path, capsys, what, edit, message):
     m = onnx.load(built)
@@ -261,3 +261,33 @@ def _add_input(m, node, index, name, elem):
     while len(node.input) <= index:
         node.input.append("")
     node.input[index] = name
+
+
+def test_qwen2_folder(tmp_path):
+    """A second architecture the builder makes paged (Qwen2: biases after the QKV projection): the
+    rewrite with a boundary layer split runs as the twin's rewrite does."""
+    cfg = random_decoders.TinyConfig(family="qwen2", layers=4, hidden=256, heads=8, kv_heads=4, head_dim=32, seed=4,
+                                     vocab=640)
+    src = random_decoders.export_genai(cfg, tmp_path / "qwen2", precision="fp16", provider="cuda",
+                                       extra={"use_paged_attention": "true"})
+    result = export(src, "turboquant_k8v4", tmp_path / "tq" / "model.onnx", boundary=1, offsets=False, progress=False)
+    assert result.kept == [0, 3] and result.pool_pairs == 6  # k8v4's W = 32: 2 KV heads per raw16 node
+    twin = tmp_path / "twin" / "model.onnx"
+    twin.parent.mkdir()
+    ir.save(gqa_twin(ir.load(src)), twin, external_data="model.onnx.data")
+    reference = export(twin, "turboquant_k8v4", tmp_path / "twin.tq.onnx", boundary=1, offsets=False, progress=False)
+    tokens = PagedDecoder(result.output, num_blocks=12, block_size=BLOCK).generate(_prompts(), NEW, joins=JOINS)
+    assert tokens == [_twin_run(reference.output, p)[0] for p in _prompts()]
+
+
+def test_kv_cache_quant_scheme_folder_refused(tmp_path, capsys):
+    """A folder whose pools the builder quantized (kv_cache_quant_scheme=int8_per_token) is refused by
+    name, exit status 2, nothing written."""
+    cfg = random_decoders.TinyConfig(family="llama", layers=2, hidden=256, heads=8, kv_heads=4, head_dim=32, seed=5,
+                                     vocab=640)
+    src = random_decoders.export_genai(cfg, tmp_path / "int8", precision="fp16", provider="cuda",
+                                       extra={"use_paged_attention": "true", "kv_cache_quant_scheme": "int8_per_token"})
+    before = tree(tmp_path)
+    rc, err = run_main(capsys, src, "--preset", "turboquant_4bit_nc", "--boundary", "0", "-o", tmp_path / "out" / "model.onnx")
+    assert_refused(rc, err, "uses quantized pools (the builder's kv_cache_quant_scheme: 19 inputs, k_quant_type=PER_TOKEN")
+    assert tree(tmp_path) == before
