@@ -361,7 +361,7 @@ def rewrite_paged_model(model: ir.Model, preset: str, *, boundary: int = 2, skip
             split = split_node(graph, node, p.head_dim, g, width, next_pool)
             p.pools = len(split)
             next_pool += len(split) - 1
-            p.form = "PagedAttention" if len(split) == 1 else f"PagedAttention, split in {len(split)} ({g} KV heads each)"
+            p.form = "PagedAttention" if len(split) == 1 else f"PagedAttention, split in {len(split)} (KV heads {g} per node)"
             outputs = split[0].outputs[1:3]
         for v in (layer.past_key, layer.past_value, *outputs):
             _pool_type(v, heads, width)

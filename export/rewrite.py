@@ -407,9 +407,8 @@ def _export_gqa(model: ir.Model, src: pathlib.Path, out: pathlib.Path, options: 
     if genai_folder and not paged:  # its config read and every name the output folder gets refused before any work
         window_cache, window_note = genai.keeps_window_cache(genai.read_config(src.parent / genai.CONFIG)[1],
                                                              cuda_graph=cuda_graph)
-    if genai_folder:
-        if not dry_run:
-            folder = genai.plan_folder(src, out, library or _ort_library(), cuda_graph)
+    if genai_folder and not dry_run:
+        folder = genai.plan_folder(src, out, library or _ort_library(), cuda_graph)
     if genai_folder and unsupported == "leave":  # before the calibration: a folder genai could not run is refused
         from .gqa import refuse_mixed_genai_folder, unsupported_layers
 

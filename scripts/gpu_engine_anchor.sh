@@ -104,7 +104,7 @@ PY
   for n in fp16 int8 int4h; do tail -n 1 "$OUT/build_$n.log" 2>/dev/null | tee -a "$OUT/summary.log"; done
   echo "== builds done in $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
   [ -f "$M/fp16.done" ] && [ -f "$M/int8.done" ] && [ -f "$M/int4h.done" ] && rm -rf "$M/hf"
-  if [ -f "$M/fp16.done" ] && [ -d /tmp/tqsite/turboquant ]; then  # the rewrites need the op library
+  if [ -f "$M/fp16.done" ] && "$PY" -c "from turboquant._libs import ort_library_path; ort_library_path()" 2>/dev/null; then
     for p in $TQ_PRESETS; do
       [ -f "$M/$p.done" ] && { echo "== $p: kept from an earlier call" | tee -a "$OUT/summary.log"; continue; }
       rm -rf "$M/$p"
@@ -112,7 +112,7 @@ PY
         --no-progress $TQ_EXPORT_ARGS && [ -f "$M/$p/genai_config.json" ] && touch "$M/$p.done"
     done
   elif [ -f "$M/fp16.done" ]; then
-    echo "== no /tmp/tqsite (scripts/build_site.sh, gpu_session.sh site): the turboquant rewrites not made" | tee -a "$OUT/summary.log"
+    echo "== no turboquant op library on PYTHONPATH (/tmp/tqsite: scripts/build_site.sh, gpu_session.sh site): the rewrites not made" | tee -a "$OUT/summary.log"
   fi
 fi
 

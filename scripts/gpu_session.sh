@@ -82,6 +82,8 @@ if [ "$step" = test ] || [ "$step" = all ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider "$root/tests/plugins/tensorrt" "$root/tests/export/test_target_tensorrt.py" -rs 2>&1 | tee "$OUT/trt_tests.log" | tail -15
   # onnxruntime-genai models on the CUDA provider (needs onnxruntime-genai under /tmp/site for its builder)
   timeout 300 python3 -m pytest -q -s -p no:cacheprovider "$root/tests/export/test_genai.py" -k cuda -rs 2>&1 | tee "$OUT/genai_tests.log" | tail -8
+  # paged folders rewritten for the Engine: og.Engine's tokens on the CPU and on CUDA against the reference loop's
+  timeout 240 python3 -m pytest -q -s -p no:cacheprovider "$root/tests/export/test_paged.py" -k engine -rs 2>&1 | tee "$OUT/paged_tests.log" | tail -8
   # exported decoders rewritten in place, and the other CUDA runs of whole models
   timeout 300 python3 -m pytest -q -s -p no:cacheprovider "$root/tests/export/test_in_place.py" "$root/tests/turboquant" \
     -m gpu -rs 2>&1 | tee "$OUT/model_gpu_tests.log" | tail -12
