@@ -9,7 +9,9 @@ sliding_window section, which would give window-sized buffers to caches that hol
 unless the ops keep window-sized caches),
 and ONNX Runtime runs the model over shared buffers of the shapes genai would allocate
 (turboquant.shared_buffer, max_length rows) for the same prompt and tokens. A folder that fails
-either is not published: the rewrite ends with the reason, exit status 2. Models no generator runs
+either is not published: the rewrite ends with the reason, exit status 2. Paged folders (the Engine's,
+export/paged.py) are served instead: by og.Engine where genai runs their provider here, else by
+turboquant.paged_decoder on the CPU (pools of the shape the Engine allocates). Models no generator runs
 alone (genai's exclude_embeds and exclude_lm_head parts) and bfloat16 builds where neither genai
 nor ONNX Runtime's CPU provider runs them get the config check only, and the summary says so.
 """
@@ -135,6 +137,14 @@ def check_folder(folder: pathlib.Path, model_name: str) -> str:
     if not_run:
         return f"checked: genai_config.json agrees with the model; not run, as the model {not_run}"
     if "engine" in config and any(n.op_type == "TQPagedAttention" for n in _nodes(model_path)):
+        runs_here, _ = genai_runs_provider(config)
+        if runs_here:
+            why = run_engine(folder)
+            if why is not None:
+                raise RewriteError(f"onnxruntime-genai's Engine could not run the rewritten paged folder, so it is not "
+                                   f"written: {why}")
+            return (f"checked: onnxruntime-genai's Engine loaded the folder and generated {CHECK_TOKENS} tokens for each "
+                    "of two requests")
         why = run_paged(model_path)
         if why is not None:
             raise RewriteError(f"ONNX Runtime could not run the rewritten paged model over the Engine's pools, so it is "
@@ -162,6 +172,53 @@ def _nodes(model_path: pathlib.Path):
     import onnx
 
     return onnx.load(str(model_path), load_external_data=False).graph.node
+
+
+_ENGINE_RUN = """
+import json, sys, numpy as np, onnxruntime_genai as og
+folder, device, prompt, steps, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+config = og.Config(folder)
+if device == "cpu":
+    config.clear_providers()
+config.overlay(json.dumps({"engine": {"dynamic_batching": {"num_blocks": 8, "block_size": 16, "max_batch_size": 2}}}))
+engine = og.Engine(og.Model(config))
+requests, got = [], {}
+for n in (prompt, 2 * prompt + 3):
+    options = og.RequestOptions()
+    options.set_max_session_tokens(n + steps)
+    request = engine.create_request(options=options)
+    turn = og.TurnOptions(request)
+    turn.set_max_generated_tokens(steps)
+    turn.set_do_sample(False)
+    request.begin_turn((3 + np.arange(n) % max(1, vocab - 3)).astype(np.int32), turn)
+    requests.append(request)
+events = engine.create_event_buffer(16)
+while engine.has_pending_requests():
+    out = engine.run(events)
+    for i in range(len(out)):
+        ev = out[i]
+        if int(ev.flags.value) & int(og.EngineEventFlags.FAILED.value):
+            raise RuntimeError(f"a request failed: {ev.error_code.name}")
+        if int(ev.flags.value) & int(og.EngineEventFlags.TOKEN.value):
+            got.setdefault(id(ev.request), []).append(int(ev.token))
+print("generated", list(got.values()))
+"""
+
+
+def run_engine(folder: pathlib.Path, device: str | None = None) -> str | None:
+    """None where onnxruntime-genai's Engine served two requests of CHECK_TOKENS tokens from the paged
+    folder (on the folder's provider, or on `device` "cpu"), in a subprocess; else its error's last line."""
+    config = json.loads((folder / "genai_config.json").read_text())
+    cmd = [sys.executable, "-c", _ENGINE_RUN, str(folder), device or "", str(PROMPT_TOKENS), str(CHECK_TOKENS),
+           str(_vocab(config))]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"onnxruntime-genai's Engine did not finish {CHECK_TOKENS} tokens in {TIMEOUT_S} s"
+    if done.returncode == 0 and "generated" in done.stdout:
+        return None
+    lines = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else f"exit status {done.returncode}")[:600]
 
 
 def run_paged(model_path: pathlib.Path) -> str | None:

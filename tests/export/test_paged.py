@@ -214,6 +214,17 @@ def test_og_engine_runs_the_folder_on_the_cpu(rewritten):
     assert _engine_tokens(result.output.parent, "cpu") == want
 
 
+def test_folder_check_through_the_engine(built, rewritten):
+    """The rewrite's folder check where genai runs the folder's provider: og.Engine itself serves two
+    requests (here on the CPU); a folder it cannot serve gets the Engine's error (the original, whose
+    PagedAttention has no CPU kernel)."""
+    from turboquant.export import genai_check
+
+    result = rewritten("turboquant_4bit_nc", 2, offsets=False)
+    assert genai_check.run_engine(result.output.parent, "cpu") is None
+    assert "Could not find an implementation for PagedAttention" in genai_check.run_engine(built.parent, "cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
 def test_og_engine_on_cuda_matches_the_reference_loop(cuda_ready, rewritten, preset):
