@@ -302,3 +302,15 @@ def test_kv_cache_quant_scheme_folder_refused(tmp_path, capsys):
     rc, err = run_main(capsys, src, "--preset", "turboquant_4bit_nc", "--boundary", "0", "-o", tmp_path / "out" / "model.onnx")
     assert_refused(rc, err, "uses quantized pools (the builder's kv_cache_quant_scheme: 19 inputs, k_quant_type=PER_TOKEN")
     assert tree(tmp_path) == before
+
+
+def test_reference_loop_reuses_freed_blocks(rewritten):
+    """The Engine's loop gives a request's blocks back when it ends: a later request in the same block
+    (holding the earlier one's rows) gets the tokens it gets alone; a pool too small is named."""
+    result = rewritten("turboquant_4bit_nc", 2, offsets=False)
+    a, b = _prompts()[0], _prompts()[1][:9]  # 9 + 7 tokens cached each: one block of 16
+    alone = PagedDecoder(result.output, num_blocks=1, block_size=BLOCK).generate([b], NEW)
+    after = PagedDecoder(result.output, num_blocks=1, block_size=BLOCK).generate([a, b], NEW, joins=[0, NEW])
+    assert after[1] == alone[0]
+    with pytest.raises(RuntimeError, match="the pool's 1 blocks of 16 are all taken"):
+        PagedDecoder(result.output, num_blocks=1, block_size=BLOCK).generate([a, b], NEW)
