@@ -111,13 +111,21 @@ def test_rewritten_folder(built, twin, rewritten, tmp_path, preset, boundary):
     assert decoder["state_groups"][0]["layer_ids"] == list(range(pairs))
     assert decoder["session_options"]["custom_ops_library"] in {p.name for p in result.output.parent.iterdir()}
 
+    reference = export(twin, preset, tmp_path / "twin.onnx", boundary=boundary, offsets=False, progress=False)
+    wanted = [_twin_run(reference.output, prompt) for prompt in _prompts()]
+    # blocks of 64 rows: no request crosses one, and every logit is the twin's bit for bit
+    _, logits = PagedDecoder(result.output, num_blocks=6, block_size=64).generate(
+        _prompts(), NEW, joins=JOINS, keep_logits=True)
+    for rows, (_, want_logits) in zip(logits, wanted):
+        np.testing.assert_array_equal(rows, want_logits)
+    # blocks of 16: the kernel's runs of rows end at each block's end, which sums the 21-token
+    # request's scores in another order than over a contiguous cache (fp16 roundings apart, grown
+    # over the layers)
     tokens, logits = PagedDecoder(result.output, num_blocks=12, block_size=BLOCK).generate(
         _prompts(), NEW, joins=JOINS, keep_logits=True)
-    reference = export(twin, preset, tmp_path / "twin.onnx", boundary=boundary, offsets=False, progress=False)
-    for prompt, got, rows in zip(_prompts(), tokens, logits):
-        want, want_logits = _twin_run(reference.output, prompt)
+    for got, rows, (want, want_logits) in zip(tokens, logits, wanted):
         assert got == want
-        np.testing.assert_allclose(rows, want_logits, atol=2e-2 * max(1.0, float(np.abs(want_logits).max())))
+        np.testing.assert_allclose(rows, want_logits, atol=1e-2 * max(1.0, float(np.abs(want_logits).max())))
 
 
 def _check_nodes(m):
