@@ -105,12 +105,14 @@ PY
   echo "== builds done in $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
   [ -f "$M/fp16.done" ] && [ -f "$M/int8.done" ] && [ -f "$M/int4h.done" ] && rm -rf "$M/hf"
   if [ -f "$M/fp16.done" ] && "$PY" -c "from turboquant._libs import ort_library_path; ort_library_path()" 2>/dev/null; then
-    for p in $TQ_PRESETS; do
+    for p in $TQ_PRESETS; do  # side by side, as the builds
       [ -f "$M/$p.done" ] && { echo "== $p: kept from an earlier call" | tee -a "$OUT/summary.log"; continue; }
       rm -rf "$M/$p"
-      stage 150 "export_$p" "$PY" -m turboquant.export "$M/fp16/model.onnx" --preset "$p" -o "$M/$p/model.onnx" \
-        --no-progress $TQ_EXPORT_ARGS && [ -f "$M/$p/genai_config.json" ] && touch "$M/$p.done"
+      ( stage 240 "export_$p" "$PY" -m turboquant.export "$M/fp16/model.onnx" --preset "$p" -o "$M/$p/model.onnx" \
+          --no-progress $TQ_EXPORT_ARGS
+        [ -f "$M/$p/genai_config.json" ] && touch "$M/$p.done" ) &
     done
+    wait
   elif [ -f "$M/fp16.done" ]; then
     echo "== no turboquant op library on PYTHONPATH (/tmp/tqsite: scripts/build_site.sh, gpu_session.sh site): the rewrites not made" | tee -a "$OUT/summary.log"
   fi
