@@ -79,8 +79,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t end = min(past, begin + l.split_len);
   const int tiles = end > begin ? static_cast<int>((end - begin + kKeys - 1) / kKeys) : 0;
   const int64_t kb = p.key_row(), vb = p.value_row();
-  const uint8_t* keys = past_key + (bh * p.past_rows_or_len() + begin) * kb;
-  const uint8_t* vals = past_value + (bh * p.past_rows_or_len() + begin) * vb;
+  // the split's row t (from begin), wherever row_offset puts it (a pool's block or a contiguous cache);
+  // only rows before `end` are addressed
+  const int64_t cache_rows = p.past_rows_or_len();
+  const auto key_row = [&](int64_t t) { return past_key + p.row_offset(b, hkv, begin + t, cache_rows, kb); };
+  const auto value_row = [&](int64_t t) { return past_value + p.row_offset(b, hkv, begin + t, cache_rows, vb); };
   constexpr int kCodeBytes = D * KB / 8, kValueBytes = D * VB / 8;
 
   grid_dependency_wait();  // the past may be the copy kernel's present
@@ -104,13 +107,13 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < Raw<D>::kItems; ++u) {
       const int i = tid + u * kThreads, t = i / (D / 8), c = i % (D / 8);
       const bool on = begin + t0 + t < end;
-      raw.k[u] = on ? load_word<KB>(keys + (t0 + t) * kb + c * KB, key_words) : 0u;
-      raw.v[u] = on ? load_word<VB>(vals + (t0 + t) * vb + c * VB, value_words) : 0u;
+      raw.k[u] = on ? load_word<KB>(key_row(t0 + t) + c * KB, key_words) : 0u;
+      raw.v[u] = on ? load_word<VB>(value_row(t0 + t) + c * VB, value_words) : 0u;
     }
     if (tid < kKeys) {
       const bool on = begin + t0 + tid < end;
-      const uint8_t* kr = keys + (t0 + tid) * kb;
-      const uint8_t* vr = vals + (t0 + tid) * vb;
+      const uint8_t* kr = on ? key_row(t0 + tid) : past_key;
+      const uint8_t* vr = on ? value_row(t0 + tid) : past_value;
       raw.ks = on ? load_half(kr + kCodeBytes) * (D == 128 ? 0.08838834764831845f : 0.125f) : 0.0f;
       raw.vs = on ? load_half(vr + kValueBytes) : 0.0f;
       raw.vz = on ? load_half(vr + kValueBytes + 2) : 0.0f;
@@ -198,8 +201,9 @@ cudaError_t launch(const AttentionParams& p, const SplitPlan& plan, const void* 
   cudaError_t e = opt_in.raise(reinterpret_cast<const void*>(kernel), smem_bytes<D>());
   if (e != cudaSuccess) return e;
   const auto aligned4 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 3) == 0; };
-  const bool key_words = aligned4(past_key) && p.key_row() % 4 == 0 && KB == 4;
-  const bool value_words = aligned4(past_value) && p.value_row() % 4 == 0 && VB == 4;
+  const bool blocks4 = !p.blocks.table || p.blocks.block_bytes % 4 == 0;  // a pool's rows then 4-byte aligned too
+  const bool key_words = aligned4(past_key) && p.key_row() % 4 == 0 && KB == 4 && blocks4;
+  const bool value_words = aligned4(past_value) && p.value_row() % 4 == 0 && VB == 4 && blocks4;
   return launch_dependent(kernel, chunk_grid(p, plan.layout), dim3(kThreads), smem_bytes<D>(), stream, p, plan.layout,
                           static_cast<const T*>(q), past_key, past_value, partial, query_vectors(p, q), key_words,
                           value_words);

@@ -124,11 +124,11 @@ bool mma_takes(const AttentionParams& p, const DeviceProps& dev) {
 // Whether the chunk kernel takes this call: a continuation chunk of at least one block of 64 rows per
 // KV head, MSE keys with uint values, head size 64 or 128, fp16 or bf16, no mask, every past token
 // visible to every row, rows of even size (2-byte scales), within the device's shared memory; and
-// preallocated caches (TQGroupQueryAttention's buffers): over dense ones (TQAttention's past) it
-// measured slower than the bulk kernel at B = 1 (docs/performance.md, CUDA prefill).
+// preallocated caches (TQGroupQueryAttention's buffers, TQPagedAttention's pools): over dense ones
+// (TQAttention's past) it measured slower than the bulk kernel at B = 1 (docs/performance.md, CUDA prefill).
 bool chunk_takes(const AttentionParams& p, const DeviceProps& dev) {
-  if (p.blocks.table) return false;  // (reads each (b, head)'s past as one run of rows)
-  if (!is_mse(p.key_format) || !is_uint(p.value_format) || p.present_rows == 0) return false;
+  if (!is_mse(p.key_format) || !is_uint(p.value_format)) return false;
+  if (p.present_rows == 0 && !p.blocks.table) return false;
   if (dev.cc_major < 8 || p.mask_type != MaskType::kNone) return false;
   if (p.is_causal && p.new_len < p.q_len) return false;
   if (p.softcap > 0.0f) return false;  // (its scores are of the keys minus key_offset, which the tanh sees)
@@ -153,6 +153,7 @@ bool chunk_takes(const AttentionParams& p, const DeviceProps& dev) {
 bool chunk_wgmma_takes(const AttentionParams& p, bool aligned16, const DeviceProps& dev) {
   namespace geo = detail::chunk_sm90_geometry;
   if (!chunk_wgmma_enabled() || !dev.sm90a || !aligned16) return false;
+  if (p.blocks.table) return false;  // (bulk copies of each (b, head)'s past as one run of rows)
   if (window_cuts(p)) return false;  // every past token visible to every row
   if (!(p.scale > 0.0f)) return false;
   const int64_t kb = p.key_row(), vb = p.value_row(), rows = p.past_rows_or_len();

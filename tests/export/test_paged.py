@@ -237,13 +237,16 @@ def test_folder_check_through_the_engine(built, rewritten):
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
 def test_og_engine_on_cuda_matches_the_reference_loop(cuda_ready, rewritten, preset):
     """og.Engine (onnxruntime-genai-cuda) serves the rewritten fp16 folder on the GPU (TQPagedAttention's
-    CUDA kernels) with three concurrent requests: its greedy tokens are the reference loop's on the CPU."""
+    CUDA kernels) with three concurrent requests: its greedy tokens are the reference loop's on the same
+    device. (The CPU's differ where an fp16 model's near-tie falls the other way; the op's CUDA kernels
+    are checked against the CPU's in tests/plugins/onnxruntime/test_tq_paged.py.)"""
     import onnxruntime_genai as og
 
     if not og.is_cuda_available():
         pytest.skip("CUDA test skipped: the installed onnxruntime-genai has no CUDA (install onnxruntime-genai-cuda)")
     result = rewritten(preset, 2)
-    want = PagedDecoder(result.output, num_blocks=12, block_size=BLOCK).generate(_prompts(), NEW)
+    want = PagedDecoder(result.output, num_blocks=12, block_size=BLOCK,
+                        providers=["CUDAExecutionProvider"]).generate(_prompts(), NEW)
     assert _engine_tokens(result.output.parent, "cuda") == want
 
 

@@ -320,7 +320,7 @@ def run_cuda(session, feeds, in_place):
 
 
 # the modes, and pasts long enough for several 32-row tiles of the tensor-core decode kernel
-CUDA_MODES = MODES | {"long_decode": ([70, 129, 33], [1, 1, 1]), "long_chunk": ([70, 129, 33], [40, 0, 9])}
+CUDA_MODES = MODES | {"long_decode": ([70, 129, 33], [1, 1, 1]), "long_chunk": ([33, 129, 70], [9, 0, 40])}
 
 
 @pytest.mark.gpu
@@ -332,7 +332,7 @@ def test_cuda_matches_reference(cuda_ready, ort_session, preset, mode, block_siz
     """The CUDA kernels over the pool, float16, head size 128: the new rows' bytes as the reference packs
     them (and nothing else written), outputs within fp16 tolerance, in place and into fresh outputs;
     decode steps over blocks of 32 rows run on the tensor-core kernel (rotary fused), over blocks of 4 on
-    the CUDA-core one."""
+    the CUDA-core one; a chunk of 80 query rows a KV head over its past on the chunk kernel."""
     from turboquant.kernel_plan import last_split_kernel
 
     pasts, news = CUDA_MODES[mode]
@@ -345,6 +345,8 @@ def test_cuda_matches_reference(cuda_ready, ort_session, preset, mode, block_siz
     check(c, feeds, new_slots, run_cuda(session, feeds, in_place=True), want)
     if mode == "long_decode":
         assert last_split_kernel() == ("tc_bulk" if block_size == 32 else "cuda_core")
+    if mode == "long_chunk" and preset not in ("turboquant_k8v4", "raw16"):  # MSE keys, uint values
+        assert last_split_kernel() == "tc_chunk"  # the last sequence's 40 new tokens over its 70
     check(c, feeds, new_slots, run_cuda(session, feeds, in_place=False), want)
 
 
