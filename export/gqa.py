@@ -238,10 +238,17 @@ def calibrated_inputs(model: ir.Model, index: int, calibration, *, value_offsets
 def plan_gqa_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers=None, keep_layers=None
                     ) -> tuple[list[LayerPlan], dict[int, CacheLayer], dict[int, ir.Node]]:
     """plan_layers for a GroupQueryAttention model, and each layer's GroupQueryAttention node."""
+    return plan_node_layers(model, preset, boundary, skip_layers, keep_layers, gqa_node, "GroupQueryAttention")
+
+
+def plan_node_layers(model: ir.Model, preset: str, boundary, skip_layers, keep_layers, find, op: str
+                     ) -> tuple[list[LayerPlan], dict[int, CacheLayer], dict[int, ir.Node]]:
+    """plan_layers for a model whose every cache layer is read by one `op` node (find(layer): that node,
+    or None), and each layer's node."""
     nodes: dict[int, ir.Node] = {}
 
     def head_dim_of(layer: CacheLayer) -> int | None:
-        n = gqa_node(layer)
+        n = find(layer)
         if n is None:
             return None
         nodes[layer.index] = n
@@ -254,7 +261,7 @@ def plan_gqa_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers
     plans, layers = plan_layers(model, preset, boundary, skip_layers, keep_layers, head_dim_of)
     others = sorted(set(layers) - set(nodes))
     if others:
-        raise RewriteError(f"layers {others} are not read by GroupQueryAttention while layers {sorted(nodes)} are; "
+        raise RewriteError(f"layers {others} are not read by {op} while layers {sorted(nodes)} are; "
                            "a model that mixes attention forms is not supported")
     return plans, layers, nodes
 

@@ -38,8 +38,8 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS, packed_size
 
 from .cache_io import _KV_NAMES, CacheLayer
 from .errors import RewriteError
-from .gqa import BOUNDARY_FORMAT, _attr, calibrated_inputs, head_dim, row_width
-from .plan import LayerPlan, RewriteResult, _ranges, plan_layers
+from .gqa import BOUNDARY_FORMAT, _attr, calibrated_inputs, plan_node_layers, row_width
+from .plan import LayerPlan, RewriteResult, _ranges
 from .surgery import _replace_graph_output
 
 OP = "PagedAttention"
@@ -131,24 +131,8 @@ def refuse_unsupported(model: ir.Model) -> None:
 def plan_paged_layers(model: ir.Model, preset: str, boundary: int = 2, skip_layers=None, keep_layers=None
                       ) -> tuple[list[LayerPlan], dict[int, CacheLayer], dict[int, ir.Node]]:
     """plan_layers for a paged model, and each layer's PagedAttention node."""
-    nodes: dict[int, ir.Node] = {}
-
-    def head_dim_of(layer: CacheLayer) -> int | None:
-        n = paged_node(layer)
-        if n is None:
-            return None
-        nodes[layer.index] = n
-        d = head_dim(n)
-        if d is None:
-            raise RewriteError(f"layer {layer.index}: cannot tell the head size of {_describe(n)}: its query input's last "
-                               "axis is neither static nor made by a MatMul with a constant weight")
-        return d
-
-    plans, layers = plan_layers(model, preset, boundary, skip_layers, keep_layers, head_dim_of)
-    others = sorted(set(layers) - set(nodes))
-    if others:
-        raise RewriteError(f"layers {others} are not read by PagedAttention while layers {sorted(nodes)} are; "
-                           "a model that mixes attention forms is not supported")
+    plans, layers, nodes = plan_node_layers(model, preset, boundary, skip_layers, keep_layers, paged_node,
+                                            "PagedAttention")
     for p in plans:  # the pools' dim 1 is the block size: the heads are the op's
         p.kv_heads = _attr(nodes[p.index], "kv_num_heads", 0) or None
     return plans, layers, nodes

@@ -2,8 +2,8 @@
 // 1. present = past ++ pack(new - offset): a copy kernel (copy.cu, when present is not past's buffer)
 //    and the finish kernel's packing blocks (same codec as the CPU).
 // 2. the split kernel the planner chooses (split_plan.cpp): attention_tc.cu, attention_mma.cu,
-//    past_chunk.cu or the CUDA-core attention_split.cu; each writes (max, sum, acc[Dv]) per query row
-//    and slice (split) of the past.
+//    past_chunk.cu, raw_past.cu or the CUDA-core attention_split.cu; each writes (max, sum, acc[Dv]) per
+//    query row and slice (split) of the past.
 // 3. For a call with several query rows, prefill.cu attends the new tokens on tensor cores: Y itself
 //    for a first prompt, one more partial result per row over a past.
 // 4. finish.cu: one block per query row merges the partial results with log-sum-exp, adds the new
@@ -73,6 +73,9 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
       case SplitKernel::kTensorCoreBulk: e = launch_tc_split(p, rot, plan, q, mask, past_key, past_value, part, stream); break;
       case SplitKernel::kTensorCoreMma: e = launch_mma_split(p, plan, q, past_key, past_value, part, stream); break;
       case SplitKernel::kTensorCoreChunk: e = launch_chunk_split(p, plan, q, past_key, past_value, part, stream); break;
+      case SplitKernel::kRawPrefill:
+        e = launch_raw_prefill_split(p, plan, q, past_key, past_value, y, part, static_cast<uint8_t*>(workspace), stream);
+        break;
 #ifdef TQ_SM90A
       case SplitKernel::kTensorCoreChunkWgmma:
         e = launch_chunk_split_sm90(p, plan, q, past_key, past_value, part, stream);

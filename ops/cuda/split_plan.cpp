@@ -163,6 +163,22 @@ bool chunk_wgmma_takes(const AttentionParams& p, bool aligned16, const DevicePro
   return geo::smem_bytes(p.head_dim, static_cast<int>(kb), static_cast<int>(vb)) <= dev.smem_optin;
 }
 
+// Whether a chunk's rows over a raw16 past (genai's uncompressed boundary layers, the Engine's prompt
+// chunks after the first) run on prefill.cu's kernel over a dense copy of the past, its tiles of 64
+// query rows reading each key once, where the bulk kernel's blocks of 8 rows would each read the whole
+// past: one sequence, at least 64 rows per KV head, fp16 or bf16 at head size 64, 128 or 256, every past
+// key visible to every row, no softcap, sink, offsets or mask (the merge then adds the new tokens' part
+// as for any split), rows at 16-byte boundaries.
+bool raw_prefill_takes(const AttentionParams& p, bool aligned16, const DeviceProps& dev) {
+  if (p.key_format != Format::kRaw16 || p.value_format != Format::kRaw16 || p.batch != 1) return false;
+  if (!new_tokens_on_tensor_cores(p) || dev.cc_major < 8 || !aligned16) return false;
+  const int64_t group = p.kv_heads > 0 ? p.q_heads / p.kv_heads : 1;
+  if (p.q_len * group < detail::chunk_geometry::kRows) return false;
+  if (window_cuts(p) || p.softcap > 0.0f || p.head_sink || p.key_offset || p.value_offset) return false;
+  if (p.mask_type != MaskType::kNone || (p.is_causal && p.new_len < p.q_len)) return false;
+  return !p.blocks.table || p.blocks.block_bytes % 16 == 0;
+}
+
 // Developer variant (TQ_FINISH_RESERVE=1): the SMs the bulk kernel leaves to the finish kernel, so that
 // its blocks (a merge per query row, a packing block per 4 new vectors) start together as the split
 // blocks end: at B = 1 with 32 query heads its 36 blocks found 4 free SMs beside 128 split blocks
@@ -252,6 +268,7 @@ const char* split_kernel_name(SplitKernel k) {
     case SplitKernel::kCudaCore: return "cuda_core";
     case SplitKernel::kTensorCoreChunk: return "tc_chunk";
     case SplitKernel::kTensorCoreChunkWgmma: return "tc_chunk_wgmma";
+    case SplitKernel::kRawPrefill: return "raw_prefill";
     default: return "none";
   }
 }
@@ -263,7 +280,14 @@ SplitPlan plan_split(const AttentionParams& p, bool caches_aligned16, const Devi
   if (p.q_len == 0 || p.past_len == 0 || p.batch == 0) return plan;  // the finish kernel alone
   const int64_t base = p.batch * p.kv_heads * l.row_blocks;
   const int sms = dev.sms > 0 ? dev.sms : 1;
-  if (chunk_takes(p, dev) && chunk_wgmma_takes(p, caches_aligned16, dev)) {
+  size_t past_copy = 0;
+  if (raw_prefill_takes(p, caches_aligned16, dev)) {
+    // one split: the whole past, as prefill.cu's keys
+    plan.kernel = SplitKernel::kRawPrefill;
+    l.splits = 1;
+    l.split_len = p.past_len;
+    past_copy = 2 * static_cast<size_t>(p.past_len * p.kv_heads * p.head_dim * dtype_size(p.dtype));
+  } else if (chunk_takes(p, dev) && chunk_wgmma_takes(p, caches_aligned16, dev)) {
     // 128-row blocks, one per SM (their shared memory), the past split while whole waves allow
     namespace geo = detail::chunk_sm90_geometry;
     plan.kernel = SplitKernel::kTensorCoreChunkWgmma;
@@ -302,6 +326,10 @@ SplitPlan plan_split(const AttentionParams& p, bool caches_aligned16, const Devi
   if (plan.new_part) {
     plan.new_part_offset = (plan.workspace + 255) / 256 * 256;
     plan.workspace = plan.new_part_offset + rows * row_bytes;
+  }
+  if (past_copy > 0) {
+    plan.past_copy_offset = (plan.workspace + 255) / 256 * 256;
+    plan.workspace = plan.past_copy_offset + past_copy;
   }
   return plan;
 }

@@ -19,8 +19,10 @@ enum class SplitKernel : int {
   kCudaCore,        // attention_split.cu's split_kernel: every call (masks, float32, any format pair)
   kTensorCoreChunk,  // past_chunk.cu: a continuation chunk's rows (64 or more per KV head) in 64-row tiles
   kTensorCoreChunkWgmma,  // past_chunk_sm90.cu: the same in 128-row blocks on Hopper's warpgroup products
+  kRawPrefill,  // raw_past.cu: a chunk's rows over a raw16 past, copied dense, on prefill.cu's kernel
 };
-// "none", "tc_bulk", "tc_mma", "cuda_core", "tc_chunk", "tc_chunk_wgmma": the names tests and logs use.
+// "none", "tc_bulk", "tc_mma", "cuda_core", "tc_chunk", "tc_chunk_wgmma", "raw_prefill": the names tests
+// and logs use.
 const char* split_kernel_name(SplitKernel k);
 
 // What the plan needs of the device (the launchers ask the driver for them once per device).
@@ -53,6 +55,7 @@ struct SplitPlan {
   // kernel attends each row's new tokens itself); its rows follow the split kernel's in the workspace.
   bool new_part = false;
   size_t new_part_offset = 0;  // bytes into the workspace
+  size_t past_copy_offset = 0;  // kRawPrefill: the dense copy of the past's K then V, bytes into the workspace
   size_t workspace = 0;  // bytes of partial results the split kernel (and prefill.cu) write and the finish kernel merges
 };
 

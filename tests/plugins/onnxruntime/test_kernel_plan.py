@@ -103,6 +103,23 @@ def test_raw16_elsewhere_keeps_the_cuda_core_kernel(change):
     assert plan.kernel == "cuda_core", (change, plan)
 
 
+def test_raw16_chunks_run_on_the_prefill_kernel_over_a_dense_copy():
+    """A chunk of 2048 tokens over a raw16 past of 30720 (the Engine's prompt chunks on a boundary layer):
+    one split, the whole past, copied dense (K then V) after the partial results of its rows and of the
+    new tokens; not for several sequences, windows, softcap, sinks, a float32 call, a few rows or caches
+    off 16-byte boundaries."""
+    call = dict(batch=1, q_heads=24, kv_heads=8, q_len=2048, past_len=30720, head_dim=128, key_format="raw16",
+                value_format="raw16", buffer_rows=32768)
+    plan = plan_split(**call)
+    part = 8 * 2048 * 3 * (2 + 128) * 4
+    assert (plan.kernel, plan.splits, plan.split_len) == ("raw_prefill", 1, 30720)
+    assert plan.new_part and plan.new_part_offset == part
+    assert plan.workspace == (2 * part + 255) // 256 * 256 + 2 * 30720 * 8 * 128 * 2
+    for change in ({"batch": 2}, {"local_window_size": 1024}, {"softcap": 30.0}, {"head_sink": True}, {"q_len": 16},
+                   {"dtype": "float32"}, {"aligned16": False}, {"key_format": "mse4", "value_format": "uint4"}):
+        assert plan_split(**{**call, **change}).kernel != "raw_prefill", change
+
+
 def test_raw16_in_wider_rows_of_whole_chunks_runs_the_bulk_kernel():
     """A shared buffer's rows wider than 2 x head size, in whole 16-byte chunks, are read at their
     own pitch."""
