@@ -170,6 +170,7 @@ bool chunk_wgmma_takes(const AttentionParams& p, bool aligned16, const DevicePro
 // key visible to every row, no softcap, sink, offsets or mask (the merge then adds the new tokens' part
 // as for any split), rows at 16-byte boundaries.
 bool raw_prefill_takes(const AttentionParams& p, bool aligned16, const DeviceProps& dev) {
+  if (!raw_prefill_enabled()) return false;
   if (p.key_format != Format::kRaw16 || p.value_format != Format::kRaw16 || p.batch != 1) return false;
   if (!new_tokens_on_tensor_cores(p) || dev.cc_major < 8 || !aligned16) return false;
   const int64_t group = p.kv_heads > 0 ? p.q_heads / p.kv_heads : 1;
@@ -230,6 +231,11 @@ void split_past(const AttentionParams& p, int64_t target, int64_t unit, SplitLay
 }
 
 }  // namespace
+
+bool raw_prefill_enabled() {
+  const char* v = std::getenv("TURBOQUANT_RAW_PREFILL");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
 
 bool chunk_wgmma_enabled() {
   const char* v = std::getenv("TURBOQUANT_CHUNK_WGMMA");

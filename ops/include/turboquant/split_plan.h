@@ -78,6 +78,9 @@ PrefillKernel plan_prefill(const AttentionParams& p, const DeviceProps& dev);
 // the GPU (docs/performance.md, which kernel runs), only where the environment sets
 // TURBOQUANT_CHUNK_WGMMA=1 (read at each plan, so that a process's tests can set it).
 bool chunk_wgmma_enabled();
+// Whether the planner may choose kRawPrefill: until that path has run on a GPU, only where the
+// environment sets TURBOQUANT_RAW_PREFILL=1 (read at each plan).
+bool raw_prefill_enabled();
 
 // caches_aligned16: past_key and past_value start at multiples of 16 bytes (the tensor-core bulk
 // kernel copies fp8 and raw16 rows in swizzled 16-byte chunks).

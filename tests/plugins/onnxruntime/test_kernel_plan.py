@@ -103,13 +103,16 @@ def test_raw16_elsewhere_keeps_the_cuda_core_kernel(change):
     assert plan.kernel == "cuda_core", (change, plan)
 
 
-def test_raw16_chunks_run_on_the_prefill_kernel_over_a_dense_copy():
-    """A chunk of 2048 tokens over a raw16 past of 30720 (the Engine's prompt chunks on a boundary layer):
-    one split, the whole past, copied dense (K then V) after the partial results of its rows and of the
-    new tokens; not for several sequences, windows, softcap, sinks, a float32 call, a few rows or caches
-    off 16-byte boundaries."""
+def test_raw16_chunks_run_on_the_prefill_kernel_over_a_dense_copy(monkeypatch):
+    """A chunk of 2048 tokens over a raw16 past of 30720 (the Engine's prompt chunks on a boundary layer),
+    where TURBOQUANT_RAW_PREFILL=1 (until the path has run on a GPU): one split, the whole past, copied
+    dense (K then V) after the partial results of its rows and of the new tokens; not for several
+    sequences, windows, softcap, sinks, a float32 call, a few rows or caches off 16-byte boundaries."""
     call = dict(batch=1, q_heads=24, kv_heads=8, q_len=2048, past_len=30720, head_dim=128, key_format="raw16",
                 value_format="raw16", buffer_rows=32768)
+    monkeypatch.delenv("TURBOQUANT_RAW_PREFILL", raising=False)
+    assert plan_split(**call).kernel == "tc_bulk"
+    monkeypatch.setenv("TURBOQUANT_RAW_PREFILL", "1")
     plan = plan_split(**call)
     part = 8 * 2048 * 3 * (2 + 128) * 4
     assert (plan.kernel, plan.splits, plan.split_len) == ("raw_prefill", 1, 30720)

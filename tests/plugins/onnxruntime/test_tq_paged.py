@@ -353,11 +353,13 @@ def test_cuda_matches_reference(cuda_ready, ort_session, preset, mode, block_siz
 @pytest.mark.gpu
 @pytest.mark.parametrize("rotary", [0, 64])
 @pytest.mark.parametrize("block_size", [4, 32])
-def test_cuda_raw16_chunk_over_a_dense_copy_of_its_past(cuda_ready, ort_session, block_size, rotary):
+def test_cuda_raw16_chunk_over_a_dense_copy_of_its_past(cuda_ready, ort_session, monkeypatch, block_size, rotary):
     """A raw16 chunk of 80 query rows a KV head over a past of 70 rows in blocks (16-byte aligned): the
-    past copied dense and attended on the prefill kernel (raw_prefill), as the reference."""
+    past copied dense and attended on the prefill kernel (raw_prefill, TURBOQUANT_RAW_PREFILL=1), as the
+    reference."""
     from turboquant.kernel_plan import last_split_kernel
 
+    monkeypatch.setenv("TURBOQUANT_RAW_PREFILL", "1")
     c = dict(BASE, formats=("raw16", "raw16"), nc=True, pasts=[70], news=[40], d=128, pad=0, block_size=block_size,
              dtype=TensorProto.FLOAT16, rotary=rotary, seed=9)
     model, feeds, new_slots = make(c)
