@@ -57,15 +57,19 @@ def run_with_genai(folder: pathlib.Path) -> str | None:
     config = json.loads((folder / "genai_config.json").read_text())
     cmd = [sys.executable, "-c", _GENAI_RUN, str(folder), str(PROMPT_TOKENS), str(CHECK_TOKENS), str(_vocab(config)),
            str(check_length(config))]
+    return _run_check(cmd, "onnxruntime-genai")
+
+
+def _run_check(cmd: list[str], runtime: str) -> str | None:
+    """None where the check subprocess printed "generated", else its error's last line."""
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return f"onnxruntime-genai did not finish {CHECK_TOKENS} tokens in {TIMEOUT_S} s"
+        return f"{runtime} did not finish {CHECK_TOKENS} tokens in {TIMEOUT_S} s"
     if done.returncode == 0 and "generated" in done.stdout:
         return None
     lines = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()]
-    why = lines[-1] if lines else f"exit status {done.returncode}"
-    return why[:600]
+    return (lines[-1] if lines else f"exit status {done.returncode}")[:600]
 
 
 def config_problems(model_path: pathlib.Path, config: dict) -> list[str]:
@@ -211,14 +215,7 @@ def run_engine(folder: pathlib.Path, device: str | None = None) -> str | None:
     config = json.loads((folder / "genai_config.json").read_text())
     cmd = [sys.executable, "-c", _ENGINE_RUN, str(folder), device or "", str(PROMPT_TOKENS), str(CHECK_TOKENS),
            str(_vocab(config))]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return f"onnxruntime-genai's Engine did not finish {CHECK_TOKENS} tokens in {TIMEOUT_S} s"
-    if done.returncode == 0 and "generated" in done.stdout:
-        return None
-    lines = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()]
-    return (lines[-1] if lines else f"exit status {done.returncode}")[:600]
+    return _run_check(cmd, "onnxruntime-genai's Engine")
 
 
 def run_paged(model_path: pathlib.Path) -> str | None:

@@ -42,7 +42,7 @@ from .cache_io import CacheLayer
 from .errors import RewriteError
 from .plan import LayerPlan, RewriteResult, _ranges, plan_layers
 from .qk_norm import fused_norm_problem, has_fused_qk_norm, unfuse_qk_norm
-from .surgery import _initializer, _replace_graph_output
+from .surgery import _initializer, take_outputs
 
 BOUNDARY_FORMAT = "raw16"
 _NUM_INPUTS = 12  # GroupQueryAttention's inputs, up to head_sink; key_offset, value_offset, key_scale follow
@@ -87,10 +87,15 @@ def _describe(n: ir.Node) -> str:
 
 def gqa_node(layer: CacheLayer) -> ir.Node | None:
     """The GroupQueryAttention node that takes this layer's past_key and past_value, or None."""
+    return node_reading(layer, is_gqa_node, _describe)
+
+
+def node_reading(layer: CacheLayer, is_node, describe) -> ir.Node | None:
+    """The node (is_node) that takes this layer's past key and value as its inputs 3 and 4, or None."""
     for n in layer.past_key.consumers():
-        if is_gqa_node(n) and len(n.inputs) > 4 and n.inputs[3] is layer.past_key:
+        if is_node(n) and len(n.inputs) > 4 and n.inputs[3] is layer.past_key:
             if n.inputs[4] is not layer.past_value:
-                raise RewriteError(f"layer {layer.index}: {_describe(n)} takes {layer.past_key.name!r} "
+                raise RewriteError(f"layer {layer.index}: {describe(n)} takes {layer.past_key.name!r} "
                                    f"but not {layer.past_value.name!r}")
             return n
     return None
@@ -206,13 +211,7 @@ def _replace(graph: ir.Graph, old: ir.Node, key_format: str, value_format: str, 
     new = ir.node("TQGroupQueryAttention", inputs, attrs, domain=turboquant.DOMAIN, num_outputs=3,
                   name=f"{old.name}/turboquant")
     graph.insert_before(old, new)
-    for o_old, o_new in zip(old.outputs[:3], new.outputs):
-        name = o_old.name
-        if o_old.is_graph_output():
-            _replace_graph_output(graph, o_old, o_new)
-        o_old.replace_all_uses_with(o_new)
-        o_new.name = name
-        o_old.name = f"{name}_replaced"
+    take_outputs(graph, old.outputs[:3], new.outputs)
     graph.remove(old, safe=True)
     return new
 

@@ -38,9 +38,9 @@ from turboquant.config import FORMAT_VERSION, TQ_PRESETS, packed_size
 
 from .cache_io import _KV_NAMES, CacheLayer
 from .errors import RewriteError
-from .gqa import BOUNDARY_FORMAT, _attr, calibrated_inputs, plan_node_layers, row_width
+from .gqa import BOUNDARY_FORMAT, _attr, calibrated_inputs, node_reading, plan_node_layers, row_width
 from .plan import LayerPlan, RewriteResult, _ranges
-from .surgery import _replace_graph_output
+from .surgery import take_outputs
 
 OP = "PagedAttention"
 _NUM_INPUTS = 10  # PagedAttention's inputs that TQPagedAttention takes one to one (query .. sin_cache)
@@ -64,13 +64,7 @@ def _describe(n: ir.Node) -> str:
 
 def paged_node(layer: CacheLayer) -> ir.Node | None:
     """The PagedAttention node that takes this layer's key and value pools, or None."""
-    for n in layer.past_key.consumers():
-        if is_paged_node(n) and len(n.inputs) > 4 and n.inputs[3] is layer.past_key:
-            if n.inputs[4] is not layer.past_value:
-                raise RewriteError(f"layer {layer.index}: {_describe(n)} takes {layer.past_key.name!r} "
-                                   f"but not {layer.past_value.name!r}")
-            return n
-    return None
+    return node_reading(layer, is_paged_node, _describe)
 
 
 def _text(n: ir.Node, name: str, default: str) -> str:
@@ -220,16 +214,6 @@ def _tq_node(old: ir.Node, inputs: list, name: str, key_format: str, value_forma
     return ir.node("TQPagedAttention", inputs, attrs, domain=turboquant.DOMAIN, num_outputs=3, name=name)
 
 
-def _take_outputs(graph: ir.Graph, old_outputs: list[ir.Value], new_outputs: list[ir.Value]) -> None:
-    for o_old, o_new in zip(old_outputs, new_outputs):
-        name = o_old.name
-        if o_old.is_graph_output():
-            _replace_graph_output(graph, o_old, o_new)
-        o_old.replace_all_uses_with(o_new)
-        o_new.name = name
-        o_old.name = f"{name}_replaced"
-
-
 def _base_inputs(old: ir.Node) -> list:
     inputs = list(old.inputs)[:_NUM_INPUTS]
     inputs += [None] * (_NUM_INPUTS - len(inputs))
@@ -243,7 +227,7 @@ def replace_node(graph: ir.Graph, old: ir.Node, key_format: str, value_format: s
     inputs = _base_inputs(old) + list(extra or [])
     new = _tq_node(old, inputs, f"{old.name}/turboquant", key_format, value_format, norm_correction)
     graph.insert_before(old, new)
-    _take_outputs(graph, old.outputs[:3], new.outputs)
+    take_outputs(graph, old.outputs[:3], new.outputs)
     graph.remove(old, safe=True)
     return new
 
@@ -287,7 +271,7 @@ def split_node(graph: ir.Graph, old: ir.Node, head_dim: int, per_node: int, widt
         node = _tq_node(old, inputs, name, BOUNDARY_FORMAT, BOUNDARY_FORMAT, True, (g * rep, g))
         graph.insert_before(old, node)
         if j == 0:
-            _take_outputs(graph, presents, node.outputs[1:3])
+            take_outputs(graph, presents, node.outputs[1:3])
         else:
             for o, name in zip(node.outputs[1:3], present_names):
                 o.name = _renamed(name, first_new + j - 1)
@@ -300,7 +284,7 @@ def split_node(graph: ir.Graph, old: ir.Node, head_dim: int, per_node: int, widt
     concat = ir.node("Concat", outs, {"axis": 1}, name=f"{old.name}/turboquant_concat")
     graph.insert_before(old, concat)
     concat.outputs[0].dtype = query.dtype
-    _take_outputs(graph, old.outputs[:1], concat.outputs)
+    take_outputs(graph, old.outputs[:1], concat.outputs)
     graph.remove(old, safe=True)
     return nodes
 

@@ -48,6 +48,17 @@ def _replace_graph_output(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None
     new.name = name
 
 
+def take_outputs(graph: ir.Graph, old_outputs: list[ir.Value], new_outputs: list[ir.Value]) -> None:
+    """Each new output takes its old one's readers, name and place among the graph outputs."""
+    for o_old, o_new in zip(old_outputs, new_outputs):
+        name = o_old.name
+        if o_old.is_graph_output():
+            _replace_graph_output(graph, o_old, o_new)
+        o_old.replace_all_uses_with(o_new)
+        o_new.name = name
+        o_old.name = f"{name}_replaced"
+
+
 def _initializer(model: ir.Model, name: str, array: np.ndarray) -> ir.Value:
     value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
     model.graph.register_initializer(value)
