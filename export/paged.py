@@ -143,15 +143,42 @@ def check_supported(model: ir.Model, preset: str, *, boundary: int = 2, skip_lay
                                "TQPagedAttention does not take")
     if not any(p.compressed for p in plans):
         raise RewriteError("no layer left to compress: every cache layer is a boundary or kept layer")
+    check_width(plans)
+
+
+def check_width(plans: list[LayerPlan]) -> None:
+    """Refuses pools of one width that save nothing: raw16 rows wider than the packed layers' slots make
+    every slot as wide as theirs (one KV head of 128: 256 bytes)."""
     width = pool_width(plans)
-    for p in plans:
-        if not p.compressed:
-            heads_per_node(p, width)
+    before = sum(p.kv_heads * packed_size(BOUNDARY_FORMAT, p.head_dim) for p in plans)
+    if pool_bytes(plans, width) >= before:
+        raise RewriteError(f"pools of one width ({plans[0].kv_heads} x {width} bytes a slot, the onnxruntime-genai Engine "
+                           "allocates one shape) would hold the boundary layers' raw16 rows in no less memory than the "
+                           "original cache; rewrite with --boundary 0 (every layer compressed)")
+
+
+def _pool_pairs(plan: LayerPlan, width: int) -> int:
+    """The pool pairs a layer takes at width W: 1 for a compressed one, ceil(Hkv / g) for a raw16 one."""
+    return 1 if plan.compressed else -(-plan.kv_heads // heads_per_node(plan, width))
+
+
+def pool_bytes(plans: list[LayerPlan], width: int) -> int:
+    """One token's bytes in the key pools (as many in the value pools) at width W."""
+    return sum(p.kv_heads * width * _pool_pairs(p, width) for p in plans)
 
 
 def pool_width(plans: list[LayerPlan]) -> int:
-    """W: the one row width of every pool, the largest packed size of the compressed layers' formats."""
-    return max(row_width(p.key_format, p.value_format, p.head_dim) for p in plans if p.compressed)
+    """W: the one row width of every pool (the Engine allocates one shape). At least the compressed layers'
+    packed rows; among the widths that give a raw16 boundary node g = 1 .. Hkv KV heads, the one of the
+    fewest pool bytes a token (turboquant_3bit_nc at Hkv 8, head size 128: 64 bytes, two heads a node, where
+    its packed 52 would take eight pool pairs a boundary layer)."""
+    least = max(row_width(p.key_format, p.value_format, p.head_dim) for p in plans if p.compressed)
+    raw = [p for p in plans if not p.compressed]
+    if not raw:
+        return least
+    hkv, row = raw[0].kv_heads, packed_size(BOUNDARY_FORMAT, raw[0].head_dim)
+    widths = {max(least, -(-g * row // hkv)) for g in range(1, hkv + 1)}  # each holds g >= 1 raw16 rows a slot
+    return min(widths, key=lambda w: (pool_bytes(plans, w), w))
 
 
 def heads_per_node(plan: LayerPlan, width: int) -> int:

@@ -14,7 +14,7 @@ import pytest
 from turboquant import TQ_PRESETS, random_decoders
 from turboquant.config import TurboQuantConfig, packed_size
 from turboquant.export import RewriteError, export
-from turboquant.export.paged import heads_per_node
+from turboquant.export.paged import check_width, heads_per_node, pool_bytes, pool_width
 from turboquant.export.paged_twin import gqa_twin
 from turboquant.export.plan import LayerPlan, RewriteResult
 from turboquant.paged_decoder import PagedDecoder
@@ -37,6 +37,13 @@ BLOCK = 16  # the requests cross blocks
 def width(preset):
     cfg = TurboQuantConfig.from_cache_dtype(preset, D)
     return max(packed_size(cfg.key_format, D), packed_size(cfg.value_format, D))
+
+
+# W with the 2 + 2 boundary layers (raw16 rows of 64 bytes): the width of the fewest pool bytes a
+# token over 2 packed layers and 4 boundary layers of ceil(4 / g) pool pairs, g = floor(4 W / 64):
+# packed widths 20 (4bit_nc, k3v4_nc) take 2 + 4 x 4 pairs of 20 (360 bytes), where 32 takes 2 + 4 x 2 (320);
+# k8v4's 32 is already that; 3bit_nc's 16 takes 2 + 4 x 4 pairs of 16 (288).
+BOUNDARY_WIDTH = {"turboquant_k8v4": 32, "turboquant_4bit_nc": 32, "turboquant_k3v4_nc": 32, "turboquant_3bit_nc": 16}
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +94,13 @@ def test_builder_writes_paged_attention(built):
 @pytest.mark.parametrize("boundary", [0, 2])
 @pytest.mark.parametrize("preset", list(TQ_PRESETS))
 def test_rewritten_folder(built, twin, rewritten, tmp_path, preset, boundary):
-    """Every pool uint8 [., ., Hkv, W] with one W (the packed layers' widest format), boundary layers
-    split over ceil(Hkv / g) pool pairs; genai_config.json counts every pair; the graph passes the
+    """Every pool uint8 [., ., Hkv, W] with one W (the packed layers' widest format, or wider where that
+    takes fewer bytes with the boundary layers), boundary layers split over ceil(Hkv / g) pool pairs; genai_config.json counts every pair; the graph passes the
     checker with turboquant's schemas; and the Engine's loop on the rewrite gives, for three
     concurrent requests of different lengths, the greedy tokens and logits of the GroupQueryAttention
     twin rewritten with the same preset (its boundary layers unsplit raw16) run one request at a time."""
     result = rewritten(preset, boundary, offsets=False)
-    w = width(preset)
+    w = BOUNDARY_WIDTH[preset] if boundary else width(preset)
     g = HKV * w // (2 * D)
     n = -(-HKV // g)
     kept = [0, 1, 4, 5] if boundary else []
@@ -161,8 +168,8 @@ def _twin_run(path, prompt):
 def test_summary_counts_split_pools(rewritten, capsys):
     """The bytes per token the summary prints count every pool pair of a split boundary layer."""
     result = rewritten("turboquant_4bit_nc", 2, offsets=False)
-    w = width("turboquant_4bit_nc")  # 20: g = 1, 4 pool pairs per boundary layer
-    after = 2 * 2 * HKV * w + 4 * 4 * 2 * HKV * w
+    w = BOUNDARY_WIDTH["turboquant_4bit_nc"]  # 32: g = 2, 2 pool pairs per boundary layer
+    after = 2 * 2 * HKV * w + 4 * 2 * 2 * HKV * w
     assert f"{6 * 2 * HKV * D * 2} bytes before, {after} after" in result.summary()
 
 
@@ -179,6 +186,32 @@ def test_summary_at_the_3b_shape():
     assert [p.pools for p in plans if not p.compressed] == [4] * 4
     summary = RewriteResult("turboquant_4bit_nc", plans, None).summary()
     assert f"{28 * 2 * 8 * 256} bytes before, {24 * 2 * 8 * 68 + 4 * 4 * 2 * 8 * 68} after, 2.64x smaller" in summary
+    assert pool_width(plans) == 68
+
+
+def test_pool_width_at_the_3b_shape():
+    """3bit_nc's packed 52 bytes would hold one raw16 row (256 bytes) per slot of 8 x 52, eight pool pairs a
+    boundary layer (46592 bytes a token, 2.46x); 64 holds two, four pairs (40960, 2.80x), 96 three (3 pairs,
+    55296) and 128 four (2 pairs, 65536)."""
+    plans = [LayerPlan(i, not (i < 2 or i >= 26), "PagedAttention", "raw16" if i < 2 or i >= 26 else "mse3",
+                       "raw16" if i < 2 or i >= 26 else "uint3", 8, 128, 2) for i in range(28)]
+    assert pool_width(plans) == 64
+    assert {w: 2 * pool_bytes(plans, w) for w in (52, 64, 96, 128)} == {52: 46592, 64: 40960, 96: 55296, 128: 65536}
+
+
+def test_one_width_no_smaller_than_the_original_is_refused():
+    """One KV head of 128: a raw16 row needs the pools' slot as wide as the original cache's row, so the
+    packed layers save nothing; refused, suggesting --boundary 0. Two KV heads: one raw16 row a slot of
+    2 x 128 bytes, 3.5x smaller than the original."""
+    def plans(hkv):
+        return [LayerPlan(i, i not in (0, 7), "PagedAttention", "raw16" if i in (0, 7) else "mse4",
+                          "raw16" if i in (0, 7) else "uint4", hkv, 128, 2) for i in range(8)]
+
+    assert pool_width(plans(1)) == 256 and pool_bytes(plans(1), 256) == 8 * 256
+    with pytest.raises(RewriteError, match=r"no less memory than the original cache; rewrite with --boundary 0"):
+        check_width(plans(1))
+    assert pool_width(plans(2)) == 128 and pool_bytes(plans(2), 128) == 2 * 128 * (6 + 2 * 2)
+    check_width(plans(2))
 
 
 def test_engine_bench_sizes_the_pools(rewritten):
