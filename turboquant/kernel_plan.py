@@ -6,7 +6,7 @@ properties; `last_split_kernel` names the one the process's latest CUDA attentio
 names: "tc_bulk" (the tensor-core kernel of ops/cuda/attention_tc.cu), "tc_mma" (attention_mma.cu),
 "cuda_core" (attention_split.cu's split kernel), "tc_chunk" (past_chunk.cu), "tc_chunk_wgmma"
 (past_chunk_sm90.cu: chosen only where TURBOQUANT_CHUNK_WGMMA=1 until measured on the GPU),
-"raw_prefill" (raw_past.cu: a chunk over a raw16 past, copied dense, on prefill.cu's kernel) and "none"
+"dense_prefill" (dense_past.cu: a chunk over its past decoded dense, on the prefill kernel) and "none"
 (no past or no query rows: no split kernel). `plan_prefill` and `last_prefill_kernel` do the same for the kernel
 that attends a call's new tokens when it has several query rows (a first prompt, a continuation
 chunk): "wgmma" (ops/cuda/prefill_sm90.cu, Hopper's warpgroup products; head sizes 64 and 128),
@@ -23,7 +23,7 @@ import functools
 from ._libs import ort_library_path
 from .config import ALL_FORMATS
 
-KERNELS = ("tc_bulk", "tc_mma", "cuda_core", "tc_chunk", "tc_chunk_wgmma", "raw_prefill", "none")
+KERNELS = ("tc_bulk", "tc_mma", "cuda_core", "tc_chunk", "tc_chunk_wgmma", "dense_prefill", "none")
 PREFILL_KERNELS = ("wgmma", "mma", "none")
 DTYPES = ("float32", "float16", "bfloat16")
 MASKS = (None, "bool", "float32", "float16", "bfloat16")

@@ -73,8 +73,8 @@ cudaError_t attention(const AttentionParams& p, const void* q, const void* k, co
       case SplitKernel::kTensorCoreBulk: e = launch_tc_split(p, rot, plan, q, mask, past_key, past_value, part, stream); break;
       case SplitKernel::kTensorCoreMma: e = launch_mma_split(p, plan, q, past_key, past_value, part, stream); break;
       case SplitKernel::kTensorCoreChunk: e = launch_chunk_split(p, plan, q, past_key, past_value, part, stream); break;
-      case SplitKernel::kRawPrefill:
-        e = launch_raw_prefill_split(p, plan, q, past_key, past_value, y, part, static_cast<uint8_t*>(workspace), stream);
+      case SplitKernel::kDensePrefill:
+        e = launch_dense_prefill_split(p, plan, q, past_key, past_value, y, part, static_cast<uint8_t*>(workspace), stream);
         break;
 #ifdef TQ_SM90A
       case SplitKernel::kTensorCoreChunkWgmma:

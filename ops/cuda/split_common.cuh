@@ -58,11 +58,11 @@ cudaError_t launch_chunk_split_sm90(const AttentionParams& p, const SplitPlan& p
                                     const uint8_t* past_key, const uint8_t* past_value, float* partial,
                                     cudaStream_t stream);
 
-// A chunk's query rows over a raw16 past (raw_past.cu; plan.kernel kRawPrefill): the past copied dense
-// into the workspace at plan.past_copy_offset, then prefill.cu's kernel; one split's partials.
-cudaError_t launch_raw_prefill_split(const AttentionParams& p, const SplitPlan& plan, const void* q,
-                                     const uint8_t* past_key, const uint8_t* past_value, void* y, float* partial,
-                                     uint8_t* workspace, cudaStream_t stream);
+// A chunk's query rows over its past (dense_past.cu; plan.kernel kDensePrefill): the past decoded dense
+// into the workspace at plan.past_copy_offset, then the prefill kernel; one split's partials.
+cudaError_t launch_dense_prefill_split(const AttentionParams& p, const SplitPlan& plan, const void* q,
+                                       const uint8_t* past_key, const uint8_t* past_value, void* y, float* partial,
+                                       uint8_t* workspace, cudaStream_t stream);
 
 #ifdef __CUDACC__
 // Programmatic dependent launch (sm_90; no-ops before): a kernel launched with

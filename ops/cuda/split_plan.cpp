@@ -163,21 +163,31 @@ bool chunk_wgmma_takes(const AttentionParams& p, bool aligned16, const DevicePro
   return geo::smem_bytes(p.head_dim, static_cast<int>(kb), static_cast<int>(vb)) <= dev.smem_optin;
 }
 
-// Whether a chunk's rows over a raw16 past (genai's uncompressed boundary layers, the Engine's prompt
-// chunks after the first) run on prefill.cu's kernel over a dense copy of the past, its tiles of 64
-// query rows reading each key once, where the bulk kernel's blocks of 8 rows would each read the whole
-// past: one sequence, at least 64 rows per KV head, fp16 or bf16 at head size 64, 128 or 256, every past
-// key visible to every row, no softcap, sink, offsets or mask (the merge then adds the new tokens' part
-// as for any split), rows at 16-byte boundaries.
-bool raw_prefill_takes(const AttentionParams& p, bool aligned16, const DeviceProps& dev) {
-  if (!raw_prefill_enabled()) return false;
-  if (p.key_format != Format::kRaw16 || p.value_format != Format::kRaw16 || p.batch != 1) return false;
-  if (!new_tokens_on_tensor_cores(p) || dev.cc_major < 8 || !aligned16) return false;
+// The dense copy's bound: past beyond it keeps the split kernels (at the 3B shape, 8 KV heads of 128,
+// 64K tokens), so that a long past's chunk does not hold a scratch buffer as large as its cache.
+constexpr size_t kDensePastMaxBytes = size_t{256} << 20;
+
+size_t dense_past_bytes(const AttentionParams& p) {
+  return 2 * static_cast<size_t>(p.past_len * p.kv_heads * p.head_dim * dtype_size(p.dtype));
+}
+
+// Whether a chunk's rows (the Engine's prompt chunks after the first, a continuation chunk) run on the
+// prefill kernel over the past decoded once into dense K and V, its tiles of 64 or more query rows
+// reading each key once, where the split kernels' blocks each decode (tc_chunk: every 64 rows) or read
+// (tc_bulk: every 8 rows) the whole past: one sequence, at least 64 rows per KV head, fp16 or bf16 at
+// head size 64, 128 or 256 (the prefill kernel's), every past key visible to every row, no softcap,
+// sink or mask (the merge then adds the new tokens' part and the value offsets as for any split).
+bool dense_prefill_takes(const AttentionParams& p, const DeviceProps& dev) {
+  if (!dense_prefill_enabled() || p.batch != 1) return false;
+  const Format kf = p.key_format, vf = p.value_format;
+  if (!(is_mse(kf) || kf == Format::kFp8 || kf == Format::kRaw16)) return false;
+  if (!(is_uint(vf) || vf == Format::kRaw16)) return false;
+  if (!new_tokens_on_tensor_cores(p) || dev.cc_major < 8) return false;
   const int64_t group = p.kv_heads > 0 ? p.q_heads / p.kv_heads : 1;
   if (p.q_len * group < detail::chunk_geometry::kRows) return false;
-  if (window_cuts(p) || p.softcap > 0.0f || p.head_sink || p.key_offset || p.value_offset) return false;
+  if (window_cuts(p) || p.softcap > 0.0f || p.head_sink) return false;
   if (p.mask_type != MaskType::kNone || (p.is_causal && p.new_len < p.q_len)) return false;
-  return !p.blocks.table || p.blocks.block_bytes % 16 == 0;
+  return dense_past_bytes(p) <= kDensePastMaxBytes;
 }
 
 // Developer variant (TQ_FINISH_RESERVE=1): the SMs the bulk kernel leaves to the finish kernel, so that
@@ -232,9 +242,9 @@ void split_past(const AttentionParams& p, int64_t target, int64_t unit, SplitLay
 
 }  // namespace
 
-bool raw_prefill_enabled() {
-  const char* v = std::getenv("TURBOQUANT_RAW_PREFILL");
-  return v != nullptr && std::strcmp(v, "1") == 0;
+bool dense_prefill_enabled() {
+  const char* v = std::getenv("TURBOQUANT_DENSE_PREFILL");
+  return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
 bool chunk_wgmma_enabled() {
@@ -274,7 +284,7 @@ const char* split_kernel_name(SplitKernel k) {
     case SplitKernel::kCudaCore: return "cuda_core";
     case SplitKernel::kTensorCoreChunk: return "tc_chunk";
     case SplitKernel::kTensorCoreChunkWgmma: return "tc_chunk_wgmma";
-    case SplitKernel::kRawPrefill: return "raw_prefill";
+    case SplitKernel::kDensePrefill: return "dense_prefill";
     default: return "none";
   }
 }
@@ -287,12 +297,12 @@ SplitPlan plan_split(const AttentionParams& p, bool caches_aligned16, const Devi
   const int64_t base = p.batch * p.kv_heads * l.row_blocks;
   const int sms = dev.sms > 0 ? dev.sms : 1;
   size_t past_copy = 0;
-  if (raw_prefill_takes(p, caches_aligned16, dev)) {
-    // one split: the whole past, as prefill.cu's keys
-    plan.kernel = SplitKernel::kRawPrefill;
+  if (dense_prefill_takes(p, dev)) {
+    // one split: the whole past, as the prefill kernel's keys
+    plan.kernel = SplitKernel::kDensePrefill;
     l.splits = 1;
     l.split_len = p.past_len;
-    past_copy = 2 * static_cast<size_t>(p.past_len * p.kv_heads * p.head_dim * dtype_size(p.dtype));
+    past_copy = dense_past_bytes(p);
   } else if (chunk_takes(p, dev) && chunk_wgmma_takes(p, caches_aligned16, dev)) {
     // 128-row blocks, one per SM (their shared memory), the past split while whole waves allow
     namespace geo = detail::chunk_sm90_geometry;

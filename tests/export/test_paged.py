@@ -255,6 +255,22 @@ def test_og_engine_runs_the_folder_on_the_cpu(rewritten):
     assert _engine_tokens(result.output.parent, "cpu") == want
 
 
+def test_engine_bench_serves_more_requests_than_the_pool_holds(rewritten):
+    """bench engine's serve over a pool of 6 blocks, which holds two of the requests (29 tokens each:
+    2 blocks of 16): all five finish with every token, each closed as its turn ends so that the queued
+    ones get its blocks (a finished turn keeps them until its request is closed)."""
+    from turboquant.bench.engine import open_engine, serve
+
+    result = rewritten("turboquant_4bit_nc", 2, offsets=False)
+    overlay = {"engine": {"dynamic_batching": {"num_blocks": 6, "block_size": BLOCK, "max_batch_size": 4}}}
+    _, engine = open_engine(str(result.output.parent), "cpu", overlay)
+    rng = np.random.default_rng(6)
+    times, peak, _, cut = serve(engine, [rng.integers(3, CONFIG.vocab, 21).astype(np.int32) for _ in range(5)], NEW,
+                                budget=30)
+    assert cut is None and all(t.error is None and t.tokens == NEW for t in times)
+    assert peak <= 3
+
+
 def test_folder_check_through_the_engine(built, rewritten):
     """The rewrite's folder check where genai runs the folder's provider: og.Engine itself serves two
     requests (here on the CPU); a folder it cannot serve gets the Engine's error (the original, whose

@@ -103,7 +103,9 @@ def open_engine(folder: str, device: str, overlay: dict | None = None):
 
 def serve(engine, batch: list[np.ndarray], new: int, budget: float | None = None) -> tuple[list[RequestTimes], int, int, str | None]:
     """Submits every prompt of `batch` as a request generating `new` tokens greedily, then steps the
-    Engine until none is pending. Returns (times per request, the most requests decoding at once after
+    Engine until none is pending, closing each request as its turn ends (the Engine keeps a finished
+    turn's blocks for a next turn until its request is closed: a pool that holds fewer requests than
+    were submitted would otherwise stall once it filled). Returns (times per request, the most requests decoding at once after
     any step, CAPACITY_BLOCKED events, why it stopped early or None). budget: seconds after which the
     requests still running are closed."""
     import onnxruntime_genai as og
@@ -149,12 +151,14 @@ def serve(engine, batch: list[np.ndarray], new: int, budget: float | None = None
                 t.error = str(ev.error_code.name)
             if f & (finished | failed) and t.finished is None:
                 t.finished = now
+                requests[k].close()  # its blocks back to the pool
         peak = max(peak, sum(t.first is not None and t.finished is None for t in times))
         if budget is not None and now > budget:
             cut = f"stopped after {now:.0f} s (budget {budget:g} s): {sum(t.finished is None for t in times)} requests unfinished"
             break
-    for request in requests:
-        request.close()
+    for request, t in zip(requests, times):
+        if t.finished is None:
+            request.close()
     return times, peak, blocked_events, cut
 
 

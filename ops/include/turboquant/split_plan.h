@@ -19,9 +19,9 @@ enum class SplitKernel : int {
   kCudaCore,        // attention_split.cu's split_kernel: every call (masks, float32, any format pair)
   kTensorCoreChunk,  // past_chunk.cu: a continuation chunk's rows (64 or more per KV head) in 64-row tiles
   kTensorCoreChunkWgmma,  // past_chunk_sm90.cu: the same in 128-row blocks on Hopper's warpgroup products
-  kRawPrefill,  // raw_past.cu: a chunk's rows over a raw16 past, copied dense, on prefill.cu's kernel
+  kDensePrefill,  // dense_past.cu: a chunk's rows over its past decoded dense, on the prefill kernel
 };
-// "none", "tc_bulk", "tc_mma", "cuda_core", "tc_chunk", "tc_chunk_wgmma", "raw_prefill": the names tests
+// "none", "tc_bulk", "tc_mma", "cuda_core", "tc_chunk", "tc_chunk_wgmma", "dense_prefill": the names tests
 // and logs use.
 const char* split_kernel_name(SplitKernel k);
 
@@ -55,7 +55,7 @@ struct SplitPlan {
   // kernel attends each row's new tokens itself); its rows follow the split kernel's in the workspace.
   bool new_part = false;
   size_t new_part_offset = 0;  // bytes into the workspace
-  size_t past_copy_offset = 0;  // kRawPrefill: the dense copy of the past's K then V, bytes into the workspace
+  size_t past_copy_offset = 0;  // kDensePrefill: the past's K then V decoded dense, bytes into the workspace
   size_t workspace = 0;  // bytes of partial results the split kernel (and prefill.cu) write and the finish kernel merges
 };
 
@@ -78,9 +78,9 @@ PrefillKernel plan_prefill(const AttentionParams& p, const DeviceProps& dev);
 // the GPU (docs/performance.md, which kernel runs), only where the environment sets
 // TURBOQUANT_CHUNK_WGMMA=1 (read at each plan, so that a process's tests can set it).
 bool chunk_wgmma_enabled();
-// Whether the planner may choose kRawPrefill: until that path has run on a GPU, only where the
-// environment sets TURBOQUANT_RAW_PREFILL=1 (read at each plan).
-bool raw_prefill_enabled();
+// Whether the planner may choose kDensePrefill: unless the environment sets TURBOQUANT_DENSE_PREFILL=0
+// (read at each plan: A/B runs against the split kernels).
+bool dense_prefill_enabled();
 
 // caches_aligned16: past_key and past_value start at multiples of 16 bytes (the tensor-core bulk
 // kernel copies fp8 and raw16 rows in swizzled 16-byte chunks).

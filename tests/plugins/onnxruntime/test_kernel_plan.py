@@ -11,6 +11,16 @@ import dataclasses
 
 from turboquant.kernel_plan import A100, H200, L4, plan_prefill, plan_split
 
+
+@pytest.fixture(autouse=True, scope="module")
+def split_kernels():
+    """The plans of the split kernels (TURBOQUANT_DENSE_PREFILL=0), but where a test turns the dense
+    prefill path on: most one-sequence chunks here are the chunk kernels'."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TURBOQUANT_DENSE_PREFILL", "0")
+        yield
+
+
 # the presets' decode shape on an 8B model: B = 8, 32 query heads on 8 KV heads of 128, S = 32768
 PRESET = dict(batch=8, q_heads=32, kv_heads=8, past_len=32768, head_dim=128, dtype="float16")
 
@@ -103,24 +113,27 @@ def test_raw16_elsewhere_keeps_the_cuda_core_kernel(change):
     assert plan.kernel == "cuda_core", (change, plan)
 
 
-def test_raw16_chunks_run_on_the_prefill_kernel_over_a_dense_copy(monkeypatch):
-    """A chunk of 2048 tokens over a raw16 past of 30720 (the Engine's prompt chunks on a boundary layer),
-    where TURBOQUANT_RAW_PREFILL=1 (until the path has run on a GPU): one split, the whole past, copied
-    dense (K then V) after the partial results of its rows and of the new tokens; not for several
-    sequences, windows, softcap, sinks, a float32 call, a few rows or caches off 16-byte boundaries."""
-    call = dict(batch=1, q_heads=24, kv_heads=8, q_len=2048, past_len=30720, head_dim=128, key_format="raw16",
-                value_format="raw16", buffer_rows=32768)
-    monkeypatch.delenv("TURBOQUANT_RAW_PREFILL", raising=False)
-    assert plan_split(**call).kernel == "tc_bulk"
-    monkeypatch.setenv("TURBOQUANT_RAW_PREFILL", "1")
-    plan = plan_split(**call)
+@pytest.mark.parametrize("formats", [("raw16", "raw16"), ("mse4", "uint4"), ("mse3", "uint3"), ("fp8", "uint4")])
+def test_chunks_run_on_the_prefill_kernel_over_the_past_decoded_dense(monkeypatch, formats):
+    """A chunk of 2048 tokens over a past of 30720 (the Engine's prompt chunks), any preset's formats or
+    raw16 (boundary layers), fp16 or bf16, caches at any alignment: one
+    split, the whole past, decoded dense (K then V) after the partial results of its rows and of the new
+    tokens; not with TURBOQUANT_DENSE_PREFILL=0, for several sequences, windows, softcap, sinks, a
+    float32 call, a few rows, or a past whose dense copy would pass 256 MiB."""
+    call = dict(batch=1, q_heads=24, kv_heads=8, q_len=2048, past_len=30720, head_dim=128, key_format=formats[0],
+                value_format=formats[1], buffer_rows=32768)
+    monkeypatch.delenv("TURBOQUANT_DENSE_PREFILL", raising=False)
     part = 8 * 2048 * 3 * (2 + 128) * 4
-    assert (plan.kernel, plan.splits, plan.split_len) == ("raw_prefill", 1, 30720)
-    assert plan.new_part and plan.new_part_offset == part
-    assert plan.workspace == (2 * part + 255) // 256 * 256 + 2 * 30720 * 8 * 128 * 2
+    for change in ({}, {"dtype": "bfloat16"}, {"aligned16": False}):
+        plan = plan_split(**{**call, **change})
+        assert (plan.kernel, plan.splits, plan.split_len) == ("dense_prefill", 1, 30720), change
+        assert plan.new_part and plan.new_part_offset == part
+        assert plan.workspace == (2 * part + 255) // 256 * 256 + 2 * 30720 * 8 * 128 * 2
     for change in ({"batch": 2}, {"local_window_size": 1024}, {"softcap": 30.0}, {"head_sink": True}, {"q_len": 16},
-                   {"dtype": "float32"}, {"aligned16": False}, {"key_format": "mse4", "value_format": "uint4"}):
-        assert plan_split(**{**call, **change}).kernel != "raw_prefill", change
+                   {"dtype": "float32"}, {"past_len": 65536 + 1, "buffer_rows": 70000}):
+        assert plan_split(**{**call, **change}).kernel != "dense_prefill", change
+    monkeypatch.setenv("TURBOQUANT_DENSE_PREFILL", "0")
+    assert plan_split(**call).kernel in ("tc_bulk", "tc_chunk")
 
 
 def test_raw16_in_wider_rows_of_whole_chunks_runs_the_bulk_kernel():

@@ -332,7 +332,7 @@ def test_cuda_matches_reference(cuda_ready, ort_session, preset, mode, block_siz
     """The CUDA kernels over the pool, float16, head size 128: the new rows' bytes as the reference packs
     them (and nothing else written), outputs within fp16 tolerance, in place and into fresh outputs;
     decode steps over blocks of 32 rows run on the tensor-core kernel (rotary fused), over blocks of 4 on
-    the CUDA-core one; a chunk of 80 query rows a KV head over its past on the chunk kernel."""
+    the CUDA-core one; a chunk of 80 query rows a KV head over its past decoded dense, on the prefill kernel."""
     from turboquant.kernel_plan import last_split_kernel
 
     pasts, news = CUDA_MODES[mode]
@@ -345,29 +345,31 @@ def test_cuda_matches_reference(cuda_ready, ort_session, preset, mode, block_siz
     check(c, feeds, new_slots, run_cuda(session, feeds, in_place=True), want)
     if mode == "long_decode":
         assert last_split_kernel() == ("tc_bulk" if block_size == 32 else "cuda_core")
-    if mode == "long_chunk" and preset not in ("turboquant_k8v4", "raw16"):  # MSE keys, uint values
-        assert last_split_kernel() == "tc_chunk"  # the last sequence's 40 new tokens over its 70
+    if mode == "long_chunk":
+        assert last_split_kernel() == "dense_prefill"  # the last sequence's 40 new tokens over its 70
     check(c, feeds, new_slots, run_cuda(session, feeds, in_place=False), want)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rotary", [0, 64])
-@pytest.mark.parametrize("block_size", [4, 32])
-def test_cuda_raw16_chunk_over_a_dense_copy_of_its_past(cuda_ready, ort_session, monkeypatch, block_size, rotary):
-    """A raw16 chunk of 80 query rows a KV head over a past of 70 rows in blocks (16-byte aligned): the
-    past copied dense and attended on the prefill kernel (raw_prefill, TURBOQUANT_RAW_PREFILL=1), as the
-    reference."""
+@pytest.mark.parametrize("dense", [True, False])
+@pytest.mark.parametrize("formats, d, dtype", [
+    (("mse4", "uint4"), 128, TensorProto.FLOAT16), (("mse3", "uint3"), 64, TensorProto.FLOAT16),
+    (("raw16", "raw16"), 128, TensorProto.FLOAT16), (("fp8", "uint4"), 256, TensorProto.FLOAT16),
+])
+def test_cuda_chunk_with_offsets(cuda_ready, ort_session, monkeypatch, formats, d, dtype, dense):
+    """A chunk of 80 query rows a KV head over a past of 70 rows in blocks of 32, with key and value
+    offsets, head sizes 64, 128 and 256: on the prefill kernel over the past decoded dense,
+    and with TURBOQUANT_DENSE_PREFILL=0 on the split kernels, as the reference."""
     from turboquant.kernel_plan import last_split_kernel
 
-    monkeypatch.setenv("TURBOQUANT_RAW_PREFILL", "1")
-    c = dict(BASE, formats=("raw16", "raw16"), nc=True, pasts=[70], news=[40], d=128, pad=0, block_size=block_size,
-             dtype=TensorProto.FLOAT16, rotary=rotary, seed=9)
+    monkeypatch.setenv("TURBOQUANT_DENSE_PREFILL", "1" if dense else "0")
+    c = dict(BASE, formats=formats, nc=True, pasts=[70], news=[40], d=d, pad=0, block_size=32, dtype=dtype, rotary=0,
+             offsets=True, seed=9)
     model, feeds, new_slots = make(c)
     session = ort_session(model, 2, "cuda")
     want = reference(c, feeds)
     check(c, feeds, new_slots, run_cuda(session, feeds, in_place=True), want)
-    assert last_split_kernel() == "raw_prefill"
-    check(c, feeds, new_slots, run_cuda(session, feeds, in_place=False), want)
+    assert (last_split_kernel() == "dense_prefill") == dense
 
 
 @pytest.mark.gpu
