@@ -127,10 +127,10 @@ if [ "$step" = all ] || [ "$step" = bench ]; then
     case $st in
       4096) stage 170 engine_4096 "$PY" -m turboquant.bench engine $folders --concurrency 8,32,64 --context 4096 $common \
               --confirm --budget 50 --json "$OUT/engine_4096.json" ;;
-      32768) stage 200 engine_32768 "$PY" -m turboquant.bench engine $folders --concurrency 8,32 --context 32768 $common \
-              --budget 90 --json "$OUT/engine_32768.json" ;;
-      32768x64) stage 240 engine_32768x64 "$PY" -m turboquant.bench engine $folders --concurrency 64 --context 32768 \
-              $common --budget 180 --json "$OUT/engine_32768x64.json" ;;
+      32768) stage 300 engine_32768 "$PY" -m turboquant.bench engine $folders --concurrency 8,32 --context 32768 $common \
+              --budget 150 --json "$OUT/engine_32768.json" ;;
+      32768x64) stage 300 engine_32768x64 "$PY" -m turboquant.bench engine $folders --concurrency 64 --context 32768 \
+              $common --budget 150 --json "$OUT/engine_32768x64.json" ;;
       *) echo "== unknown stage $st (4096, 32768, 32768x64)" | tee -a "$OUT/summary.log" ;;
     esac
   done
