@@ -176,9 +176,12 @@ size_t dense_past_bytes(const AttentionParams& p) {
 // reading each key once, where the split kernels' blocks each decode (tc_chunk: every 64 rows) or read
 // (tc_bulk: every 8 rows) the whole past: one sequence, at least 64 rows per KV head, fp16 or bf16 at
 // head size 64, 128 or 256 (the prefill kernel's), every past key visible to every row, no softcap,
-// sink or mask (the merge then adds the new tokens' part and the value offsets as for any split).
+// sink or mask (the merge then adds the new tokens' part and the value offsets as for any split); a past
+// whose length the host knows: TQPagedAttention's (its calls of one sequence) and TQAttention's, not
+// TQGroupQueryAttention's buffers, whose sequence's past is read on the device and may be shorter than
+// past_len (the dense copy's key count).
 bool dense_prefill_takes(const AttentionParams& p, const DeviceProps& dev) {
-  if (!dense_prefill_enabled() || p.batch != 1) return false;
+  if (!dense_prefill_enabled() || p.batch != 1 || p.present_rows > 0) return false;
   const Format kf = p.key_format, vf = p.value_format;
   if (!(is_mse(kf) || kf == Format::kFp8 || kf == Format::kRaw16)) return false;
   if (!(is_uint(vf) || vf == Format::kRaw16)) return false;

@@ -118,10 +118,11 @@ def test_chunks_run_on_the_prefill_kernel_over_the_past_decoded_dense(monkeypatc
     """A chunk of 2048 tokens over a past of 30720 (the Engine's prompt chunks), any preset's formats or
     raw16 (boundary layers), fp16 or bf16, caches at any alignment: one
     split, the whole past, decoded dense (K then V) after the partial results of its rows and of the new
-    tokens; not with TURBOQUANT_DENSE_PREFILL=0, for several sequences, windows, softcap, sinks, a
-    float32 call, a few rows, or a past whose dense copy would pass 256 MiB."""
+    tokens (a past the host knows, TQPagedAttention's or TQAttention's); not with TURBOQUANT_DENSE_PREFILL=0,
+    for several sequences, windows, softcap, sinks, a float32 call, a few rows, a past whose dense copy
+    would pass 256 MiB, or TQGroupQueryAttention's buffers (its sequence's past read on the device)."""
     call = dict(batch=1, q_heads=24, kv_heads=8, q_len=2048, past_len=30720, head_dim=128, key_format=formats[0],
-                value_format=formats[1], buffer_rows=32768)
+                value_format=formats[1])
     monkeypatch.delenv("TURBOQUANT_DENSE_PREFILL", raising=False)
     part = 8 * 2048 * 3 * (2 + 128) * 4
     for change in ({}, {"dtype": "bfloat16"}, {"aligned16": False}):
@@ -130,7 +131,7 @@ def test_chunks_run_on_the_prefill_kernel_over_the_past_decoded_dense(monkeypatc
         assert plan.new_part and plan.new_part_offset == part
         assert plan.workspace == (2 * part + 255) // 256 * 256 + 2 * 30720 * 8 * 128 * 2
     for change in ({"batch": 2}, {"local_window_size": 1024}, {"softcap": 30.0}, {"head_sink": True}, {"q_len": 16},
-                   {"dtype": "float32"}, {"past_len": 65536 + 1, "buffer_rows": 70000}):
+                   {"dtype": "float32"}, {"past_len": 65536 + 1}, {"buffer_rows": 32768}):
         assert plan_split(**{**call, **change}).kernel != "dense_prefill", change
     monkeypatch.setenv("TURBOQUANT_DENSE_PREFILL", "0")
     assert plan_split(**call).kernel in ("tc_bulk", "tc_chunk")

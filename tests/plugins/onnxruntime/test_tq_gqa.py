@@ -319,9 +319,7 @@ def test_first_prompt_of_several_tiles(ort_session, device, prefill_kernel_ran, 
 
 @pytest.mark.parametrize("b, s, d, formats, rotary, dtype, offsets, want", [
     (3, 300, 128, ("mse4", "uint4"), 64, TensorProto.FLOAT16, True, "tc_chunk"),
-    (1, 257, 64, ("mse3", "uint3"), 0, TensorProto.FLOAT16, False, "dense_prefill"),
-    (1, 200, 128, ("fp8", "uint4"), 64, TensorProto.BFLOAT16, True, "dense_prefill"),
-    (1, 130, 128, ("raw16", "raw16"), 0, TensorProto.BFLOAT16, True, "dense_prefill"),
+    (1, 257, 64, ("mse3", "uint3"), 0, TensorProto.FLOAT16, False, "tc_chunk"),
     (2, 130, 128, ("fp8", "uint4"), 128, TensorProto.FLOAT16, True, "tc_bulk"),
     (2, 200, 128, ("raw16", "raw16"), 0, TensorProto.FLOAT16, False, "tc_bulk"),
     (2, 130, 64, ("mse4", "uint4"), 64, TensorProto.BFLOAT16, True, "tc_chunk"),
@@ -329,9 +327,8 @@ def test_first_prompt_of_several_tiles(ort_session, device, prefill_kernel_ran, 
 def test_continuation_chunk_of_several_tiles(ort_session, device, split_kernel_ran, prefill_kernel_ran, b, s, d, formats,
                                              rotary, dtype, offsets, want):
     """A chunk of many new tokens over pasts of different lengths (on CUDA the past by the chunk
-    kernel's 64-row tiles where it takes the formats, one sequence's past decoded dense on the prefill
-    kernel, the new tokens' part on tensor cores, merged by log-sum-exp), with key and value offsets and
-    key scales; the new rows and outputs equal the reference's."""
+    kernel's 64-row tiles where it takes the formats, the new tokens' part on tensor cores, merged by
+    log-sum-exp), with key and value offsets and key scales; the new rows and outputs equal the reference's."""
     lengths = [s + 700 - 311 * i for i in range(b)]
     c = dict(b=b, s=s, first=False, capacity=s + 709, lengths=lengths, d=d, hkv=2, group=4, formats=formats, pad=0,
              packed=False, rotary=rotary, interleaved=False, position_ids=False, dtype=dtype, nc=True, offsets=offsets,
@@ -359,7 +356,6 @@ def test_continuation_chunk_on_the_wgmma_chunk_kernel(ort_session, device, split
     if device != "cuda":
         pytest.skip("the choice of a CUDA kernel (test_continuation_chunk_of_several_tiles runs such chunks on the CPU)")
     monkeypatch.setenv("TURBOQUANT_CHUNK_WGMMA", "1")
-    monkeypatch.setenv("TURBOQUANT_DENSE_PREFILL", "0")  # (which takes one sequence's chunks)
     lengths = [s + 700 - 311 * i for i in range(b)]
     c = dict(b=b, s=s, first=False, capacity=(s + 709 + 3) // 4 * 4, lengths=lengths, d=d, hkv=2, group=4,
              formats=formats, pad=pad, packed=False, rotary=rotary, interleaved=False, position_ids=False,
