@@ -2,9 +2,9 @@
 // rows, wherever row_offset puts them (a pool's blocks or a contiguous cache), decoded once into dense
 // [past, Hkv, D] K and V of the call's dtype, then the prefill kernel the planner picks (wgmma on Hopper)
 // attends every query row to all of them, unmasked, writing its partial results as one split's for the
-// finish kernel's merge. The decoded
-// keys are those the split kernels score (keys minus any key offset) and the values those they weigh
-// (the finish kernel adds the value offset times the past's weight), so the merge is theirs.
+// finish kernel's merge. The decoded keys are those the split kernels score (keys minus any key offset)
+// and the values those they weigh (the finish kernel adds the value offset times the past's weight), so
+// the merge is theirs.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
