@@ -1,9 +1,15 @@
 """Models exported by real exporters (torch.onnx TorchScript and dynamo, optimum) from small random configs."""
 
+import os
+import pickle
+import shutil
+
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
+
+from filelock import FileLock  # noqa: E402 - torch's dependency
 
 from turboquant import random_decoders  # noqa: E402
 from turboquant.export import export  # noqa: E402
@@ -26,26 +32,53 @@ MODELS = {
 }
 
 
+def _shared_root(tmp_path_factory):
+    """A folder every xdist worker of this run sees (their base temps' parent), so that each model is
+    exported and each rewrite made once per run, not once per worker (--dist loadfile sends the
+    files that use one model to both workers)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "export-models"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def _once(folder, make):
+    """make(folder)'s result, made by the first worker to ask and read back by the others (the lock
+    holds them until it is there)."""
+    with FileLock(f"{folder}.lock"):
+        done = folder.with_name(folder.name + ".pickle")
+        if done.exists():
+            return pickle.loads(done.read_bytes())
+        shutil.rmtree(folder, ignore_errors=True)  # an earlier test's failed attempt
+        folder.mkdir(parents=True)
+        result = make(folder)
+        done.write_bytes(pickle.dumps(result))
+        return result
+
+
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
-    """exported(name) -> path of that model, exported once per session."""
+    """exported(name) -> path of that model, exported once per run."""
     cache = {}
+    root = _shared_root(tmp_path_factory)
+
+    def make(name, folder):
+        cfg, exporter = MODELS[name]
+        exporter, _, variant = exporter.partition("-")
+        if exporter == "optimum":
+            path = random_decoders.export_optimum(cfg, folder)
+        else:
+            path = random_decoders.export(cfg, folder / f"{name}.onnx", exporter, "float16" if variant == "float16" else "float32")
+        if variant == "merged":
+            path = random_decoders.merge_with_if(path, folder / f"{name}.merged.onnx")
+        return path
 
     def get(name):
         if name not in cache:
-            cfg, exporter = MODELS[name]
-            exporter, _, variant = exporter.partition("-")
-            if exporter == "optimum" and random_decoders.optimum_python() is None:
+            if MODELS[name][1] == "optimum" and random_decoders.optimum_python() is None:
                 pytest.skip(f"optimum's exporter needs a Python with optimum-onnx (it pins transformers < 4.58): set "
                             f"{random_decoders.OPTIMUM_PYTHON} (.ci/run makes one)")
-            folder = tmp_path_factory.mktemp(name)
-            if exporter == "optimum":
-                path = random_decoders.export_optimum(cfg, folder)
-            else:
-                path = random_decoders.export(cfg, folder / f"{name}.onnx", exporter, "float16" if variant == "float16" else "float32")
-            if variant == "merged":
-                path = random_decoders.merge_with_if(path, folder / f"{name}.merged.onnx")
-            cache[name] = path
+            cache[name] = _once(root / name, lambda folder: make(name, folder))
         return cache[name]
 
     return get
@@ -53,14 +86,19 @@ def exported(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def rewritten(exported, tmp_path_factory):
-    """rewritten(name, preset, cache="concat") -> the RewriteResult of that model's rewrite, made once per session."""
+    """rewritten(name, preset, cache="concat") -> the RewriteResult of that model's rewrite, made once per run."""
     made = {}
+    root = _shared_root(tmp_path_factory)
 
     def get(name, preset, cache="concat"):
         if (name, preset, cache) not in made:
-            out = tmp_path_factory.mktemp("rw") / f"{name}.{preset}.{cache}.onnx"
-            # the tests' held-out ids are random: the presets calibrate on the same kind
-            made[name, preset, cache] = export(exported(name), preset, out, cache=cache, progress=False, calibrate="random")
+            src = exported(name)
+            # the tests' held-out ids are random: the presets calibrate on the same kind, in windows of
+            # 256 (the tests decode at most 64 tokens, far from the Lloyd-Max presets' default 1024's
+            # span; the default windows are test_self_calibration.py's and test_calibration.py's)
+            made[name, preset, cache] = _once(root / f"rw-{name}.{preset}.{cache}", lambda folder: export(
+                src, preset, folder / f"{name}.{preset}.{cache}.onnx", cache=cache, progress=False, calibrate="random",
+                calibration_window=256))
         return made[name, preset, cache]
 
     return get

@@ -52,12 +52,13 @@ def test_cli_dry_run_writes_nothing(exported, tmp_path):
 
 
 def test_cli_layer_selection(exported, tmp_path):
+    """The flags reach the plan (the default calibration's run of the CLI: test_cli_default_output_and_summary)."""
     src = exported("gpt2-mha-torchscript")
-    r = cli(src, "--preset", "turboquant_k8v4", "-o", tmp_path / "a.onnx", "--skip-layers", "3")
+    r = cli(src, "--preset", "turboquant_k8v4", "-o", tmp_path / "a.onnx", "--skip-layers", "3", "--no-offsets")
     assert r.returncode == 0 and "compressed: 2\n" in r.stdout
-    r = cli(src, "--preset", "turboquant_k8v4", "-o", tmp_path / "b.onnx", "--keep-layers", "0")
+    r = cli(src, "--preset", "turboquant_k8v4", "-o", tmp_path / "b.onnx", "--keep-layers", "0", "--no-offsets")
     assert r.returncode == 0 and "compressed: 1-5" in r.stdout
-    r = cli(src, "--preset", "turboquant_k8v4", "-o", tmp_path / "c.onnx", "--boundary", "0")
+    r = cli(src, "--preset", "turboquant_k8v4", "-o", tmp_path / "c.onnx", "--boundary", "0", "--no-offsets")
     assert r.returncode == 0 and "6 of 6 layers compressed" in r.stdout
 
 

