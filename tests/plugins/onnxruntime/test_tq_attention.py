@@ -173,7 +173,7 @@ def test_presets_every_head_dim(ort_session, device, d, kf, vf):
     (300, 128, TensorProto.FLOAT16, "bsd", True, "mse4", "uint4", None, "full"),
     (257, 64, TensorProto.BFLOAT16, "bhsd", True, "mse3", "uint3", None, "full"),
     (130, 128, TensorProto.BFLOAT16, "bsd", False, "fp8", "uint4", None, "full"),
-    (1000, 128, TensorProto.FLOAT16, "bhsd", True, "mse3", "uint4", None, "full"),
+    pytest.param(1000, 128, TensorProto.FLOAT16, "bhsd", True, "mse3", "uint4", None, "full", marks=pytest.mark.long),
     (200, 128, TensorProto.FLOAT16, "bsd", True, "mse4", "uint4", "float", "b1qk"),
     (150, 64, TensorProto.FLOAT16, "bsd", False, "mse4", "uint4", "bool", "full"),
     (129, 128, TensorProto.BFLOAT16, "bhsd", False, "mse4", "uint4", "float16", "k"),
@@ -192,7 +192,8 @@ def test_first_prompt(ort_session, device, prefill_kernel_ran, sq, d, dtype, lay
 @pytest.mark.parametrize("b, hkv, group, sq, d, dtype, causal", [
     (1, 1, 1, 333, 128, TensorProto.FLOAT16, True), (3, 2, 3, 200, 128, TensorProto.FLOAT16, True),
     (1, 1, 8, 129, 64, TensorProto.BFLOAT16, True), (2, 4, 2, 2, 128, TensorProto.FLOAT16, True),
-    (1, 2, 2, 511, 64, TensorProto.FLOAT16, False), (1, 8, 4, 1100, 128, TensorProto.BFLOAT16, True),
+    (1, 2, 2, 511, 64, TensorProto.FLOAT16, False),
+    pytest.param(1, 8, 4, 1100, 128, TensorProto.BFLOAT16, True, marks=pytest.mark.long),
 ])
 def test_first_prompt_shapes(ort_session, device, prefill_kernel_ran, b, hkv, group, sq, d, dtype, causal):
     """First prompts of other group sizes, batches and lengths (one row over a tile, two rows, several

@@ -300,7 +300,8 @@ def test_raw16_decode_step(ort_session, device, split_kernel_ran, b, d, group, l
 
 @pytest.mark.parametrize("b, s, d, formats, rotary, packed", [
     (2, 300, 128, ("mse4", "uint4"), 128, False), (1, 257, 64, ("mse3", "uint3"), 0, True),
-    (3, 130, 128, ("fp8", "uint4"), 64, False), (1, 1000, 128, ("raw16", "raw16"), 0, False),
+    (3, 130, 128, ("fp8", "uint4"), 64, False),
+    pytest.param(1, 1000, 128, ("raw16", "raw16"), 0, False, marks=pytest.mark.long),
 ])
 def test_first_prompt_of_several_tiles(ort_session, device, prefill_kernel_ran, b, s, d, formats, rotary, packed):
     """A first prompt long enough for several tiles of query rows and keys (on CUDA the tensor-core
