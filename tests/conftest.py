@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -32,6 +33,24 @@ def pytest_configure(config):
             super().__init__(path_or_bytes, sess_options, *args, **kwargs)
 
     ort.InferenceSession = OneThreadSession
+
+
+@pytest.fixture(scope="module")
+def module_tmp(request, tmp_path_factory):
+    """tmp_path_factory for a module's fixtures, whose folders go when the module is done unless one
+    of its tests failed: a whole run's models would otherwise stay on disk to its end (GBs)."""
+    made = []
+    failed = request.session.testsfailed
+
+    class Factory:
+        def mktemp(self, name: str) -> pathlib.Path:
+            made.append(tmp_path_factory.mktemp(name))
+            return made[-1]
+
+    yield Factory()
+    if request.session.testsfailed == failed:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

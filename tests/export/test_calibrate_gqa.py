@@ -23,18 +23,18 @@ MAX_LENGTH = 64
 
 
 @pytest.fixture(scope="module")
-def src(tmp_path_factory):
-    return random_decoders.export_genai(CFG, tmp_path_factory.mktemp("genai-calib"))
+def src(module_tmp):
+    return random_decoders.export_genai(CFG, module_tmp.mktemp("genai-calib"))
 
 
 @pytest.fixture(scope="module")
-def rewritten(src, tmp_path_factory):
+def rewritten(src, module_tmp):
     cache = {}
 
     def get(preset, **kw):
         key = (preset, tuple(sorted((k, str(v)) for k, v in kw.items())))
         if key not in cache:
-            cache[key] = export(src, preset, tmp_path_factory.mktemp("tq") / "model.onnx", progress=False, **kw)
+            cache[key] = export(src, preset, module_tmp.mktemp("tq") / "model.onnx", progress=False, **kw)
         return cache[key]
 
     return get

@@ -16,10 +16,10 @@ from turboquant.shared_buffer import SharedBufferDecoder
 
 
 @pytest.fixture(scope="module")
-def biased_model(tmp_path_factory):
+def biased_model(module_tmp):
     """Qwen2-style keys with a large fixed per-channel component (k_proj biases), as real LLMs have."""
     cfg = random_decoders.TinyConfig(family="qwen2", layers=5, hidden=256, heads=4, kv_heads=2, head_dim=64, seed=11, key_bias=2.0)
-    d = tmp_path_factory.mktemp("calib")
+    d = module_tmp.mktemp("calib")
     return cfg, random_decoders.export(cfg, d / "biased.onnx", "torchscript"), d
 
 

@@ -39,26 +39,26 @@ PACKED = {p: max(packed_size(TurboQuantConfig.from_cache_dtype(p, 64).key_format
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(module_tmp):
     cache = {}
 
     def get(name):
         if name not in cache:
-            cache[name] = random_decoders.export_genai(CONFIGS[name], tmp_path_factory.mktemp(f"genai-{name}"))
+            cache[name] = random_decoders.export_genai(CONFIGS[name], module_tmp.mktemp(f"genai-{name}"))
         return cache[name]
 
     return get
 
 
 @pytest.fixture(scope="module")
-def rewritten(built, tmp_path_factory):
+def rewritten(built, module_tmp):
     cache = {}
 
     def get(name, preset, genai_version=None, **kw):
         """genai_version: rewrite as if that onnxruntime-genai were installed."""
         key = (name, preset, genai_version, tuple(sorted((k, str(v)) for k, v in kw.items())))
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"tq-{name}") / "model.onnx"
+            out = module_tmp.mktemp(f"tq-{name}") / "model.onnx"
             with mock.patch.object(genai_folder, "installed_version", return_value=genai_version or "0.18.0"):
                 cache[key] = export(built(name), preset, out, progress=False, **kw)
         return cache[key]

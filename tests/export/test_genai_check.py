@@ -23,8 +23,8 @@ WINDOWED = random_decoders.TinyConfig(family="mistral", layers=4, hidden=256, he
 
 
 @pytest.fixture(scope="module")
-def windowed(tmp_path_factory):
-    return random_decoders.export_genai(WINDOWED, tmp_path_factory.mktemp("mistral-window"))
+def windowed(module_tmp):
+    return random_decoders.export_genai(WINDOWED, module_tmp.mktemp("mistral-window"))
 
 
 def _rewrite(src, out, **kw):

@@ -20,8 +20,8 @@ CFG = random_decoders.TinyConfig(family="qwen2", layers=5, hidden=256, heads=4, 
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("layer-cost")
+def model(module_tmp):
+    d = module_tmp.mktemp("layer-cost")
     src = random_decoders.export(CFG, d / "model.onnx", "torchscript")
     np.save(d / "ids.npy", np.random.default_rng(3).integers(0, CFG.vocab, 1024))
     return src, d / "ids.npy"

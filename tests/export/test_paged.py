@@ -47,27 +47,27 @@ BOUNDARY_WIDTH = {"turboquant_k8v4": 32, "turboquant_4bit_nc": 32, "turboquant_k
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    return random_decoders.export_genai(CONFIG, tmp_path_factory.mktemp("paged"), precision="fp16", provider="cuda",
+def built(module_tmp):
+    return random_decoders.export_genai(CONFIG, module_tmp.mktemp("paged"), precision="fp16", provider="cuda",
                                         extra={"use_paged_attention": "true"})
 
 
 @pytest.fixture(scope="module")
-def twin(built, tmp_path_factory):
+def twin(built, module_tmp):
     """The GroupQueryAttention twin of the paged model (same weights), a file of its own."""
-    path = tmp_path_factory.mktemp("twin") / "model.onnx"
+    path = module_tmp.mktemp("twin") / "model.onnx"
     ir.save(gqa_twin(ir.load(built)), path, external_data="model.onnx.data")
     return path
 
 
 @pytest.fixture(scope="module")
-def rewritten(built, tmp_path_factory):
+def rewritten(built, module_tmp):
     cache = {}
 
     def get(preset, boundary, **kw):
         key = (preset, boundary, tuple(sorted(kw.items())))
         if key not in cache:
-            out = tmp_path_factory.mktemp("tq") / "model.onnx"
+            out = module_tmp.mktemp("tq") / "model.onnx"
             cache[key] = export(built, preset, out, boundary=boundary, progress=False, **kw)
         return cache[key]
 

@@ -18,9 +18,9 @@ from turboquant import architectures, coverage  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
+def qwen3(module_tmp):
     """(the CPU fp32 build, the CUDA fp16 build) of one random Qwen3."""
-    folder = tmp_path_factory.mktemp("qwen3")
+    folder = module_tmp.mktemp("qwen3")
     arch = architectures.by_name("Qwen3")
     return coverage.build(arch, folder), coverage.build(arch, folder, "fp16", "cuda")
 

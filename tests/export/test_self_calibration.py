@@ -12,9 +12,9 @@ from turboquant.export.self_text import self_generated_tokens
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(module_tmp):
     cfg = random_decoders.TinyConfig(family="qwen2", layers=4, hidden=128, heads=4, kv_heads=2, head_dim=32, seed=5, key_bias=2.0)
-    return cfg, random_decoders.export(cfg, tmp_path_factory.mktemp("self") / "tiny.onnx", "torchscript")
+    return cfg, random_decoders.export(cfg, module_tmp.mktemp("self") / "tiny.onnx", "torchscript")
 
 
 def _meta(path):

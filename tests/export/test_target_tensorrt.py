@@ -127,14 +127,14 @@ GENAI = random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=4
 
 
 @pytest.fixture(scope="module")
-def genai_model(tmp_path_factory):
+def genai_model(module_tmp):
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder makes these models)")
-    return random_decoders.export_genai(GENAI, tmp_path_factory.mktemp("genai"))
+    return random_decoders.export_genai(GENAI, module_tmp.mktemp("genai"))
 
 
 @pytest.fixture(scope="module")
-def genai_trt(genai_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("genai-trt") / "model.onnx"
+def genai_trt(genai_model, module_tmp):
+    out = module_tmp.mktemp("genai-trt") / "model.onnx"
     return export(genai_model, "turboquant_4bit_nc", out, progress=False, target="tensorrt")
 
 

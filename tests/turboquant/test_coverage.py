@@ -34,7 +34,7 @@ UNSCALED = {"HunYuan dense", "Qwen3.5 (gated DeltaNet + attention)"}
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
+def rows():
     made = []
     yield made
     print("\n" + coverage.table(made))

@@ -14,8 +14,8 @@ from turboquant.export import export  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("decoder")
+def models(module_tmp):
+    d = module_tmp.mktemp("decoder")
     cfg = random_decoders.TinyConfig(family="llama", layers=5, hidden=128, heads=4, kv_heads=2, head_dim=32)
     src = random_decoders.export(cfg, d / "m.onnx", "torchscript")
     return src, export(src, "turboquant_4bit_nc", d / "m.tq.onnx", boundary=1, cache="concat").output

@@ -43,12 +43,12 @@ def _in_place(name, folder, dtype="float32"):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(module_tmp):
     made = {}
 
     def get(name):
         if name not in made:
-            folder = tmp_path_factory.mktemp(name)
+            folder = module_tmp.mktemp(name)
             if name.startswith("genai"):
                 made["genai"], made["genai-tq"] = _genai(folder)
             else:

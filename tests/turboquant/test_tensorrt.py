@@ -36,11 +36,11 @@ def rtx():
 
 
 @pytest.fixture(scope="module")
-def originals(tmp_path_factory):
+def originals(module_tmp):
     """The two kinds of model: an fp16 TorchScript export (rewritten in place) and genai's builder's
     fp16 model for TensorRT-RTX (standard ONNX layer norms, which TensorRT parses; the CPU and CUDA
     targets' contrib ops it does not)."""
-    folder = tmp_path_factory.mktemp("trt-originals")
+    folder = module_tmp.mktemp("trt-originals")
     made = {"torchscript": random_decoders.export(CFG, folder / "model.onnx", "torchscript", "float16")}
     try:
         import onnxruntime_genai  # noqa: F401
@@ -51,9 +51,9 @@ def originals(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(rtx, originals, tmp_path_factory):
+def engines(rtx, originals, module_tmp):
     """(kind, preset) -> (rewrite, engine path, the CLI's exit status and output), built once."""
-    folder = tmp_path_factory.mktemp("trt-engines")
+    folder = module_tmp.mktemp("trt-engines")
     built = {}
 
     def get(kind, preset, capsys):

@@ -10,8 +10,8 @@ from turboquant.bench import cache_layout, decode_models
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    return random_decoders.export(decode_models.SHAPES["tiny"], tmp_path_factory.mktemp("tiny") / "model.onnx")
+def exported(module_tmp):
+    return random_decoders.export(decode_models.SHAPES["tiny"], module_tmp.mktemp("tiny") / "model.onnx")
 
 
 def _refused(capsys, argv, message):

@@ -36,13 +36,13 @@ def _bytes_per_token(rewritten: bool, genai: bool, concat: bool = False) -> int:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(module_tmp):
     """Both builders through the `models` command, each with its rewrite."""
     out = {}
     for builder in decode_models.BUILDERS:
         if builder == "genai":
             pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai's builder makes the genai models")
-        folder = tmp_path_factory.mktemp("models") / builder
+        folder = module_tmp.mktemp("models") / builder
         assert bench.main(["models", "--shape", "tiny", "--builder", builder, "--precision", "fp32", "--device", "cpu",
                            "-o", str(folder), "--rewrite"]) == 0
         out[builder] = (folder / "model" / "model.onnx", folder / "tq" / "model.onnx")
@@ -99,12 +99,12 @@ def test_random_fill_for_original_and_rewritten(built, tmp_path, builder):
 
 
 @pytest.fixture(scope="module")
-def concat(built, tmp_path_factory):
+def concat(built, module_tmp):
     """The tiny TorchScript export rewritten with --cache concat."""
     from turboquant.export import export
 
     orig = built["torchscript"][0]
-    return export(orig, "turboquant_4bit_nc", tmp_path_factory.mktemp("concat") / "model.onnx", boundary=1, cache="concat",
+    return export(orig, "turboquant_4bit_nc", module_tmp.mktemp("concat") / "model.onnx", boundary=1, cache="concat",
                   progress=False).output
 
 

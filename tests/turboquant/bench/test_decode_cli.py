@@ -11,9 +11,9 @@ from turboquant.bench import decode_cli, decode_models
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(module_tmp):
     """The tiny TorchScript model and its rewrite, through `models` (only this builder: quick)."""
-    folder = tmp_path_factory.mktemp("tiny") / "m"
+    folder = module_tmp.mktemp("tiny") / "m"
     assert bench.main(["models", "--shape", "tiny", "--builder", "torchscript", "--precision", "fp32", "--device", "cpu",
                        "-o", str(folder), "--rewrite"]) == 0
     assert sorted(p.name for p in folder.iterdir()) == ["model", "tq"]  # the staging folder gone

@@ -44,9 +44,9 @@ def test_prompts_distinct_and_repeatable():
 
 
 @pytest.fixture(scope="module")
-def static_engine(tmp_path_factory):
+def static_engine(module_tmp):
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (its builder and Engine)")
-    folder = built(tmp_path_factory.mktemp("engine") / "cpu", "fp32", "cpu")
+    folder = built(module_tmp.mktemp("engine") / "cpu", "fp32", "cpu")
     model, eng = engine.open_engine(str(folder), "cpu", {"engine": {"static_batching": {"max_batch_size": 4}}})
     yield eng
     del eng, model

@@ -12,11 +12,11 @@ model_config = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason=
 
 
 @pytest.fixture(scope="module")
-def rewritten(tmp_path_factory):
+def rewritten(module_tmp):
     pytest.importorskip("torch")
     from turboquant import random_decoders
 
-    d = tmp_path_factory.mktemp("triton")
+    d = module_tmp.mktemp("triton")
     cfg = random_decoders.TinyConfig(family="llama", layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64)
     return export(random_decoders.export(cfg, d / "tiny.onnx"), "turboquant_4bit_nc", d / "tiny.tq.onnx", cache="concat").output
 
